@@ -1,0 +1,274 @@
+"""Raw text -> sentencepiece tokenizer + flat uint16 token streams, ready for train.py.
+
+    python data/prepare.py babylm_10m                    # what train.py does on first use
+    python data/prepare.py path/to/text_folder --vocab-size 8000
+    python data/prepare.py babylm_10m --download         # fetch the official corpus (needs network)
+
+Where things live
+    raw      $NANOMLM_RAW/NAME/   (default data/raw/NAME/), or any folder given as a path
+    prepared $NANOMLM_DATA/NAME/  (default data/NAME/): train.bin  val.bin  tokenizer.model  meta.json
+
+Raw layout: the BabyLM one, a folder of `*.train` and `*.dev` text files, plain or `.gz`. A folder
+without `*.train` files is read whole (every text file in it), and when there are no `*.dev` files
+every 20th line of the training text is held out for validation instead.
+
+The tokenizer is a sentencepiece unigram model trained on the training split only (the BabyLM rule),
+with byte fallback (no [UNK] in practice) and fixed special ids [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3
+[MASK]=4. Lines are tokenized independently and concatenated into one stream per split; train.py
+cuts that stream into `seq_len - 2` token segments and wraps them in [CLS] ... [SEP].
+
+A prepared folder is reused while meta.json matches the raw files (name, size, sha256) and the
+tokenizer settings; anything else rebuilds it.
+"""
+import argparse
+import gzip
+import hashlib
+import io
+import json
+import os
+import time
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+from tqdm import tqdm
+
+HERE = Path(__file__).resolve().parent
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+PAD, UNK, CLS, SEP, MASK = range(len(SPECIALS))
+VERSION = 1  # bump when the prepared format changes, so old folders count as stale
+
+# The official BabyLM corpora live in the OSF project below, folder text_data/:
+# train_10M.zip (strict-small), train_100M.zip (strict) and dev.zip (validation for both).
+OSF_PROJECT = "https://osf.io/ad7qg/"
+OSF_API = "https://api.osf.io/v2/nodes/ad7qg/files/osfstorage/"
+KNOWN = {"babylm_10m": "train_10M.zip", "babylm_100m": "train_100M.zip"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Locating and reading raw text
+
+def raw_root() -> Path:
+    return Path(os.environ.get("NANOMLM_RAW", HERE / "raw"))
+
+
+def prepared_root() -> Path:
+    return Path(os.environ.get("NANOMLM_DATA", HERE))
+
+
+def resolve(data: str) -> tuple[Path, Path]:
+    """--data NAME or PATH -> (raw folder, prepared folder). Neither needs to exist yet."""
+    path = Path(data).expanduser()
+    if path.is_dir() or os.sep in data:  # an explicit folder of text files
+        return path.resolve(), prepared_root() / path.resolve().name
+    return raw_root() / data, prepared_root() / data
+
+
+def where_to_get(name: str, raw: Path) -> str:
+    if name in KNOWN:
+        return (f"Get the official BabyLM corpus from {OSF_PROJECT} (folder text_data/: "
+                f"{KNOWN[name]} and dev.zip) and unpack its *.train and *.dev files into {raw}, "
+                f"or run `python data/prepare.py {name} --download`, or point NANOMLM_RAW at "
+                f"the folder that holds {name}/.")
+    return "Pass --data PATH to a folder of text files, or set NANOMLM_RAW."
+
+
+def find_files(raw: Path) -> tuple[list[Path], list[Path]]:
+    """(train files, dev files) of a raw folder, sorted by name so the stream order is fixed."""
+    files = sorted(p for p in raw.iterdir() if p.is_file() and not p.name.startswith("."))
+    stem = lambda p: p.name[:-3] if p.name.endswith(".gz") else p.name
+    train = [p for p in files if stem(p).endswith(".train")]
+    dev = [p for p in files if stem(p).endswith(".dev")]
+    if not train:  # not the BabyLM layout: every file is training text
+        train = [p for p in files if not stem(p).endswith((".dev", ".test", ".json", ".md"))]
+    return train, dev
+
+
+def read_lines(path: Path) -> list[str]:
+    """Non-empty lines, stripped. gzip is detected by the file's magic bytes, not its name."""
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    try:
+        with (gzip.open(path, "rt", encoding="utf-8") if gz else open(path, encoding="utf-8")) as f:
+            return [s for s in (line.strip() for line in f) if s]
+    except (UnicodeDecodeError, OSError, EOFError) as e:
+        raise SystemExit(f"error: cannot read {path} as UTF-8 text{' (gzip)' if gz else ''}: {e}")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer and token streams
+
+def train_tokenizer(lines: list[str], vocab_size: int) -> bytes:
+    """Sentencepiece unigram model (serialized) trained on `lines`."""
+    def pieces():  # the trainer skips sentences over 4192 bytes; BabyLM pieces can be 500 words
+        for line in lines:
+            words = line.split()
+            for i in range(0, len(words), 100):
+                yield " ".join(words[i:i + 100])
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=pieces(), model_writer=model, **tokenizer_settings(vocab_size),
+            num_threads=os.cpu_count(), minloglevel=2)
+    except RuntimeError as e:  # e.g. "Vocabulary size is too high" on a tiny corpus
+        raise SystemExit(f"error: sentencepiece could not train a {vocab_size}-piece tokenizer "
+                         f"on this corpus ({str(e).strip().splitlines()[-1]}); "
+                         f"try a smaller --vocab-size") from None
+    return model.getvalue()
+
+
+def tokenizer_settings(vocab_size: int) -> dict:
+    return dict(vocab_size=vocab_size, model_type="unigram", byte_fallback=True, split_digits=True,
+                character_coverage=0.9995, input_sentence_size=2_000_000,
+                shuffle_input_sentence=True, seed_sentencepiece_size=1_000_000,
+                pad_id=PAD, unk_id=UNK, bos_id=CLS, eos_id=SEP, pad_piece="[PAD]",
+                unk_piece="[UNK]", bos_piece="[CLS]", eos_piece="[SEP]",
+                control_symbols=["[MASK]"])  # control: never produced from text, even "[MASK]"
+
+
+def encode(sp: spm.SentencePieceProcessor, lines: list[str], desc: str) -> np.ndarray:
+    """Tokenize lines on all cores (sentencepiece's own threads) into one flat uint16 stream."""
+    out, chunk = [], 1024
+    with tqdm(total=len(lines), desc=desc, unit=" lines", disable=None) as bar:
+        for i in range(0, len(lines), chunk):
+            ids = sp.encode(lines[i:i + chunk], num_threads=os.cpu_count())
+            out += [np.asarray(x, dtype=np.uint16) for x in ids]
+            bar.update(len(ids))
+    return np.concatenate(out) if out else np.zeros(0, np.uint16)
+
+
+def load_tokenizer(folder: Path) -> spm.SentencePieceProcessor:
+    return spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+
+
+def load_meta(folder: Path) -> dict:
+    return json.loads((folder / "meta.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# The one entry point train.py uses
+
+def prepare(data: str, vocab_size: int = 16384, force: bool = False, quiet: bool = False) -> Path:
+    """Make sure the prepared folder for `data` exists and is fresh; return its path."""
+    say = (lambda *a: None) if quiet else print
+    if (Path(data) / "meta.json").is_file() and (Path(data) / "train.bin").is_file():
+        return Path(data)  # already a prepared folder: use it as it is
+    raw, out = resolve(data)
+    if not raw.is_dir():
+        if (out / "meta.json").exists() and not force:  # prepared elsewhere, raw text not copied
+            say(f"data: raw corpus not found at {raw}; using the prepared {out} as it is")
+            return out
+        looked = f" (NANOMLM_RAW={os.environ['NANOMLM_RAW']})" if "NANOMLM_RAW" in os.environ else ""
+        raise SystemExit(f"error: no corpus folder at {raw}{looked}. {where_to_get(raw.name, raw)}")
+    train_files, dev_files = find_files(raw)
+    if not train_files:
+        raise SystemExit(f"error: {raw} holds no text files (expected *.train and *.dev, "
+                         f"plain or .gz). {where_to_get(raw.name, raw)}")
+    sources = [{"split": split, "file": p.name, "bytes": p.stat().st_size, "sha256": sha256(p)}
+               for split, files in (("train", train_files), ("dev", dev_files)) for p in files]
+    settings = tokenizer_settings(vocab_size)
+    if (out / "meta.json").exists() and not force:
+        meta = load_meta(out)
+        if (meta.get("version"), meta.get("sources"), meta.get("tokenizer")) == (VERSION, sources, settings):
+            return out
+        say(f"data: {out} is stale (raw files or tokenizer settings changed); rebuilding")
+
+    t0 = time.time()
+    say(f"data: preparing {raw} -> {out}")
+    train_lines = [line for p in train_files for line in read_lines(p)]
+    if dev_files:
+        val_lines = [line for p in dev_files for line in read_lines(p)]
+        val_from = "*.dev files"
+    else:  # hold out every 20th line, deterministically
+        val_lines, train_lines = train_lines[19::20], [s for i, s in enumerate(train_lines) if i % 20 != 19]
+        val_from = "every 20th line of the training files"
+    if not train_lines or not val_lines:
+        raise SystemExit(f"error: {raw} has no text in its {'training' if not train_lines else 'validation'} "
+                         f"files (only empty lines); nothing to train on")
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)  # meta.json is written last: it marks a complete folder
+    t1 = time.time()
+    say(f"data: training a {vocab_size}-piece unigram tokenizer on {len(train_lines):,} lines")
+    model = train_tokenizer(train_lines, vocab_size)
+    (out / "tokenizer.model").write_bytes(model)
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    t2 = time.time()
+    train, val = encode(sp, train_lines, "tokenize train"), encode(sp, val_lines, "tokenize val")
+    t3 = time.time()
+    train.tofile(out / "train.bin")
+    val.tofile(out / "val.bin")
+
+    p = np.bincount(train, minlength=vocab_size) / max(len(train), 1)
+    meta = {
+        "version": VERSION, "name": out.name, "raw": str(raw), "vocab_size": sp.get_piece_size(),
+        "specials": {s: i for i, s in enumerate(SPECIALS)},
+        "train_tokens": int(len(train)), "val_tokens": int(len(val)),
+        "train_words": sum(len(s.split()) for s in train_lines), "val_words": sum(len(s.split()) for s in val_lines),
+        "train_lines": len(train_lines), "val_lines": len(val_lines), "val_from": val_from,
+        # entropy (nats) of the training tokens' unigram distribution: the loss of a model that
+        # ignores context; a masked LM that learns anything must go well below it
+        "unigram_entropy": float(-(p[p > 0] * np.log(p[p > 0])).sum()),
+        "sources": sources, "tokenizer": settings,
+        "seconds": {"read": round(t1 - t0, 1), "tokenizer": round(t2 - t1, 1), "tokenize": round(t3 - t2, 1)},
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    say(f"data: {meta['train_words']:,} train words -> {len(train):,} tokens, {len(val):,} val tokens, "
+        f"unigram entropy {meta['unigram_entropy']:.3f} nats ({time.time() - t0:.0f}s: "
+        f"tokenizer {t2 - t1:.0f}s, tokenize {t3 - t2:.1f}s)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Download of the official corpus (needs network; everything else works without it)
+
+def download(name: str) -> Path:
+    """Fetch train_*.zip and dev.zip from OSF and unpack their *.train/*.dev files into the raw folder."""
+    if name not in KNOWN:
+        raise SystemExit(f"error: no download known for {name!r} (known: {', '.join(KNOWN)})")
+    raw = raw_root() / name
+
+    def get(url: str) -> bytes:
+        try:
+            with urllib.request.urlopen(url, timeout=60) as r:
+                return r.read()
+        except OSError as e:  # URLError, timeouts and refused connections are all OSErrors
+            raise SystemExit(f"error: could not download {url} ({e}). Without network, fetch "
+                             f"{OSF_PROJECT} (text_data/{KNOWN[name]} and dev.zip) by hand and "
+                             f"unpack the *.train and *.dev files into {raw}") from None
+
+    def listing(url: str) -> dict:  # OSF API v2: {name: entry} of one folder
+        return {e["attributes"]["name"]: e for e in json.loads(get(url))["data"]}
+
+    folder = listing(OSF_API)["text_data"]["relationships"]["files"]["links"]["related"]["href"]
+    files = listing(folder)
+    raw.mkdir(parents=True, exist_ok=True)
+    for zname, ext in ((KNOWN[name], ".train"), ("dev.zip", ".dev")):
+        print(f"downloading {zname} ...")
+        with zipfile.ZipFile(io.BytesIO(get(files[zname]["links"]["download"]))) as z:
+            for member in z.namelist():
+                if member.endswith(ext):
+                    (raw / Path(member).name).write_bytes(z.read(member))
+    return raw
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("data", help="corpus name under $NANOMLM_RAW (babylm_10m, babylm_100m, ...) or a folder path")
+    ap.add_argument("--vocab-size", type=int, default=16384, help="sentencepiece vocabulary size (default 16384)")
+    ap.add_argument("--force", action="store_true", help="rebuild even if the prepared folder is fresh")
+    ap.add_argument("--download", action="store_true", help="download the official BabyLM corpus first")
+    args = ap.parse_args()
+    if args.download:
+        download(args.data)
+    print(prepare(args.data, args.vocab_size, force=args.force))

@@ -1,0 +1,279 @@
+"""The one encoder every objective trains: an LTG-BERT-style masked language model.
+
+    from model import load_checkpoint
+    model, tok = load_checkpoint("runs/mlm/ckpt.pt", "cuda")
+    ids = torch.tensor([[2] + tok.encode("the cat sat") + [3]])     # [CLS] ... [SEP]
+    logits = model.logits(ids, torch.ones_like(ids))               # (B, T, vocab)
+
+Architecture (Samuel et al. 2023, "Trained on 100 million words and still in shape: BERT meets
+British National Corpus", EACL Findings; code: ltgoslo/ltg-bert), read against BERT:
+  - the word embedding is LayerNorm-ed (no affine) before the first layer;
+  - each attention sublayer has a pre-LN (no affine) and a post-LN (affine) inside the residual
+    branch: x + LN_post(Attn(LN_pre(x)));
+  - the feed-forward is GEGLU with a LayerNorm between its two projections:
+    x + W2 LN(W1a x * gelu(W1b x)), where x is LN_pre-ed first; no biases;
+  - positions are `relative` (default): DeBERTa-style disentangled attention whose content-to-
+    position and position-to-content scores use log-bucketed relative offsets, with the position
+    vectors projected by the same query/key map as the content; or `absolute`: a learned table
+    added to the word embeddings (the synthetic-transfer experiments reset it);
+  - the MLM head (LN, dense, GELU, LN, decoder) has its decoder tied to the word embeddings and
+    runs only on the positions asked for.
+Attention runs through F.scaled_dot_product_attention; the position scores and the padding mask
+enter as its additive bias, so padded keys get probability 0 and never change a real position.
+
+init_weights documents the initialisation of every tensor.
+"""
+import inspect
+import math
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 16384       # tokenizer pieces; train.py takes it from the prepared data
+    n_layer: int = 12             # transformer layers
+    n_head: int = 6               # attention heads (d_model must divide evenly)
+    d_model: int = 384            # hidden size
+    d_ff: int = 1024              # feed-forward inner size (GEGLU's first projection is 2*d_ff wide)
+    dropout: float = 0.1          # on embeddings, attention probabilities and sublayer outputs
+    position: str = "relative"    # "relative" (log-bucketed, LTG-BERT) or "absolute" (learned table)
+    position_buckets: int = 32    # relative: offsets up to buckets/2 exact, log-spaced beyond
+    max_position: int = 512       # longest sequence the position scheme covers
+    layer_norm_eps: float = 1e-7  # LTG-BERT's epsilon
+
+
+PRESETS = {
+    "tiny": dict(n_layer=2, n_head=2, d_model=128, d_ff=384),     # tests and CPU demos
+    "small": dict(n_layer=12, n_head=6, d_model=384, d_ff=1024),  # LTG-BERT small
+    "base": dict(n_layer=12, n_head=12, d_model=768, d_ff=2048),  # LTG-BERT base
+}
+
+
+def config_help() -> dict[str, str]:
+    """{field: its comment above}, so CLI help and the dataclass never drift apart."""
+    src = inspect.getsource(ModelConfig)
+    return dict(re.findall(r"^\s+(\w+): .*?#\s*(.+)$", src, flags=re.M))
+
+
+def relative_buckets(n: int, buckets: int, max_position: int) -> torch.Tensor:
+    """(n, n) long: index into the (2*buckets - 1)-row relative table for query i, key j.
+
+    Offsets d = i - j with |d| <= buckets/2 keep their own row; larger ones share rows whose width
+    grows geometrically, reaching the last row at |d| = max_position - 1 (LTG-BERT's scheme).
+    """
+    d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    mid = buckets // 2
+    a = d.abs().clamp(min=mid, max=max_position - 1).double()  # clamp: log(a/mid) >= 0 below
+    far = mid + torch.ceil(torch.log(a / mid) / math.log((max_position - 1) / mid) * (mid - 1)).long()
+    bucket = torch.where(d.abs() <= mid, d, d.sign() * far)
+    return bucket + buckets - 1
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.d_model % cfg.n_head == 0, "d_model must be a multiple of n_head"
+        self.n_head, self.head_dim, self.p = cfg.n_head, cfg.d_model // cfg.n_head, cfg.dropout
+        self.relative = cfg.position == "relative"
+        # three score terms (content-content, content-position, position-content) share the
+        # softmax, so LTG-BERT scales by 1/sqrt(3 d_head) to keep their sum at unit variance
+        self.scale = 1 / math.sqrt((3 if self.relative else 1) * self.head_dim)
+        self.pre_norm = nn.LayerNorm(cfg.d_model, cfg.layer_norm_eps, elementwise_affine=False)
+        self.qk = nn.Linear(cfg.d_model, 2 * cfg.d_model)  # applied to content and position vectors
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model)
+        self.post_norm = nn.LayerNorm(cfg.d_model, cfg.layer_norm_eps)
+        self.drop = nn.Dropout(cfg.dropout)
+        if self.relative:
+            self.register_buffer("buckets", relative_buckets(cfg.max_position, cfg.position_buckets,
+                                                             cfg.max_position), persistent=False)
+
+    def forward(self, x, bias, rel=None):
+        # x (B, T, D); bias (B, 1, 1, T): 0 at real keys, -inf at padding; rel (R, D) or None
+        B, T, D = x.shape
+        H, hd = self.n_head, self.head_dim
+        h = self.pre_norm(x)
+        q, k = self.qk(h).chunk(2, dim=-1)
+        q, k, v = (t.view(B, T, H, hd).transpose(1, 2) for t in (q, k, self.v(h)))  # (B, H, T, hd)
+        if self.relative:
+            qp, kp = self.qk(self.drop(rel)).chunk(2, dim=-1)           # (R, D) each
+            qp, kp = (t.view(-1, H, hd).transpose(0, 1) for t in (qp, kp))  # (H, R, hd)
+            idx = self.buckets[:T, :T].expand(B, H, T, T)                # r(i, j)
+            # Score q_i.kp[r(i,j)] for every bucket first (B,H,T,R), then pick each pair's bucket:
+            # R = 2*buckets-1 is small, so this avoids building a (T, T, D) position tensor.
+            c2p = (q @ kp.transpose(-1, -2)).gather(-1, idx)              # (B, H, Ti, Tj)
+            p2c = (k @ qp.transpose(-1, -2)).gather(-1, idx.transpose(-1, -2)).transpose(-1, -2)
+            bias = bias + (c2p + p2c) * self.scale                       # (B, H, T, T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=self.scale,
+                                           dropout_p=self.p if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, D)
+        return self.drop(self.post_norm(self.out(y)))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.pre_norm = nn.LayerNorm(cfg.d_model, cfg.layer_norm_eps, elementwise_affine=False)
+        self.up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.mid_norm = nn.LayerNorm(cfg.d_ff, cfg.layer_norm_eps, elementwise_affine=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        a, gate = self.up(self.pre_norm(x)).chunk(2, dim=-1)  # GEGLU (Shazeer 2020)
+        return self.drop(self.down(self.mid_norm(a * F.gelu(gate, approximate="tanh"))))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn, self.ffn = Attention(cfg), FeedForward(cfg)
+
+    def forward(self, x, bias, rel):
+        x = x + self.attn(x, bias, rel)
+        return x + self.ffn(x)
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.position in ("relative", "absolute"), f"unknown position scheme {cfg.position!r}"
+        self.config = cfg
+        D = cfg.d_model
+        self.word = nn.Embedding(cfg.vocab_size, D)
+        self.word_norm = nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False)
+        if cfg.position == "relative":
+            self.rel = nn.Parameter(torch.empty(2 * cfg.position_buckets - 1, D))
+            self.rel_norm = nn.LayerNorm(D, cfg.layer_norm_eps)
+        else:
+            self.pos = nn.Embedding(cfg.max_position, D)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layer))
+        self.head_in = nn.Sequential(
+            nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Linear(D, D), nn.GELU(),
+            nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Dropout(cfg.dropout))
+        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size))  # decoder weight = self.word.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Every tensor, in one place. s = sqrt(2 / (5 d_model)), the "small init" of Nguyen &
+        Salazar (2019) that LTG-BERT uses; N(0, s) is truncated at +-2s everywhere.
+          word.weight (V, D), rel (2*buckets-1, D) or pos.weight (max_position, D)   N(0, s)
+          layers[i].attn.qk / v / out .weight (2D|D, D)                             N(0, s)
+          layers[i].ffn.up.weight (2 d_ff, D), .down.weight (D, d_ff)     N(0, s) * sqrt(1 / (2(i+1)))
+              (the deeper the layer, the smaller its feed-forward contribution to the residual)
+          head_in[1].weight (D, D)                                                  N(0, s)
+          every bias (attention qk/v/out, head_in[1], head_bias)                    0
+          LayerNorm weight / bias where affine (post_norm, rel_norm)                1 / 0
+          the MLM decoder has no weight of its own: it is word.weight (tied)
+        """
+        s = math.sqrt(2.0 / (5.0 * self.config.d_model))
+        normal = lambda w, scale=1.0: nn.init.trunc_normal_(w, 0.0, s, -2 * s, 2 * s).mul_(scale)
+        normal(self.word.weight)
+        normal(self.rel if self.config.position == "relative" else self.pos.weight)
+        for i, layer in enumerate(self.layers):
+            for lin in (layer.attn.qk, layer.attn.v, layer.attn.out):
+                normal(lin.weight)
+                lin.bias.zero_()
+            depth = math.sqrt(1.0 / (2.0 * (i + 1)))
+            normal(layer.ffn.up.weight, depth)
+            normal(layer.ffn.down.weight, depth)
+        normal(self.head_in[1].weight)
+        self.head_in[1].bias.zero_()
+        self.head_bias.zero_()
+        for m in self.modules():
+            if isinstance(m, nn.LayerNorm) and m.elementwise_affine:
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids, attention_mask=None, predict=None, all_layers=False):
+        """input_ids (B, T) long; attention_mask (B, T), 1 = real token, 0 = padding (default all 1).
+        Returns the last hidden states (B, T, D), or with all_layers the list [embeddings, layer 1,
+        ..., layer n_layer]. With predict, a (B, T) bool of positions to score, returns
+        (hidden, logits (N, V)) for the N true positions in row-major order (the MLM head
+        runs on those alone)."""
+        B, T = input_ids.shape
+        assert T <= self.config.max_position, f"sequence of {T} > max_position {self.config.max_position}"
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        x = self.word(input_ids)
+        if self.config.position == "absolute":
+            x = x + self.pos.weight[:T]
+        x = self.drop(self.word_norm(x))
+        rel = self.rel_norm(self.rel) if self.config.position == "relative" else None
+        bias = torch.zeros(B, 1, 1, T, device=x.device, dtype=x.dtype)
+        bias = bias.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+        hidden = [x]
+        for layer in self.layers:
+            hidden.append(layer(hidden[-1], bias, rel))
+        out = hidden if all_layers else hidden[-1]
+        if predict is None:
+            return out
+        return out, self.head(hidden[-1][predict])
+
+    def head(self, h):
+        """MLM head: (..., D) -> (..., V) logits."""
+        return F.linear(self.head_in(h), self.word.weight, self.head_bias)
+
+    def logits(self, input_ids, attention_mask=None):
+        """(B, T, V) logits at every position."""
+        return self.head(self(input_ids, attention_mask))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: one dict, written atomically, read back with strict=True
+
+def save_checkpoint(state: dict, path) -> None:
+    """torch.save to a temp file, fsync, then rename: a kill at any moment leaves either the old
+    or the new checkpoint at `path`, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_checkpoint(path) -> dict:
+    """The checkpoint dict, on the CPU, or a one-line error naming what is wrong with the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"error: no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, random bytes, a pickle of something else...
+        raise SystemExit(f"error: cannot read checkpoint {path} (corrupt or truncated file: "
+                         f"{type(e).__name__})") from None
+    if not isinstance(ckpt, dict) or not {"model", "config", "tokenizer"} <= ckpt.keys():
+        raise SystemExit(f"error: {path} is not a nanoMLM checkpoint (no model/config/tokenizer)")
+    return ckpt
+
+
+def check_config(saved: dict, config: ModelConfig, path) -> None:
+    """A checkpoint only loads into the model it was made from: say which fields differ."""
+    want = asdict(config)
+    diff = [f"{k}={saved.get(k)!r} there but {want.get(k)!r} here"
+            for k in sorted(set(saved) | set(want)) if saved.get(k) != want.get(k)]
+    if diff:
+        raise SystemExit(f"error: {path} holds a different model: {'; '.join(diff)}")
+
+
+def load_checkpoint(path, device="cpu"):
+    """-> (Encoder in eval mode on `device`, its sentencepiece tokenizer)."""
+    ckpt = read_checkpoint(path)
+    model = Encoder(ModelConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"], strict=True)
+    tok = spm.SentencePieceProcessor(model_proto=ckpt["tokenizer"])
+    return model.to(device).eval(), tok

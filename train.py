@@ -1,0 +1,477 @@
+"""Pretrain the shared encoder with one objective: batch -> span masking -> LOSSES[objective] -> step.
+
+    python train.py --objective mlm --data babylm_10m --size tiny --max-steps 2000   # CPU demo
+    python train.py --objective mlm --data babylm_10m --size small --compile         # one GPU
+    torchrun --nproc_per_node 4 train.py --objective mlm --data babylm_10m            # DDP
+    python train.py --out-dir runs/mlm_babylm_10m_small --resume                      # continue
+
+The data is prepared on first use (data/prepare.py). A run folder (--out-dir) holds args.json,
+config.json, data.json (the corpus' meta.json), log.jsonl (every logged figure), ckpt.pt (model,
+optimizer, config, args, step, RNG states, data position, code version, tokenizer) and code/
+(the exact model.py, train.py and prepare.py that ran).
+
+Adding an objective = one function `loss, figures = fn(model, batch, ctx)` + one LOSSES entry.
+
+Reproducibility: batches and masks are functions of (seed, step, micro-batch), and dropout is
+reseeded the same way at every micro-batch, so a run resumed from any checkpoint follows the very
+path of an uninterrupted one (bit for bit on CPU; tests/test_train.py checks it).
+"""
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from data.prepare import CLS, MASK, SEP, SPECIALS, load_meta, prepare
+from model import PRESETS, Encoder, ModelConfig, check_config, config_help, read_checkpoint, save_checkpoint
+
+HERE = Path(__file__).resolve().parent
+
+
+# ---------------------------------------------------------------------------------------------
+# Span masking (LTG-BERT), vectorised over the batch on the training device
+
+def span_mask(ids, p, vocab_size, gen, mean_span=3.0):
+    """ids (B, T) -> (inputs (B, T), labels (B, T) with -100 where nothing is predicted).
+
+    Each position starts a new span with probability 1/mean_span, so span lengths are geometric
+    with mean `mean_span`. One uniform u per span decides everything: the span is chosen iff u < p
+    (so every token is chosen with probability exactly p), and, given it is chosen, u/p is uniform
+    on [0, 1) and picks LTG-BERT's per-span replacement: [MASK] below 0.8, a random token below
+    0.9, else the token itself. Special tokens ([CLS], [SEP], [PAD], ...) are never chosen.
+    """
+    B, T = ids.shape
+    start = torch.rand(B, T, generator=gen, device=ids.device) < 1.0 / mean_span
+    span = start.cumsum(1)                                                   # (B, T) span index
+    u = torch.rand(B, T + 1, generator=gen, device=ids.device).gather(1, span)  # per-span uniform
+    chosen = (u < p) & (ids >= len(SPECIALS))
+    r = u / p
+    noise = torch.randint(len(SPECIALS), vocab_size, (B, T), generator=gen, device=ids.device)
+    inputs = torch.where(chosen & (r < 0.8), MASK, ids)
+    inputs = torch.where(chosen & (r >= 0.8) & (r < 0.9), noise, inputs)
+    labels = torch.where(chosen, ids, -100)
+    return inputs, labels
+
+
+# ---------------------------------------------------------------------------------------------
+# Objectives: loss, figures = fn(model, batch, ctx)
+#   batch: input_ids (B, T) clean, attention_mask (B, T), inputs (B, T) masked, labels (B, T)
+#   ctx:   what an objective owns beyond the student (teachers, schedules); "step" is always set
+#   figures: {name: 0-dim tensor}, averaged over the log interval and written to log.jsonl
+
+def mlm(model, batch, ctx):
+    """Masked language modelling (Devlin et al. 2019): cross-entropy at the chosen positions."""
+    predict = batch["labels"] != -100
+    _, logits = model(batch["inputs"], batch["attention_mask"], predict=predict)   # (N, V)
+    target = batch["labels"][predict]
+    loss = F.cross_entropy(logits.float(), target)
+    return loss, {"acc": (logits.argmax(-1) == target).float().mean()}
+
+
+LOSSES = {"mlm": mlm}
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimisers and schedule
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2): the
+    bias-corrected Adam direction r = m/(sqrt(v)+eps) plus decoupled weight decay, rescaled per
+    tensor by the trust ratio ||w|| / ||r + wd*w|| (1 where either norm is 0). torch has none."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                state["step"] += 1
+                m, v, t = state["m"], state["v"], state["step"]
+                m.lerp_(p.grad, 1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                r = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps) + wd * p
+                w_norm, r_norm = p.norm(), r.norm()
+                trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)
+                p.sub_(group["lr"] * trust * r)
+
+
+def make_optimizer(model, args):
+    # no weight decay on biases, LayerNorm gains and embedding tables (as LTG-BERT)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n not in ("word.weight", "rel", "pos.weight")]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and n not in ("word.weight", "rel", "pos.weight"))]
+    groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=rest, weight_decay=0.0)]
+    if args.optim == "lamb":
+        return Lamb(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
+
+
+def lr_at(step, args):
+    """Linear warmup to --lr, then cosine or linear decay to --min-lr * --lr at --max-steps."""
+    warmup = round(args.warmup * args.max_steps) if args.warmup < 1 else int(args.warmup)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, args.max_steps - warmup))
+    decay = 0.5 * (1 + math.cos(math.pi * t)) if args.schedule == "cosine" else 1 - t
+    return args.lr * (args.min_lr + (1 - args.min_lr) * decay)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: a token stream cut into segments, wrapped in [CLS] ... [SEP]
+
+class Segments:
+    """Segments of `length` tokens of a uint16 stream (np.memmap: nothing is read until used).
+
+    Position k of the endless sequence of training segments is segment perm_e[k mod n] of epoch
+    e = k // n, where each epoch draws its own permutation and shifts all segment boundaries by a
+    random offset (so the same windows do not recur epoch after epoch). Validation uses neither.
+    """
+
+    def __init__(self, path, length, seed, shuffle):
+        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        self.length, self.seed, self.shuffle = length, seed, shuffle
+        self.n = (len(self.tokens) - 1) // length if shuffle else len(self.tokens) // length
+        if self.n < 1:
+            raise SystemExit(f"error: {path} holds {len(self.tokens)} tokens, fewer than one "
+                             f"segment of {length} (--seq-len minus 2); use a bigger corpus or a shorter --seq-len")
+        self._epoch = None
+
+    def starts(self, epoch):
+        if not self.shuffle:
+            return np.arange(self.n) * self.length
+        if self._epoch != epoch:  # one permutation per epoch, drawn once
+            rng = np.random.default_rng([self.seed, epoch])
+            shift = rng.integers(len(self.tokens) - self.n * self.length + 1)
+            self._starts, self._epoch = shift + rng.permutation(self.n) * self.length, epoch
+        return self._starts
+
+    def batch(self, first, size) -> torch.Tensor:
+        """(size, length + 2) long: segments first .. first+size-1, each as [CLS] tokens [SEP]."""
+        out = np.empty((size, self.length + 2), dtype=np.int64)
+        out[:, 0], out[:, -1] = CLS, SEP
+        for row, k in enumerate(range(first, first + size)):
+            s = self.starts(k // self.n)[k % self.n]
+            out[row, 1:-1] = self.tokens[s:s + self.length]
+        return torch.from_numpy(out)
+
+
+def seed_of(*parts) -> int:
+    """A well-mixed 63-bit seed from integers (seed, step, micro-batch...)."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def make_batch(ids, args, vocab_size, gen):
+    inputs, labels = span_mask(ids, args.mask_p, vocab_size, gen)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), inputs=inputs, labels=labels)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+RESUMABLE = {"resume", "out_dir", "device", "compile", "log_every", "eval_every", "save_every", "stop_at"}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--objective", default="mlm", choices=sorted(LOSSES), help="pretraining objective (default mlm)")
+    p.add_argument("--data", default="babylm_10m", help="corpus name under $NANOMLM_RAW, a folder of text files, or a prepared folder (default babylm_10m)")
+    p.add_argument("--vocab-size", type=int, default=16384, help="sentencepiece vocabulary when the data is prepared (default 16384)")
+    p.add_argument("--size", default="small", choices=PRESETS, help="model preset; ModelConfig flags below override it (default small)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, [CLS] and [SEP] included (default 128)")
+    p.add_argument("--batch-size", type=int, default=128, help="sequences per micro-batch per process (default 128)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--optim", default="lamb", choices=["adamw", "lamb"], help="optimizer; betas (0.9, 0.98), eps 1e-6 (default lamb)")
+    p.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (default 5e-3)")
+    p.add_argument("--warmup", type=float, default=0.016, help="warmup: a fraction of --max-steps if < 1, else steps (default 0.016)")
+    p.add_argument("--schedule", default="cosine", choices=["cosine", "linear"], help="decay after warmup (default cosine)")
+    p.add_argument("--min-lr", type=float, default=0.1, help="final learning rate as a fraction of --lr (default 0.1)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay on weight matrices (default 0.1)")
+    p.add_argument("--clip", type=float, default=2.0, help="gradient-norm clipping, 0 = off (default 2.0)")
+    p.add_argument("--mask-p", type=float, default=0.15, help="fraction of tokens to predict (default 0.15)")
+    p.add_argument("--max-steps", type=int, default=10000, help="optimizer steps (default 10000)")
+    p.add_argument("--seed", type=int, default=0, help="seed for init, data order, masks and dropout (default 0)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda if available (default auto)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--out-dir", default=None, help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its ckpt.pt, with its saved settings")
+    p.add_argument("--init-from", default=None, help="start from this checkpoint's weights (fresh optimizer, step 0)")
+    p.add_argument("--log-every", type=int, default=10, help="steps between log lines (default 10)")
+    p.add_argument("--eval-every", type=int, default=500, help="steps between validations (default 500)")
+    p.add_argument("--eval-batches", type=int, default=20, help="validation batches, always the same ones (default 20)")
+    p.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (default 1000)")
+    p.add_argument("--stop-at", type=int, default=None, help="checkpoint and exit after this step; the schedule still runs to --max-steps (for time-limited jobs)")
+    model_flags = p.add_argument_group("model (ModelConfig fields; default: the --size preset)")
+    for f, text in zip(fields(ModelConfig), config_help().values()):
+        if f.name != "vocab_size":  # the tokenizer decides it
+            model_flags.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None, help=text)
+    return p
+
+
+def get_args(argv):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.out_dir is None:
+        args.out_dir = str(HERE / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
+    # which flags were typed (a resumed run keeps its saved settings and refuses new ones);
+    # argparse has no public map from option string to destination, hence the private one
+    typed = [t.split("=")[0] for t in (sys.argv[1:] if argv is None else argv)]
+    args.given = sorted({parser._option_string_actions[t].dest for t in typed if t in parser._option_string_actions})
+    return args
+
+
+def model_config(args, vocab_size) -> ModelConfig:
+    overrides = {f.name: getattr(args, f.name) for f in fields(ModelConfig) if getattr(args, f.name, None) is not None}
+    return ModelConfig(**{**PRESETS[args.size], **overrides, "vocab_size": vocab_size})
+
+
+def code_version() -> dict:
+    files = [HERE / "model.py", HERE / "train.py", HERE / "data" / "prepare.py"]
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+    try:
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        git = ""
+    return {"git": git or "unknown", "sha256": digest}
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: the same masked batches every time, so figures compare across steps and runs
+
+@torch.no_grad()
+def evaluate(model, val, args, vocab_size, ctx, device, autocast):
+    model.eval()
+    sums = {}
+    for i in range(min(args.eval_batches, max(1, val.n // args.batch_size))):
+        ids = val.batch(i * args.batch_size % val.n, min(args.batch_size, val.n)).to(device)
+        gen = torch.Generator(device).manual_seed(seed_of(args.seed, 2**31, i))
+        with autocast:
+            loss, figs = LOSSES[args.objective](model, make_batch(ids, args, vocab_size, gen), ctx)
+        for k, v in {"loss": loss, **figs}.items():
+            sums[k] = sums.get(k, 0.0) + v.float()
+    model.train()
+    return {f"val_{k}": (v / (i + 1)).item() for k, v in sums.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+def main(argv=None):
+    args = get_args(argv)
+
+    # --- processes and device ---------------------------------------------------------------
+    ddp = "RANK" in os.environ  # launched by torchrun
+    want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA device is visible")
+    rank, world, local = 0, 1, 0
+    if ddp:
+        dist.init_process_group("nccl" if want_cuda else "gloo")
+        rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local}" if want_cuda else "cpu")
+    if want_cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    master = rank == 0
+    say = tqdm.write if master else (lambda *a, **k: None)  # tqdm.write keeps the progress bar intact
+    autocast = torch.autocast("cuda", torch.bfloat16) if want_cuda else contextlib.nullcontext()
+
+    # --- run folder, and the settings of a resumed run ----------------------------------------
+    out = Path(args.out_dir)
+    ckpt_path = out / "ckpt.pt"
+    ckpt = None
+    if args.resume:
+        if not ckpt_path.exists():
+            raise SystemExit(f"error: --resume, but there is no checkpoint at {ckpt_path}")
+        ckpt = read_checkpoint(ckpt_path)
+        saved = ckpt["args"]
+        changed = [k for k in args.given if k not in RESUMABLE and getattr(args, k) != saved.get(k)]
+        if changed:
+            raise SystemExit(f"error: a resumed run keeps its settings, but {', '.join('--' + k.replace('_', '-') for k in changed)} "
+                             f"differ from the checkpoint's; drop them or start a new --out-dir")
+        args = argparse.Namespace(**{**saved, **{k: getattr(args, k) for k in RESUMABLE}, "given": args.given})
+    elif ckpt_path.exists():
+        raise SystemExit(f"error: {ckpt_path} exists; pass --resume to continue that run or choose another --out-dir")
+
+    # --- data (rank 0 prepares, the others wait and reuse it) ---------------------------------
+    if master:
+        data_dir = prepare(args.data, args.vocab_size)
+    if ddp:
+        dist.barrier()
+    if not master:
+        data_dir = prepare(args.data, args.vocab_size, quiet=True)
+    meta = load_meta(data_dir)
+    V = meta["vocab_size"]
+    train = Segments(data_dir / "train.bin", args.seq_len - 2, args.seed, shuffle=True)
+    val = Segments(data_dir / "val.bin", args.seq_len - 2, args.seed, shuffle=False)
+
+    # --- model and optimizer ---------------------------------------------------------------
+    config = model_config(args, V)
+    if args.seq_len > config.max_position:
+        raise SystemExit(f"error: --seq-len {args.seq_len} exceeds --max-position {config.max_position}")
+    torch.manual_seed(args.seed)
+    model = Encoder(config)
+    step = 0
+    if ckpt is not None:
+        check_config(ckpt["config"], config, ckpt_path)
+        model.load_state_dict(ckpt["model"], strict=True)
+        step = ckpt["step"]
+    elif args.init_from:
+        src = read_checkpoint(args.init_from)
+        check_config(src["config"], config, args.init_from)
+        model.load_state_dict(src["model"], strict=True)
+    model.to(device)
+    optimizer = make_optimizer(model, args)
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if want_cuda and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+    raw = model
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if want_cuda else None)
+    if args.compile:
+        model = torch.compile(model)
+    ctx = {"step": step}
+    global_batch = args.batch_size * args.grad_accum * world
+    tokenizer = (data_dir / "tokenizer.model").read_bytes()
+    version = code_version()
+
+    # --- what a run folder keeps ---------------------------------------------------------------
+    if master:
+        out.mkdir(parents=True, exist_ok=True)
+        if ckpt is None:
+            (out / "args.json").write_text(json.dumps({k: v for k, v in vars(args).items() if k != "given"}, indent=1))
+            (out / "config.json").write_text(json.dumps(asdict(config), indent=1))
+            (out / "data.json").write_text(json.dumps(meta, indent=1))
+            (out / "code").mkdir(exist_ok=True)
+            for f in ("model.py", "train.py", "data/prepare.py"):
+                shutil.copy(HERE / f, out / "code" / Path(f).name)
+            (out / "log.jsonl").unlink(missing_ok=True)
+        else:  # drop log lines written after the checkpoint by the run that was cut off
+            lines = (out / "log.jsonl").read_text().splitlines() if (out / "log.jsonl").exists() else []
+            (out / "log.jsonl").write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= step))
+            if ckpt["code_version"]["sha256"] != version["sha256"]:
+                say("warning: the code changed since this run started; resuming with the new code")
+    log_file = open(out / "log.jsonl", "a") if master else None
+
+    def log(record):
+        if master:
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+
+    def save(at):
+        if master:
+            save_checkpoint({
+                "model": raw.state_dict(), "optimizer": optimizer.state_dict(), "config": asdict(config),
+                "args": {k: v for k, v in vars(args).items() if k != "given"}, "step": at,
+                "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if want_cuda else None},
+                "data_pos": at * global_batch, "ctx_state": None, "code_version": version,
+                "tokenizer": tokenizer, "data": {k: meta[k] for k in ("name", "vocab_size", "train_tokens", "unigram_entropy")},
+            }, ckpt_path)
+        return at
+
+    say(f"model: {raw.num_params() / 1e6:.2f}M parameters ({args.size}: {config.n_layer} layers, d_model {config.d_model}, "
+        f"{config.position} positions) | data: {meta['train_tokens']:,} train tokens, vocab {V}, "
+        f"unigram entropy {meta['unigram_entropy']:.3f} nats")
+    say(f"train: {args.objective} on {device} x{world} | {global_batch} seqs x {args.seq_len} tokens per step "
+        f"({args.batch_size} x {args.grad_accum} accum x {world} procs) | {args.max_steps} steps = "
+        f"{args.max_steps * global_batch / train.n:.1f} epochs | {out}")
+
+    # --- the loop ----------------------------------------------------------------------------
+    last_saved = step if ckpt is not None else None
+    sums, since_log = {}, 0
+    nonfinite = torch.tensor(-1, device=device)  # first step whose loss or gradient was not finite
+    t_log, t0, step0 = time.time(), time.time(), step
+    bar = tqdm(total=args.max_steps, initial=step, disable=None if master else True, unit="step", dynamic_ncols=True)
+    while step < args.max_steps:
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        ctx["step"] = step
+        step_loss = 0.0
+        for micro in range(args.grad_accum):
+            k = rank * args.grad_accum + micro  # this micro-batch's index within the global batch
+            torch.manual_seed(seed_of(args.seed, step, k))  # dropout
+            gen = torch.Generator(device).manual_seed(seed_of(args.seed, step, k, 1))  # masking
+            ids = train.batch(step * global_batch + k * args.batch_size, args.batch_size)
+            batch = make_batch(ids.pin_memory().to(device, non_blocking=True) if want_cuda else ids, args, V, gen)
+            sync = not ddp or micro == args.grad_accum - 1  # DDP all-reduces on the last micro-batch only
+            with contextlib.nullcontext() if sync else model.no_sync():
+                with autocast:
+                    loss, figs = LOSSES[args.objective](model, batch, ctx)
+                (loss / args.grad_accum).backward()
+            step_loss = step_loss + loss.detach()
+            for name, v in {"loss": loss, **figs}.items():
+                sums[name] = sums.get(name, 0.0) + v.detach().float() / args.grad_accum
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), args.clip if args.clip > 0 else float("inf"))
+        sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
+        bad = ~(torch.isfinite(step_loss) & torch.isfinite(grad_norm))
+        nonfinite = torch.where(bad & (nonfinite < 0), step + 1, nonfinite)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        since_log += 1
+        bar.update()
+
+        is_log = step % args.log_every == 0 or step == args.max_steps
+        is_save = step % args.save_every == 0 or step in (args.max_steps, args.stop_at)
+        if is_log or is_save:  # the only places the loop waits for the device
+            if ddp:
+                dist.all_reduce(nonfinite, dist.ReduceOp.MAX)
+            if nonfinite.item() >= 0:
+                where = f"the last good checkpoint (step {last_saved}) is kept at {ckpt_path}" if last_saved \
+                    else "no checkpoint had been saved yet"
+                log({"step": int(nonfinite), "error": "non-finite loss or gradient"})
+                raise SystemExit(f"error: the loss or gradient became NaN/inf at step {int(nonfinite)}; "
+                                 f"stopped, {where}. Try a lower --lr or --clip.")
+        if is_log:  # means over the steps since the last log line, across all processes
+            names = list(sums)
+            values = torch.stack([sums[k] for k in names]) / since_log
+            if ddp:
+                dist.all_reduce(values)
+                values /= world
+            record = {"step": step, **dict(zip(names, values.tolist())), "lr": lr,
+                      "tok_per_s": since_log * global_batch * args.seq_len / (time.time() - t_log)}
+            log(record)
+            eta = (time.time() - t0) / (step - step0) * (args.max_steps - step)
+            say(f"step {step}/{args.max_steps} | loss {record['loss']:.4f} | lr {lr:.1e} | "
+                f"{record['tok_per_s'] / 1e3:.1f}k tok/s | eta {eta / 60:.0f}m")
+            sums, since_log, t_log = {}, 0, time.time()
+        if step % args.eval_every == 0 or step == args.max_steps:
+            record = {"step": step, **evaluate(raw, val, args, V, ctx, device, autocast)}
+            log(record)
+            say(f"step {step}/{args.max_steps} | val loss {record['val_loss']:.4f} | "
+                f"val acc {record.get('val_acc', float('nan')):.4f}")
+            t_log = time.time()  # throughput counts training time only
+        if is_save:
+            last_saved = save(step)
+            t_log = time.time()
+        if step == args.stop_at:
+            break
+    bar.close()
+    say(f"done: step {step}, {(time.time() - t0) / 60:.1f} min; checkpoint {ckpt_path}")
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
