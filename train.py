@@ -307,7 +307,8 @@ def main(argv=None):
         if changed:
             raise SystemExit(f"error: a resumed run keeps its settings, but {', '.join('--' + k.replace('_', '-') for k in changed)} "
                              f"differ from the checkpoint's; drop them or start a new --out-dir")
-        args = argparse.Namespace(**{**saved, **{k: getattr(args, k) for k in RESUMABLE}, "given": args.given})
+        now = {k: getattr(args, k) for k in RESUMABLE if k in args.given or k in ("resume", "out_dir")}
+        args = argparse.Namespace(**{**saved, **now, "given": args.given})
     elif ckpt_path.exists():
         raise SystemExit(f"error: {ckpt_path} exists; pass --resume to continue that run or choose another --out-dir")
 

@@ -170,6 +170,9 @@ def prepare(data: str, vocab_size: int = 16384, force: bool = False, quiet: bool
             return out
         looked = f" (NANOMLM_RAW={os.environ['NANOMLM_RAW']})" if "NANOMLM_RAW" in os.environ else ""
         raise SystemExit(f"error: no corpus folder at {raw}{looked}. {where_to_get(raw.name, raw)}")
+    if out.resolve() == raw.resolve():
+        raise SystemExit(f"error: the prepared folder would be the raw folder {raw} itself; "
+                         f"point NANOMLM_DATA somewhere else")
     train_files, dev_files = find_files(raw)
     if not train_files:
         raise SystemExit(f"error: {raw} holds no text files (expected *.train and *.dev, "

@@ -1,0 +1,63 @@
+"""Shared fixtures. The real corpus is read from $NANOMLM_RAW (CI: ../shared/data); test corpora
+are cut from it into temporary folders, never into the repository."""
+import gzip
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from data.prepare import prepare  # noqa: E402
+
+
+def shared_data() -> Path:
+    root = Path(os.environ.get("NANOMLM_RAW", REPO.parent / "shared" / "data"))
+    if not (root / "babylm_10m").is_dir():
+        pytest.fail(f"the shared corpus is not at {root / 'babylm_10m'}; set NANOMLM_RAW (see README)")
+    return root
+
+
+def head_lines(path: Path, n: int) -> list[str]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [next(f) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def small_raw(tmp_path_factory) -> Path:
+    """About 200k words of real BabyLM text in the official layout: three *.train files (one plain,
+    two gzip) and two *.dev files."""
+    src = shared_data() / "babylm_10m"
+    raw = tmp_path_factory.mktemp("raw") / "babylm_small"
+    raw.mkdir()
+    (raw / "childes.train").write_text("".join(head_lines(src / "childes.train.gz", 130)))
+    for name in ("simple_wiki", "open_subtitles"):
+        with gzip.open(raw / f"{name}.train.gz", "wt", encoding="utf-8") as f:
+            f.writelines(head_lines(src / f"{name}.train.gz", 130))
+    for name in ("childes", "simple_wiki"):
+        (raw / f"{name}.dev").write_text("".join(head_lines(src / f"{name}.dev.gz", 12)))
+    return raw
+
+
+@pytest.fixture(scope="session")
+def prepared(small_raw, tmp_path_factory) -> Path:
+    """small_raw prepared with a 2000-piece tokenizer, into a temporary NANOMLM_DATA."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOMLM_DATA", str(tmp_path_factory.mktemp("prepared")))
+        return prepare(str(small_raw), vocab_size=2000, quiet=True)
+
+
+def run_train(*args, cwd=REPO, launcher=None, timeout=600) -> subprocess.CompletedProcess:
+    """train.py in a fresh process, as a user runs it; returns the finished process."""
+    cmd = (launcher or [sys.executable]) + [str(REPO / "train.py"), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two gloo processes on two cores: no oversubscription
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# a model small enough that a CLI run takes seconds on a CPU
+TINY = ["--size", "tiny", "--n-layer", "1", "--d-model", "64", "--n-head", "2", "--d-ff", "128",
+        "--seq-len", "32", "--batch-size", "8", "--log-every", "5", "--eval-every", "1000",
+        "--eval-batches", "2", "--device", "cpu"]

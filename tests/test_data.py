@@ -1,0 +1,155 @@
+"""data/prepare.py: tokenizer, token streams, meta.json, reuse/staleness and the errors a user can cause."""
+import gzip
+import json
+import math
+import unicodedata
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from data import prepare as P
+
+
+def test_special_ids_are_fixed(prepared):
+    tok = P.load_tokenizer(prepared)
+    assert [tok.id_to_piece(i) for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert (P.PAD, P.UNK, P.CLS, P.SEP, P.MASK) == (0, 1, 2, 3, 4)
+    assert tok.get_piece_size() == 2000
+    # "[MASK]" typed in text is ordinary text, never the control token
+    assert P.MASK not in tok.encode("a [MASK] b")
+
+
+def test_tokenizer_round_trip(prepared, small_raw):
+    tok = P.load_tokenizer(prepared)
+    lines = P.read_lines(small_raw / "childes.dev")[:5] + P.read_lines(small_raw / "simple_wiki.dev")[:5]
+    for line in lines:
+        # the tokenizer normalises (NFKC, whitespace runs -> one space); otherwise text is kept exactly
+        assert tok.decode(tok.encode(line)) == " ".join(unicodedata.normalize("NFKC", line).split())
+    # characters never seen in training come back through byte fallback, not as [UNK]
+    rare = "Gwenn-ha-du ŋ 漢字 🙂 naïve"
+    ids = tok.encode(rare)
+    assert tok.decode(ids) == rare and P.UNK not in ids
+    assert any(5 <= i < 5 + 256 for i in ids)  # byte pieces <0x00>..<0xFF> follow the specials
+
+
+def test_streams_and_meta(prepared, small_raw):
+    meta = P.load_meta(prepared)
+    train = np.memmap(prepared / "train.bin", dtype=np.uint16, mode="r")
+    val = np.memmap(prepared / "val.bin", dtype=np.uint16, mode="r")
+    assert len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
+    assert train.min() >= 5 and train.max() < meta["vocab_size"]  # no specials, no [UNK] in the stream
+    assert meta["specials"] == {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
+    assert {s["split"] for s in meta["sources"]} == {"train", "dev"} and meta["val_from"] == "*.dev files"
+    assert meta["train_words"] == 3 * 130 * 500  # the fixture's 390 lines of 500 words
+    # a stream is its lines tokenized one by one and concatenated, files in name order
+    tok = P.load_tokenizer(prepared)
+    dev_lines = P.read_lines(small_raw / "childes.dev") + P.read_lines(small_raw / "simple_wiki.dev")
+    assert val.tolist() == [i for line in dev_lines for i in tok.encode(line)]
+    # unigram entropy, recounted naively
+    counts = Counter(train.tolist())
+    n = sum(counts.values())
+    assert meta["unigram_entropy"] == pytest.approx(-sum(c / n * math.log(c / n) for c in counts.values()), rel=1e-9)
+
+
+def test_reuse_then_rebuild_when_stale(small_raw, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.train").write_text((small_raw / "childes.train").read_text())
+    out = P.prepare(str(raw), vocab_size=800, quiet=True)
+    assert P.load_meta(out)["train_lines"] == 130 - 6  # no *.dev: lines 19, 39, ..., 119 held out
+    stamp = (out / "train.bin").stat().st_mtime_ns
+    assert P.prepare(str(raw), vocab_size=800, quiet=True) == out
+    assert (out / "train.bin").stat().st_mtime_ns == stamp  # reused, not rewritten
+    P.prepare(str(raw), vocab_size=700, quiet=True)  # other tokenizer settings: rebuilt
+    assert P.load_meta(out)["vocab_size"] == 700
+    with open(raw / "a.train", "a") as f:  # the raw text changed: rebuilt
+        f.write("one more line of text\n")
+    P.prepare(str(raw), vocab_size=700, quiet=True)
+    assert P.load_meta(out)["train_lines"] == 131 - 6
+
+
+def test_plain_and_gzip_read_alike_and_holdout(tmp_path):
+    lines = [f"line {i} with some words" for i in range(45)]
+    (tmp_path / "x.txt").write_text("\n".join(lines[:30]) + "\n\n   \n")
+    with gzip.open(tmp_path / "y.txt.gz", "wt") as f:
+        f.write("\n".join(lines[30:]))
+    (tmp_path / "z.train").write_text("\n".join(lines[:30]))
+    assert P.read_lines(tmp_path / "x.txt") == P.read_lines(tmp_path / "z.train") == lines[:30]  # blank lines dropped
+    assert P.read_lines(tmp_path / "y.txt.gz") == lines[30:]
+    # a folder without *.train files is read whole
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in ("x.txt", "y.txt.gz"):
+        (other / f).write_bytes((tmp_path / f).read_bytes())
+    assert [p.name for p in P.find_files(other)[0]] == ["x.txt", "y.txt.gz"]
+    assert P.find_files(tmp_path)[0] == [tmp_path / "z.train"]
+
+
+def test_holdout_every_20th_line_without_dev_files(small_raw, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
+    raw = tmp_path / "plain"
+    raw.mkdir()
+    (raw / "text.txt").write_text((small_raw / "childes.train").read_text())
+    out = P.prepare(str(raw), vocab_size=800, quiet=True)
+    meta = P.load_meta(out)
+    assert (meta["train_lines"], meta["val_lines"]) == (130 - 6, 6)
+    assert meta["val_from"].startswith("every 20th line")
+
+
+# --- errors a user can cause: one clear sentence, nothing written ------------------------------
+
+def test_missing_corpus_says_where_it_looked_and_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOMLM_RAW", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
+    with pytest.raises(SystemExit) as e:
+        P.prepare("babylm_10m")
+    msg = str(e.value)
+    assert msg.startswith("error: no corpus folder at " + str(tmp_path / "nowhere" / "babylm_10m"))
+    assert "https://osf.io/ad7qg/" in msg and "train_10M.zip" in msg and "--download" in msg
+    assert not (tmp_path / "prep").exists()
+
+
+@pytest.mark.parametrize("content", [None, "\n\n   \n\t\n"], ids=["empty folder", "only blank lines"])
+def test_corpus_without_text(tmp_path, monkeypatch, content):
+    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
+    raw = tmp_path / "corpus"
+    raw.mkdir()
+    if content is not None:
+        (raw / "a.train").write_text(content)
+    with pytest.raises(SystemExit, match="^error: .*(holds no text files|has no text)"):
+        P.prepare(str(raw))
+    assert not (tmp_path / "prep" / "corpus" / "meta.json").exists()
+
+
+def test_vocab_too_big_for_corpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
+    raw = tmp_path / "corpus"
+    raw.mkdir()
+    (raw / "a.train").write_text("just a few words\n" * 50)
+    with pytest.raises(SystemExit, match="could not train a 16384-piece tokenizer.*smaller --vocab-size"):
+        P.prepare(str(raw))
+
+
+def test_download_offline_fails_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOMLM_RAW", str(tmp_path))
+
+    def offline(*a, **k):
+        raise urllib.error.URLError("no network")
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(SystemExit, match=r"^error: could not download https://api\.osf\.io/.*by hand"):
+        P.download("babylm_10m")
+    with pytest.raises(SystemExit, match="no download known"):
+        P.download("my_corpus")
+
+
+def test_prepared_folder_must_not_be_the_raw_folder(small_raw, tmp_path, monkeypatch):
+    raw = tmp_path / "corpus"
+    raw.mkdir()
+    (raw / "a.train").write_text((small_raw / "childes.train").read_text())
+    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path))  # would write data/corpus/ = the raw folder
+    with pytest.raises(SystemExit, match="would be the raw folder"):
+        P.prepare(str(raw), vocab_size=800)

@@ -1,0 +1,211 @@
+"""model.py: position buckets, attention against a pair-by-pair reference, padding and translation
+invariance, initialisation statistics, and checkpoints."""
+import math
+from dataclasses import asdict
+
+import pytest
+import scipy.stats
+import sentencepiece as spm
+import torch
+import torch.nn.functional as F
+
+from model import (PRESETS, Encoder, ModelConfig, check_config, load_checkpoint, read_checkpoint,
+                   relative_buckets, save_checkpoint)
+
+V = 300
+
+
+def tiny(**kw) -> ModelConfig:
+    return ModelConfig(**{**PRESETS["tiny"], "vocab_size": V, "d_model": 32, "d_ff": 48, **kw})
+
+
+# --- relative positions --------------------------------------------------------------------------
+
+def test_buckets_hand_computed():
+    b = relative_buckets(512, 32, 512)  # LTG-BERT's setting; b[i, j] is for offset d = i - j
+    row = lambda d: b[d, 0].item() if d >= 0 else b[0, -d].item()
+    assert row(0) == 31 and row(16) == 47 and row(-16) == 15      # |d| <= 16: one row each
+    # d = 17: 16 + ceil(15 * ln(17/16) / ln(511/16)) = 16 + ceil(0.263) = 17
+    assert row(17) == 31 + 17 and row(-17) == 31 - 17
+    assert row(511) == 62 and row(-511) == 0                        # the last rows of 2*32-1
+
+
+def test_buckets_against_scalar_loop():
+    K, P, n = 16, 64, 80  # n > P: offsets beyond max_position share the last bucket
+    b = relative_buckets(n, K, P)
+    mid = K // 2
+    for i in range(n):
+        for j in range(n):
+            d = i - j
+            if abs(d) <= mid:
+                want = d
+            else:
+                want = int(math.copysign(mid + math.ceil(math.log(min(abs(d), P - 1) / mid)
+                                                          / math.log((P - 1) / mid) * (mid - 1)), d))
+            assert b[i, j].item() == want + K - 1, (i, j)
+    assert b.min() == 0 and b.max() == 2 * K - 2
+    assert (b[:, 0].diff() >= 0).all()  # monotone in the offset
+
+
+def naive_attention(att, x, mask, rel):
+    """LTG-BERT's attention written pair by pair: score(i, j) = (q_i.k_j + q_i.kp_r + k_j.qp_r) /
+    sqrt(3 d_head) with r = bucket(i - j); padded keys excluded; softmax; sum of values."""
+    B, T, D = x.shape
+    H, hd = att.n_head, att.head_dim
+    h = F.layer_norm(x, (D,), eps=att.pre_norm.eps)
+    q, k = att.qk(h).chunk(2, -1)
+    v = att.v(h)
+    qp, kp = att.qk(rel).chunk(2, -1)
+    r = att.buckets
+    out = torch.zeros(B, T, D, dtype=x.dtype)
+    for b in range(B):
+        for i in range(T):
+            for head in range(H):
+                s = slice(head * hd, (head + 1) * hd)
+                scores = torch.stack([
+                    (q[b, i, s] @ k[b, j, s] + q[b, i, s] @ kp[r[i, j], s] + k[b, j, s] @ qp[r[i, j], s])
+                    / math.sqrt(3 * hd) if mask[b, j] else torch.tensor(-math.inf, dtype=x.dtype)
+                    for j in range(T)])
+                out[b, i, s] = torch.softmax(scores, 0) @ v[b, :, s]
+    return att.post_norm(att.out(out))
+
+
+def test_relative_attention_matches_pair_by_pair_reference():
+    torch.manual_seed(0)
+    model = Encoder(tiny(n_head=4, position_buckets=8, max_position=64)).double().eval()
+    att = model.layers[0].attn
+    x = torch.randn(2, 13, 32, dtype=torch.float64)
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, 9:] = 0
+    bias = torch.zeros(2, 1, 1, 13, dtype=torch.float64).masked_fill(mask[:, None, None, :] == 0, -math.inf)
+    rel = model.rel_norm(model.rel)
+    got = att(x, bias, rel)
+    want = naive_attention(att, x, mask, rel)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+# --- padding, translation, hidden states ---------------------------------------------------------
+
+@pytest.mark.parametrize("position", ["relative", "absolute"])
+def test_padding_never_changes_real_positions(position):
+    torch.manual_seed(0)
+    model = Encoder(tiny(position=position, n_layer=3)).eval()
+    a, b = torch.randint(5, V, (1, 11)), torch.randint(5, V, (1, 6))
+    junk = torch.randint(0, V, (1, 5))  # whatever sits under the padding must not matter
+    ids = torch.cat([a, torch.cat([b, junk], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    out = model(ids, mask, all_layers=True)
+    alone_a, alone_b = model(a, all_layers=True), model(b, all_layers=True)
+    assert len(out) == 4
+    for layer in range(4):
+        torch.testing.assert_close(out[layer][0], alone_a[layer][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[layer][1, :6], alone_b[layer][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.logits(ids, mask)[1, :6], model.logits(b)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("position", ["relative", "absolute"])
+def test_left_padding_shifts_only_absolute_positions(position):
+    """Relative attention sees offsets only: hiding 4 tokens on the left changes nothing. Absolute
+    embeddings see indices: the same tokens at positions 4.. instead of 0.. give other outputs."""
+    torch.manual_seed(0)
+    model = Encoder(tiny(position=position)).eval()
+    seq = torch.randint(5, V, (1, 9))
+    shifted = torch.cat([torch.randint(5, V, (1, 4)), seq], 1)
+    mask = torch.ones_like(shifted)
+    mask[0, :4] = 0
+    diff = (model(shifted, mask)[0, 4:] - model(seq)[0]).abs().max().item()
+    assert diff < 1e-5 if position == "relative" else diff > 1e-2
+
+
+def test_predict_scores_only_the_asked_positions():
+    torch.manual_seed(0)
+    model = Encoder(tiny()).eval()
+    ids = torch.randint(5, V, (3, 10))
+    predict = torch.rand(3, 10) < 0.3
+    hidden, logits = model(ids, predict=predict)
+    torch.testing.assert_close(hidden, model(ids))
+    torch.testing.assert_close(logits, model.logits(ids)[predict])
+
+
+# --- initialisation ------------------------------------------------------------------------------
+
+def test_init_matches_its_documentation():
+    torch.manual_seed(0)
+    cfg = tiny(d_model=256, d_ff=512, n_layer=3, vocab_size=4000)
+    model = Encoder(cfg)
+    s = math.sqrt(2 / (5 * 256))
+    trunc_std = scipy.stats.truncnorm(-2, 2).std()  # std of N(0, 1) cut at +-2: 0.8796
+    for w, scale in [(model.word.weight, 1), (model.rel, 1), (model.layers[0].attn.qk.weight, 1),
+                     (model.head_in[1].weight, 1)] + \
+            [(model.layers[i].ffn.up.weight, math.sqrt(1 / (2 * (i + 1)))) for i in range(3)] + \
+            [(model.layers[i].ffn.down.weight, math.sqrt(1 / (2 * (i + 1)))) for i in range(3)]:
+        assert w.std().item() == pytest.approx(trunc_std * s * scale, rel=0.03)
+        assert w.abs().max().item() <= 2 * s * scale + 1e-7
+        assert w.mean().abs().item() < 0.05 * s * scale
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            assert (p == 0).all(), name
+        if "post_norm.weight" in name or "rel_norm.weight" in name:
+            assert (p == 1).all(), name
+
+
+def test_decoder_is_tied_to_word_embeddings():
+    torch.manual_seed(0)
+    model = Encoder(tiny()).eval()
+    assert not any("decoder" in k for k in model.state_dict())
+    h = torch.randn(4, 32)
+    want = F.layer_norm(F.gelu(model.head_in[1](F.layer_norm(h, (32,), eps=1e-7))), (32,), eps=1e-7) @ model.word.weight.T
+    torch.testing.assert_close(model.head(h), want)
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def saved(tmp_path, prepared):
+    torch.manual_seed(0)
+    model = Encoder(tiny(vocab_size=2000)).eval()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"model": model.state_dict(), "config": asdict(model.config),
+                     "tokenizer": (prepared / "tokenizer.model").read_bytes(), "step": 3}, path)
+    return model, path
+
+
+def test_checkpoint_round_trip(saved):
+    model, path = saved
+    assert not path.with_name("ckpt.pt.tmp").exists()  # the temp file was renamed into place
+    loaded, tok = load_checkpoint(path)
+    assert isinstance(tok, spm.SentencePieceProcessor) and tok.get_piece_size() == 2000
+    ids = torch.tensor([[2] + tok.encode("the cat sat on the mat") + [3]])
+    torch.testing.assert_close(loaded.logits(ids, torch.ones_like(ids)), model.logits(ids), rtol=0, atol=0)
+    assert not loaded.training
+
+
+def test_checkpoint_loads_strictly(saved, tmp_path):
+    model, path = saved
+    ckpt = read_checkpoint(path)
+    del ckpt["model"]["head_bias"]
+    save_checkpoint(ckpt, tmp_path / "broken.pt")
+    with pytest.raises(RuntimeError, match="Missing key"):
+        load_checkpoint(tmp_path / "broken.pt")
+
+
+def test_corrupt_or_foreign_checkpoints(saved, tmp_path):
+    _, path = saved
+    data = path.read_bytes()
+    (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
+    (tmp_path / "noise.pt").write_bytes(bytes(range(256)) * 40)
+    for name in ("truncated.pt", "noise.pt"):
+        with pytest.raises(SystemExit, match=r"^error: cannot read checkpoint .*corrupt or truncated"):
+            read_checkpoint(tmp_path / name)
+    torch.save({"weights": torch.zeros(3)}, tmp_path / "other.pt")
+    with pytest.raises(SystemExit, match="not a nanoMLM checkpoint"):
+        read_checkpoint(tmp_path / "other.pt")
+    with pytest.raises(SystemExit, match="^error: no checkpoint at"):
+        read_checkpoint(tmp_path / "missing.pt")
+
+
+def test_config_mismatch_names_the_fields():
+    with pytest.raises(SystemExit, match=r"d_model=32 there but 64 here; vocab_size=300 there but 500 here"):
+        check_config(asdict(tiny()), tiny(d_model=64, vocab_size=500), "x.pt")
+    check_config(asdict(tiny()), tiny(), "x.pt")  # equal configs pass
