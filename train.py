@@ -116,10 +116,10 @@ class Lamb(torch.optim.Optimizer):
 
 
 def make_optimizer(model, args):
-    # no weight decay on biases, LayerNorm gains and embedding tables (as LTG-BERT)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n not in ("word.weight", "rel", "pos.weight")]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and n not in ("word.weight", "rel", "pos.weight"))]
-    groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=rest, weight_decay=0.0)]
+    # weight decay on weight matrices only, not on biases, LayerNorm gains or embedding tables (as LTG-BERT)
+    decays = lambda name, p: p.ndim >= 2 and name not in ("word.weight", "rel", "pos.weight")
+    groups = [dict(params=[p for n, p in model.named_parameters() if decays(n, p)], weight_decay=args.weight_decay),
+              dict(params=[p for n, p in model.named_parameters() if not decays(n, p)], weight_decay=0.0)]
     if args.optim == "lamb":
         return Lamb(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
@@ -200,7 +200,7 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=128, help="sequences per micro-batch per process (default 128)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--optim", default="lamb", choices=["adamw", "lamb"], help="optimizer; betas (0.9, 0.98), eps 1e-6 (default lamb)")
-    p.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (default 5e-3)")
+    p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
     p.add_argument("--warmup", type=float, default=0.016, help="warmup: a fraction of --max-steps if < 1, else steps (default 0.016)")
     p.add_argument("--schedule", default="cosine", choices=["cosine", "linear"], help="decay after warmup (default cosine)")
     p.add_argument("--min-lr", type=float, default=0.1, help="final learning rate as a fraction of --lr (default 0.1)")
