@@ -214,7 +214,7 @@ def build_parser():
     p.add_argument("--out-dir", default=None, help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its ckpt.pt, with its saved settings")
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights (fresh optimizer, step 0)")
-    p.add_argument("--log-every", type=int, default=10, help="steps between log lines (default 10)")
+    p.add_argument("--log-every", type=int, default=50, help="steps between log lines (default 50)")
     p.add_argument("--eval-every", type=int, default=500, help="steps between validations (default 500)")
     p.add_argument("--eval-batches", type=int, default=20, help="validation batches, always the same ones (default 20)")
     p.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (default 1000)")

@@ -17,5 +17,5 @@ def test_tiny_mlm_learns_past_the_unigram_entropy(small_raw, tmp_path, monkeypat
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     val = [e["val_loss"] for e in log if "val_loss" in e]
     assert len(val) == 3 and val[0] > val[-1]  # validation loss falls...
-    # ...well below the entropy of the tokens' unigram distribution (about 5.7 nats here)
-    assert val[-1] < meta["unigram_entropy"] - 0.5, (val, meta["unigram_entropy"])
+    # ...well below the entropy of the tokens' unigram distribution (5.89 nats here; 4.2 measured)
+    assert val[-1] < meta["unigram_entropy"] - 1.0, (val, meta["unigram_entropy"])
