@@ -262,10 +262,11 @@ def read_checkpoint(path) -> dict:
 
 
 def check_config(saved: dict, config: ModelConfig, path) -> None:
-    """A checkpoint only loads into the model it was made from: say which fields differ."""
+    """A checkpoint only loads into the model it was made from: say which fields differ.
+    Dropout is a training setting, not part of the model, and may differ."""
     want = asdict(config)
     diff = [f"{k}={saved.get(k)!r} there but {want.get(k)!r} here"
-            for k in sorted(set(saved) | set(want)) if saved.get(k) != want.get(k)]
+            for k in sorted(set(saved) | set(want)) if saved.get(k) != want.get(k) and k != "dropout"]
     if diff:
         raise SystemExit(f"error: {path} holds a different model: {'; '.join(diff)}")
 

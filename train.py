@@ -222,13 +222,19 @@ def build_parser():
     model_flags = p.add_argument_group("model (ModelConfig fields; default: the --size preset)")
     for f, text in zip(fields(ModelConfig), config_help().values()):
         if f.name != "vocab_size":  # the tokenizer decides it
-            model_flags.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None, help=text)
+            model_flags.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None, help=text,
+                                     choices=("relative", "absolute") if f.name == "position" else None)
     return p
 
 
 def get_args(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
+    for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "eval_every", "eval_batches", "save_every"):
+        if getattr(args, name) < (3 if name == "seq_len" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be at least {3 if name == 'seq_len' else 1}")
+    if not 0 < args.mask_p < 1:
+        parser.error("--mask-p must be between 0 and 1")
     if args.out_dir is None:
         args.out_dir = str(HERE / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
     # which flags were typed (a resumed run keeps its saved settings and refuses new ones);
@@ -240,7 +246,12 @@ def get_args(argv):
 
 def model_config(args, vocab_size) -> ModelConfig:
     overrides = {f.name: getattr(args, f.name) for f in fields(ModelConfig) if getattr(args, f.name, None) is not None}
-    return ModelConfig(**{**PRESETS[args.size], **overrides, "vocab_size": vocab_size})
+    config = ModelConfig(**{**PRESETS[args.size], **overrides, "vocab_size": vocab_size})
+    if config.d_model % config.n_head:
+        raise SystemExit(f"error: --d-model {config.d_model} is not a multiple of --n-head {config.n_head}")
+    if args.seq_len > config.max_position:
+        raise SystemExit(f"error: --seq-len {args.seq_len} exceeds --max-position {config.max_position}")
+    return config
 
 
 def code_version() -> dict:
@@ -326,8 +337,6 @@ def main(argv=None):
 
     # --- model and optimizer ---------------------------------------------------------------
     config = model_config(args, V)
-    if args.seq_len > config.max_position:
-        raise SystemExit(f"error: --seq-len {args.seq_len} exceeds --max-position {config.max_position}")
     torch.manual_seed(args.seed)
     model = Encoder(config)
     step = 0
@@ -439,7 +448,7 @@ def main(argv=None):
             if ddp:
                 dist.all_reduce(nonfinite, dist.ReduceOp.MAX)
             if nonfinite.item() >= 0:
-                where = f"the last good checkpoint (step {last_saved}) is kept at {ckpt_path}" if last_saved \
+                where = f"the last good checkpoint (step {last_saved}) is kept at {ckpt_path}" if last_saved is not None \
                     else "no checkpoint had been saved yet"
                 log({"step": int(nonfinite), "error": "non-finite loss or gradient"})
                 raise SystemExit(f"error: the loss or gradient became NaN/inf at step {int(nonfinite)}; "

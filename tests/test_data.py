@@ -54,21 +54,26 @@ def test_streams_and_meta(prepared, small_raw):
     assert meta["unigram_entropy"] == pytest.approx(-sum(c / n * math.log(c / n) for c in counts.values()), rel=1e-9)
 
 
-def test_reuse_then_rebuild_when_stale(small_raw, tmp_path, monkeypatch):
+@pytest.fixture
+def one_file(small_raw, tmp_path, monkeypatch):
+    """A raw folder holding one text file of 130 real lines (no *.dev); prepared into tmp_path/prep."""
     monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
-    raw = tmp_path / "raw"
+    raw = tmp_path / "corpus"
     raw.mkdir()
-    (raw / "a.train").write_text((small_raw / "childes.train").read_text())
-    out = P.prepare(str(raw), vocab_size=800, quiet=True)
-    assert P.load_meta(out)["train_lines"] == 130 - 6  # no *.dev: lines 19, 39, ..., 119 held out
+    (raw / "text.txt").write_text((small_raw / "childes.train").read_text())
+    return raw
+
+
+def test_reuse_then_rebuild_when_stale(one_file):
+    out = P.prepare(str(one_file), vocab_size=800, quiet=True)
     stamp = (out / "train.bin").stat().st_mtime_ns
-    assert P.prepare(str(raw), vocab_size=800, quiet=True) == out
+    assert P.prepare(str(one_file), vocab_size=800, quiet=True) == out
     assert (out / "train.bin").stat().st_mtime_ns == stamp  # reused, not rewritten
-    P.prepare(str(raw), vocab_size=700, quiet=True)  # other tokenizer settings: rebuilt
+    P.prepare(str(one_file), vocab_size=700, quiet=True)  # other tokenizer settings: rebuilt
     assert P.load_meta(out)["vocab_size"] == 700
-    with open(raw / "a.train", "a") as f:  # the raw text changed: rebuilt
+    with open(one_file / "text.txt", "a") as f:  # the raw text changed: rebuilt
         f.write("one more line of text\n")
-    P.prepare(str(raw), vocab_size=700, quiet=True)
+    P.prepare(str(one_file), vocab_size=700, quiet=True)
     assert P.load_meta(out)["train_lines"] == 131 - 6
 
 
@@ -89,14 +94,9 @@ def test_plain_and_gzip_read_alike_and_holdout(tmp_path):
     assert P.find_files(tmp_path)[0] == [tmp_path / "z.train"]
 
 
-def test_holdout_every_20th_line_without_dev_files(small_raw, tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
-    raw = tmp_path / "plain"
-    raw.mkdir()
-    (raw / "text.txt").write_text((small_raw / "childes.train").read_text())
-    out = P.prepare(str(raw), vocab_size=800, quiet=True)
-    meta = P.load_meta(out)
-    assert (meta["train_lines"], meta["val_lines"]) == (130 - 6, 6)
+def test_holdout_every_20th_line_without_dev_files(one_file):
+    meta = P.load_meta(P.prepare(str(one_file), vocab_size=800, quiet=True))
+    assert (meta["train_lines"], meta["val_lines"]) == (130 - 6, 6)  # lines 19, 39, ..., 119 held out
     assert meta["val_from"].startswith("every 20th line")
 
 
@@ -146,10 +146,7 @@ def test_download_offline_fails_clearly(tmp_path, monkeypatch):
         P.download("my_corpus")
 
 
-def test_prepared_folder_must_not_be_the_raw_folder(small_raw, tmp_path, monkeypatch):
-    raw = tmp_path / "corpus"
-    raw.mkdir()
-    (raw / "a.train").write_text((small_raw / "childes.train").read_text())
-    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path))  # would write data/corpus/ = the raw folder
+def test_prepared_folder_must_not_be_the_raw_folder(one_file, monkeypatch):
+    monkeypatch.setenv("NANOMLM_DATA", str(one_file.parent))  # would write prep/corpus/ = the raw folder
     with pytest.raises(SystemExit, match="would be the raw folder"):
-        P.prepare(str(raw), vocab_size=800)
+        P.prepare(str(one_file), vocab_size=800)

@@ -209,3 +209,4 @@ def test_config_mismatch_names_the_fields():
     with pytest.raises(SystemExit, match=r"d_model=32 there but 64 here; vocab_size=300 there but 500 here"):
         check_config(asdict(tiny()), tiny(d_model=64, vocab_size=500), "x.pt")
     check_config(asdict(tiny()), tiny(), "x.pt")  # equal configs pass
+    check_config(asdict(tiny()), tiny(dropout=0.0), "x.pt")  # and so does another dropout

@@ -226,6 +226,13 @@ def test_error_corrupt_checkpoint(trained, prepared, tmp_path):
     assert_clean_error(run_train("--out-dir", tmp_path / "b", "--resume"), "cannot read checkpoint")
 
 
+def test_error_impossible_model(prepared, tmp_path):
+    r = run_train("--data", prepared, "--out-dir", tmp_path / "a", *TINY, "--n-head", 3)
+    assert_clean_error(r, "--d-model 64 is not a multiple of --n-head 3")
+    r = run_train("--data", prepared, "--out-dir", tmp_path / "b", *TINY, "--seq-len", 600)
+    assert_clean_error(r, "--seq-len 600 exceeds --max-position 512")
+
+
 def test_error_resume_without_checkpoint(tmp_path):
     assert_clean_error(run_train("--out-dir", tmp_path / "nothing", "--resume"), "--resume, but there is no checkpoint at")
 
