@@ -352,6 +352,7 @@ def main(argv=None):
     optimizer = make_optimizer(model, args)
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
+        # the loop reseeds every micro-batch; the saved state covers randomness drawn outside it
         torch.set_rng_state(ckpt["rng"]["torch"])
         if want_cuda and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
