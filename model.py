@@ -272,9 +272,14 @@ def check_config(saved: dict, config: ModelConfig, path) -> None:
 
 
 def load_checkpoint(path, device="cpu"):
-    """-> (Encoder in eval mode on `device`, its sentencepiece tokenizer)."""
+    """-> (Encoder in eval mode on `device`, its sentencepiece tokenizer). model.train_args holds
+    the arguments it was trained with (its seed, objective, data...)."""
     ckpt = read_checkpoint(path)
     model = Encoder(ModelConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"], strict=True)
+    model.train_args = ckpt.get("args", {})
     tok = spm.SentencePieceProcessor(model_proto=ckpt["tokenizer"])
+    if tok.get_piece_size() != model.config.vocab_size:
+        raise SystemExit(f"error: {path} pairs a {model.config.vocab_size}-token model with a "
+                         f"{tok.get_piece_size()}-piece tokenizer; it was not written by train.py")
     return model.to(device).eval(), tok

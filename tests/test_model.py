@@ -205,6 +205,18 @@ def test_corrupt_or_foreign_checkpoints(saved, tmp_path):
         read_checkpoint(tmp_path / "missing.pt")
 
 
+def test_checkpoint_with_another_tokenizer(saved, tmp_path, small_raw, monkeypatch):
+    from data.prepare import prepare
+    _, path = saved
+    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
+    other = prepare(str(small_raw), vocab_size=1500, quiet=True)
+    ckpt = read_checkpoint(path)
+    ckpt["tokenizer"] = (other / "tokenizer.model").read_bytes()
+    save_checkpoint(ckpt, tmp_path / "mixed.pt")
+    with pytest.raises(SystemExit, match="pairs a 2000-token model with a 1500-piece tokenizer"):
+        load_checkpoint(tmp_path / "mixed.pt")
+
+
 def test_config_mismatch_names_the_fields():
     with pytest.raises(SystemExit, match=r"d_model=32 there but 64 here; vocab_size=300 there but 500 here"):
         check_config(asdict(tiny()), tiny(d_model=64, vocab_size=500), "x.pt")

@@ -1,0 +1,571 @@
+"""Evaluate checkpoints with torch, numpy and scipy only: BLiMP by pseudo-log-likelihood,
+(Super)GLUE/MSGS fine-tuning, and the Multi-Bootstrap to compare two pretraining procedures.
+
+    E=../shared/data/babylm_eval
+    python evaluate.py blimp --ckpt runs/X/ckpt.pt --blimp-dir $E/fast_eval/blimp_fast $E/fast_eval/supplement_fast
+    python evaluate.py finetune --ckpt runs/X/ckpt.pt --task rte --data-dir $E/full_eval/glue_filtered --seeds 1,2,3
+    python evaluate.py compare "runs/mlm_s*/eval/blimp.json" "runs/boot_s*/eval/blimp.json"
+
+Each command writes RUN/eval/NAME.json next to the checkpoint (or --out) with every per-example
+result, so that `compare` can resample examples as well as pretraining seeds.
+
+BLiMP: a pair counts as correct iff PLL(good) > PLL(bad), ties wrong. PLL (Salazar et al. 2020)
+masks every token in turn ([CLS]/[SEP] never) and sums the log-probabilities of the masked
+tokens; `--scorer word-l2r` (Kauf & Ivanova 2023) also hides the later pieces of the word being
+scored. Temperature: scores under logits/T for a grid of T; the best T is chosen on one half of
+the pairs (a fixed split by pair id) and reported on the other half only.
+"""
+import argparse
+import copy
+import glob
+import json
+import math
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from data.prepare import CLS, MASK, PAD, SEP
+from model import load_checkpoint
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared: files, devices, output
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"error: {path}:{n} is not valid JSON ({e.msg})") from None
+    return rows
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA device is visible")
+    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def autocast(device):
+    return torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+
+def write_result(result: dict, out, ckpt, name: str) -> Path:
+    path = Path(out) if out else Path(ckpt).parent / "eval" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics on confusion matrices cm[..., true, predicted]: vectorised over leading axes, so the
+# bootstrap can score thousands of resamples at once
+
+def confusion(labels, preds, k: int) -> np.ndarray:
+    return np.bincount(np.asarray(labels) * k + np.asarray(preds), minlength=k * k).reshape(k, k).astype(float)
+
+
+def accuracy(cm):
+    return np.trace(cm, axis1=-2, axis2=-1) / cm.sum((-2, -1))
+
+
+def f1(cm):
+    """F1 of class 1 (binary tasks: MRPC, QQP); 0 when class 1 is never true nor predicted."""
+    tp, fp, fn = cm[..., 1, 1], cm[..., 0, 1], cm[..., 1, 0]
+    return np.divide(2 * tp, 2 * tp + fp + fn, out=np.zeros_like(tp), where=(2 * tp + fp + fn) > 0)
+
+
+def mcc(cm):
+    """Matthews correlation, multiclass form (Gorodkin 2004); 0 when a marginal is constant."""
+    s = cm.sum((-2, -1))
+    c = np.trace(cm, axis1=-2, axis2=-1)
+    t, p = cm.sum(-1), cm.sum(-2)  # true and predicted counts per class
+    den = np.sqrt((s ** 2 - (p ** 2).sum(-1)) * (s ** 2 - (t ** 2).sum(-1)))
+    return np.divide(c * s - (t * p).sum(-1), den, out=np.zeros_like(den), where=den > 0)
+
+
+METRICS = {"accuracy": accuracy, "f1": f1, "mcc": mcc}
+
+
+# ---------------------------------------------------------------------------------------------
+# BLiMP: pseudo-log-likelihood
+
+# BLiMP's 12 phenomena (Warstadt et al. 2020, Table 4), the grouping the BabyLM pipeline reports.
+# The jsonl files label the two animate_subject paradigms "s-selection"; the paper counts them
+# under argument structure.
+PHENOMENON = {"s-selection": "argument_structure"}
+
+
+def read_blimp(dirs) -> list[dict]:
+    """Pairs of every *.jsonl in each folder; original (pairID) or BabyLM (pair_id) schema, or the
+    BabyLM supplement (no UID: the file name is the paradigm and the phenomenon)."""
+    pairs = []
+    for d in map(Path, dirs):
+        if not d.is_dir():
+            raise SystemExit(f"error: no BLiMP folder at {d}")
+        files = sorted(d.glob("*.jsonl"))
+        if not files:
+            raise SystemExit(f"error: {d} holds no *.jsonl files")
+        for f in files:
+            rows = read_jsonl(f)
+            if not rows:
+                raise SystemExit(f"error: {f} holds no pairs")
+            ids = [r.get("pair_id", r.get("pairID")) for r in rows]
+            if None in ids or len(set(ids)) < len(ids):
+                ids = list(range(len(rows)))  # the supplement has no unique pair id: use the line
+            for n, (r, pid) in enumerate(zip(rows, ids), 1):
+                if not isinstance(r.get("sentence_good"), str) or not isinstance(r.get("sentence_bad"), str):
+                    raise SystemExit(f"error: {f}:{n} has no sentence_good/sentence_bad strings")
+                uid = r.get("UID", f.stem)
+                term = r.get("linguistics_term", f.stem)
+                pairs.append({"id": f"{uid}/{pid}", "uid": uid, "group": d.name, "field": r.get("field", "supplement"),
+                              "phenomenon": PHENOMENON.get(term, term), "good": r["sentence_good"], "bad": r["sentence_bad"]})
+    return pairs
+
+
+def word_starts(tok) -> torch.Tensor:
+    """(V,) bool: does this piece begin a word? Sentencepiece marks word starts with U+2581;
+    specials are words of their own; byte pieces continue the word they are in."""
+    return torch.tensor([tok.is_control(i) or tok.is_unknown(i) or tok.id_to_piece(i).startswith("\u2581")
+                         for i in range(tok.get_piece_size())])
+
+
+@torch.no_grad()
+def token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progress=True):
+    """Log-probability of every scored token of every sequence, under every temperature.
+
+    seqs: token-id lists, [CLS] ... [SEP]. Returns (sentence index (C,), position (C,),
+    log-probs (C, len(temps))) for the C = sum(len - 2) masked copies. Copies of equal length
+    share a batch of at most `batch_tokens` tokens, so nothing is padded and no Python loop runs
+    per token. With l2r, a copy also masks the target's later pieces in the same word.
+    """
+    L = np.array([len(s) for s in seqs])
+    ids = np.full((len(seqs), L.max()), PAD, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = s
+    words = starts[torch.from_numpy(ids)].cumsum(1).numpy()      # (S, Lmax) word index per position
+    n = L - 2
+    sent = np.repeat(np.arange(len(seqs)), n)                    # copy -> its sentence
+    pos = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n) + 1  # copy -> the position it masks
+    out = np.zeros((len(sent), len(temps)))
+    batches = []
+    for length in np.unique(L):
+        copies = np.flatnonzero(L[sent] == length)
+        batches += [(length, c) for c in np.array_split(copies, math.ceil(len(copies) * length / batch_tokens))]
+    for length, c in tqdm(batches, desc="PLL", unit="batch", disable=None if progress else True):
+        rows = torch.from_numpy(ids[sent[c], :length]).to(device)
+        w = torch.from_numpy(words[sent[c], :length]).to(device)
+        p = torch.from_numpy(pos[c]).to(device)[:, None]
+        ar = torch.arange(length, device=device)
+        target = ar == p                                             # (n, length)
+        hide = target | ((ar > p) & (w == w.gather(1, p))) if l2r else target
+        with autocast(device):
+            _, logits = model(rows.masked_fill(hide, MASK), predict=target)  # (n, V), row order
+        z = logits.float()
+        z_target = z.gather(1, rows.gather(1, p))                      # (n, 1)
+        lp = [z_target[:, 0] / t - (z / t).logsumexp(-1) for t in temps]  # log softmax(z / t)[target]
+        out[c] = torch.stack(lp, 1).double().cpu().numpy()
+    return sent, pos, out
+
+
+def pll(model, seqs, temps, l2r, batch_tokens, device, starts, progress=True) -> np.ndarray:
+    """(len(seqs), len(temps)) pseudo-log-likelihoods: the sums of token_logprobs per sentence."""
+    sent, _, lp = token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progress)
+    scores = np.zeros((len(seqs), len(temps)))
+    np.add.at(scores, sent, lp)
+    return scores
+
+
+def half_of(pair_id: str) -> int:
+    """0 = the half that chooses the temperature, 1 = the half it is reported on. A fixed hash of
+    the pair id: the same on every machine and for every model, independent of file order."""
+    return zlib.crc32(pair_id.encode()) % 2
+
+
+def macro(correct, uids) -> np.ndarray:
+    """Mean over paradigms of the per-paradigm accuracy; correct (P, ...) -> (...)."""
+    uids = np.asarray(uids)
+    return np.mean([correct[uids == u].mean(0) for u in np.unique(uids)], axis=0)
+
+
+def choose_temperature(correct, uids, halves, temps) -> int:
+    """Index of the temperature with the best macro accuracy on half 0 (ties: nearest to T=1).
+    Rows of half 1 are never read."""
+    sel = np.asarray(halves) == 0
+    if not sel.any():  # too few pairs for a selection half: no choice to make, T = 1
+        return min(range(len(temps)), key=lambda t: abs(math.log(temps[t])))
+    acc = macro(correct[sel], np.asarray(uids)[sel])
+    return max(range(len(temps)), key=lambda t: (round(float(acc[t]), 12), -abs(math.log(temps[t]))))
+
+
+def blimp(args):
+    device = pick_device(args.device)
+    pairs = read_blimp(args.blimp_dir)
+    model, tok = load_checkpoint(args.ckpt, device)
+    temps = sorted({1.0, *args.temperatures})
+    t1 = temps.index(1.0)
+    sentences = [p["good"] for p in pairs] + [p["bad"] for p in pairs]
+    seqs = [[CLS] + s + [SEP] for s in tok.encode(sentences)]
+    if max(map(len, seqs)) > model.config.max_position:
+        raise SystemExit(f"error: a sentence has {max(map(len, seqs))} tokens, more than the model's {model.config.max_position}")
+    t0 = time.time()
+    batch_tokens = args.batch_tokens or (32768 if device.type == "cuda" else 4096)
+    scores = pll(model, seqs, temps, args.scorer == "word-l2r", batch_tokens, device, word_starts(tok))
+    seconds = time.time() - t0
+    good, bad = scores[:len(pairs)], scores[len(pairs):]
+    correct = good > bad                                             # (P, T); ties are wrong
+    uids = [p["uid"] for p in pairs]
+    halves = np.array([half_of(p["id"]) for p in pairs])
+    best = choose_temperature(correct, uids, halves, temps)
+    report = halves == 1
+
+    groups = np.array([p["group"] for p in pairs])
+    acc = lambda m, t: float(correct[m, t].mean()) if m.any() else float("nan")  # nan: no pair in that half
+
+    def table(key):  # {group: {value: [acc T=1, acc T=1 report half, acc best T report half, pairs]}}
+        values = np.array([p[key] for p in pairs])
+        out = {}
+        for g, v in sorted(set(zip(groups, values))):
+            m = (groups == g) & (values == v)
+            out.setdefault(str(g), {})[str(v)] = [acc(m, t1), acc(m & report, t1), acc(m & report, best), int(m.sum())]
+        return out
+
+    paradigms, phenomena = table("uid"), table("phenomenon")
+    summary = {g: {"macro_paradigms": np.mean([r[:3] for r in rows.values()], 0).tolist(),
+                   "macro_phenomena": np.mean([r[:3] for r in phenomena[g].values()], 0).tolist()}
+               for g, rows in paradigms.items()}
+    line = lambda name, r: f"  {name:<42} {100 * r[0]:6.1f} {100 * r[1]:8.1f} {100 * r[2]:8.1f}" + (f" {r[3]:6d}" if len(r) > 3 else "")
+    head = f"  {'':<42} {'T=1':>6} {'T=1 rep':>8} {f'T*={temps[best]:g} rep':>8}"
+    for name, tab in (("paradigm", paradigms), ("phenomenon", phenomena)):
+        for g, rows in tab.items():
+            if name == "phenomenon" and rows.keys() == paradigms[g].keys():
+                continue  # one paradigm per phenomenon (the supplement): the table above again
+            print(f"\n{g}, per {name} (accuracy %; 'rep' = the reporting half of the pairs)\n{head}  pairs")
+            for k, r in rows.items():
+                print(line(k, r))
+    print(f"\nmacro averages (T*={temps[best]:g} chosen on the other half of the pairs)\n{head}")
+    for g, s in summary.items():
+        print(line(f"{g}: over paradigms", s["macro_paradigms"]))
+        print(line(f"{g}: over phenomena", s["macro_phenomena"]))
+    print(f"\n{len(seqs)} sentences in {seconds:.1f}s: {len(seqs) / seconds:.0f} sentences/s on {device}")
+
+    name = "blimp" + ("_l2r" if args.scorer == "word-l2r" else "")
+    result = {
+        "kind": "blimp", "ckpt": str(args.ckpt), "pretrain_seed": model.train_args.get("seed"), "scorer": args.scorer,
+        "dirs": [str(d) for d in args.blimp_dir], "temperatures": temps, "best_temperature": temps[best],
+        "sentences_per_s": len(seqs) / seconds, "summary": summary, "paradigms": paradigms, "phenomena": phenomena,
+        "pairs": [{"id": p["id"], "uid": p["uid"], "group": p["group"], "phenomenon": p["phenomenon"], "half": int(h),
+                   "good": g.tolist(), "bad": b.tolist()} for p, h, g, b in zip(pairs, halves, good, bad)],
+        # for `compare`: one row per pair, label 1 = "good wins", prediction = did it win
+        "examples": {"id": [p["id"] for p in pairs], "label": [1] * len(pairs), "pred": [correct[:, t1].astype(int).tolist()],
+                     "metric": "accuracy", "k": 2},
+        "examples_best_t": {"id": [p["id"] for p, r in zip(pairs, report) if r], "label": [1] * int(report.sum()),
+                            "pred": [correct[report, best].astype(int).tolist()], "metric": "accuracy", "k": 2},
+    }
+    print(f"wrote {write_result(result, args.out, args.ckpt, name)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning on (Super)GLUE and MSGS
+
+# task -> (its text(s) from a row, number of classes, metrics; the first one drives early stopping)
+TASKS = {
+    "cola": (lambda r: (r["sentence"],), 2, ("mcc", "accuracy")),
+    "sst2": (lambda r: (r["sentence"],), 2, ("accuracy",)),
+    "mrpc": (lambda r: (r["sentence1"], r["sentence2"]), 2, ("f1", "accuracy")),
+    "qqp": (lambda r: (r["question1"], r["question2"]), 2, ("f1", "accuracy")),
+    "mnli": (lambda r: (r["premise"], r["hypothesis"]), 3, ("accuracy",)),
+    "qnli": (lambda r: (r["question"], r["sentence"]), 2, ("accuracy",)),
+    "rte": (lambda r: (r["sentence1"], r["sentence2"]), 2, ("accuracy",)),
+    "boolq": (lambda r: (r["question"], r["passage"]), 2, ("accuracy",)),
+    "multirc": (lambda r: (r["paragraph"], r["question"] + " " + r["answer"]), 2, ("accuracy",)),
+    "wsc": (lambda r: (r["text"], f"{r['span2_text']} refers to {r['span1_text']}"), 2, ("accuracy",)),
+}
+MSGS = (lambda r: (r["sentence"],), 2, ("mcc", "accuracy"))  # any other task name: MSGS-style files
+
+
+def read_task(data_dir: Path, task: str, split: str, tok, max_len: int):
+    """(ids [[CLS] a [SEP] (b [SEP])], labels, example ids) of TASK.SPLIT.jsonl, pairs truncated
+    longest-first to max_len tokens."""
+    path = Path(data_dir) / f"{task}.{split}.jsonl"
+    if not path.exists():
+        have = sorted(p.name for p in Path(data_dir).glob(f"{task}.*.jsonl"))
+        raise SystemExit(f"error: no {path.name} in {data_dir}" + (f" (there is only {', '.join(have)}; this task "
+                         f"cannot be fine-tuned from here)" if have else ""))
+    render, k, _ = TASKS.get(task, MSGS)
+    rows = read_jsonl(path)
+    if not rows:
+        raise SystemExit(f"error: {path} holds no examples")
+    seqs, labels, ids = [], [], []
+    for n, r in enumerate(rows, 1):
+        try:
+            texts, label = render(r), int(r["label"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise SystemExit(f"error: {path}:{n} lacks a field this task needs ({e!r})") from None
+        if not 0 <= label < k:
+            raise SystemExit(f"error: {path}:{n} has label {label}, outside 0..{k - 1}")
+        parts = tok.encode(list(texts))
+        while sum(map(len, parts)) > max_len - 1 - len(parts):
+            longest = max(parts, key=len)
+            longest.pop()
+        seqs.append([CLS] + [t for part in parts for t in part + [SEP]])
+        labels.append(label)
+        ids.append(json.dumps(r.get("idx", n)))
+    return seqs, np.array(labels), ids
+
+
+class Classifier(nn.Module):
+    """The pretrained encoder + a head on the [CLS] state: dropout, dense, GELU, LayerNorm,
+    dropout, linear to the classes (the head LTG-BERT fine-tunes with)."""
+
+    def __init__(self, encoder, k):
+        super().__init__()
+        d, p = encoder.config.d_model, encoder.config.dropout
+        self.encoder = encoder
+        self.head = nn.Sequential(nn.Dropout(p), nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d), nn.Dropout(p), nn.Linear(d, k))
+
+    def forward(self, ids, mask):
+        return self.head(self.encoder(ids, mask)[:, 0])
+
+
+def padded(seqs, idx, device):
+    batch = [seqs[i] for i in idx]
+    ids = torch.full((len(batch), max(map(len, batch))), PAD, dtype=torch.long)
+    for row, s in enumerate(batch):
+        ids[row, :len(s)] = torch.tensor(s)
+    return ids.to(device), (ids != PAD).long().to(device)
+
+
+@torch.no_grad()
+def predict(model, seqs, batch_size, device) -> np.ndarray:
+    model.eval()
+    order = np.argsort([len(s) for s in seqs])  # similar lengths together: little padding
+    preds = np.empty(len(seqs), dtype=int)
+    for i in range(0, len(seqs), batch_size):
+        idx = order[i:i + batch_size]
+        with autocast(device):
+            preds[idx] = model(*padded(seqs, idx, device)).argmax(-1).cpu().numpy()
+    model.train()
+    return preds
+
+
+def finetune_once(args, encoder, task, train, valid, seed, device) -> dict:
+    """One fine-tuning run: AdamW, linear warmup (10%) and decay, early stopping on the first
+    metric of the validation set with --patience epochs; returns the best epoch's predictions."""
+    _, k, metrics = TASKS.get(task, MSGS)
+    torch.manual_seed(seed)
+    model = Classifier(copy.deepcopy(encoder), k).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    steps = args.epochs * math.ceil(len(train[0]) / args.batch_size)
+    warmup = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / (steps - warmup))))
+    rng = np.random.default_rng(seed)
+    best, waited, t0 = None, 0, time.time()
+    for epoch in range(1, args.epochs + 1):
+        order = rng.permutation(len(train[0]))
+        for i in tqdm(range(0, len(order), args.batch_size), desc=f"seed {seed} epoch {epoch}", leave=False, disable=None):
+            idx = order[i:i + args.batch_size]
+            with autocast(device):
+                loss = F.cross_entropy(model(*padded(train[0], idx, device)).float(), torch.from_numpy(train[1][idx]).to(device))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        preds = predict(model, valid[0], args.batch_size * 2, device)
+        cm = confusion(valid[1], preds, k)
+        scores = {m: float(METRICS[m](cm)) for m in metrics}
+        print(f"  seed {seed} epoch {epoch}: " + ", ".join(f"{m} {v:.4f}" for m, v in scores.items()))
+        if best is None or scores[metrics[0]] > best["metrics"][metrics[0]]:
+            best, waited = {"metrics": scores, "epoch": epoch, "pred": preds.tolist()}, 0
+        else:
+            waited += 1
+            if waited >= args.patience:
+                break
+    return {**best, "epochs_run": epoch, "seconds": time.time() - t0}
+
+
+def finetune(args):
+    device = pick_device(args.device)
+    encoder, tok = load_checkpoint(args.ckpt, "cpu")
+    if not Path(args.data_dir).is_dir():
+        raise SystemExit(f"error: no task folder at {args.data_dir}")
+    train = read_task(args.data_dir, args.task, "train", tok, args.max_len)[:2]
+    valid = read_task(args.data_dir, args.task, "valid", tok, args.max_len)
+    _, k, metrics = TASKS.get(args.task, MSGS)
+    print(f"{args.task}: {len(train[0])} train, {len(valid[0])} validation examples, {k} classes, seeds {args.seeds}")
+    runs = {seed: finetune_once(args, encoder, args.task, train, valid[:2], seed, device) for seed in args.seeds}
+    aggregate = {m: {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0, "values": v}
+                 for m in metrics for v in [[r["metrics"][m] for r in runs.values()]]}
+    print(f"{args.task} validation over {len(runs)} seeds: " +
+          ", ".join(f"{m} {100 * a['mean']:.2f} ± {100 * a['std']:.2f}" for m, a in aggregate.items()))
+    result = {"kind": "finetune", "task": args.task, "ckpt": str(args.ckpt), "pretrain_seed": encoder.train_args.get("seed"),
+              "settings": {k_: v for k_, v in vars(args).items() if k_ not in ("func",)},
+              "aggregate": aggregate, "runs": {str(s): r for s, r in runs.items()},
+              "examples": {"id": valid[2], "label": valid[1].tolist(), "pred": [r["pred"] for r in runs.values()],
+                           "metric": metrics[0], "k": k}}
+    print(f"wrote {write_result(result, args.out, args.ckpt, args.task)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-Bootstrap (Sellam et al. 2022, "The MultiBERTs", section 3)
+
+def load_examples(path: Path, key: str) -> dict:
+    result = json.loads(Path(path).read_text())
+    if key not in result:
+        raise SystemExit(f"error: {path} has no '{key}' section (not written by evaluate.py?)")
+    ex = result[key]
+    return {"seed": result.get("pretrain_seed"), "id": ex["id"], "label": np.array(ex["label"]),
+            "pred": np.array(ex["pred"]), "metric": ex["metric"], "k": ex["k"], "path": str(path)}
+
+
+def bootstrap_counts(rng, n, size) -> np.ndarray:
+    """(size, n): how often each of n items is drawn in each of `size` resamples of n with replacement."""
+    draws = rng.integers(0, n, (size, n)) + n * np.arange(size)[:, None]
+    return np.bincount(draws.ravel(), minlength=size * n).reshape(size, n).astype(np.float32)
+
+
+def multibootstrap(A: list[dict], B: list[dict], nboot=1000, seed=0, block=100) -> dict:
+    """A, B: per-pretraining-seed results (load_examples). The statistic of a procedure is the
+    mean over its seeds (and their fine-tuning seeds) of the metric on the examples. Resample
+    seeds and examples jointly, nboot times: paired (the same draw for A and B) where A and B have
+    the same pretraining seeds / the same examples, independently otherwise."""
+    metric, k = A[0]["metric"], A[0]["k"]
+    if any((r["metric"], r["k"]) != (metric, k) for r in A + B):
+        raise SystemExit("error: the results to compare use different metrics or label sets")
+    for side in (A, B):
+        if any(r["id"] != side[0]["id"] for r in side):
+            raise SystemExit(f"error: {side[0]['path']} and its siblings were scored on different examples")
+    paired_examples = sorted(A[0]["id"]) == sorted(B[0]["id"])
+    if paired_examples:  # put B's examples in A's order
+        where = {e: i for i, e in enumerate(B[0]["id"])}
+        order = np.array([where[e] for e in A[0]["id"]])
+        B = [{**r, "label": r["label"][order], "pred": r["pred"][:, order]} for r in B]
+    seeds_a, seeds_b = [r["seed"] for r in A], [r["seed"] for r in B]
+    paired_seeds = None not in seeds_a and sorted(seeds_a) == sorted(seeds_b) and len(set(seeds_a)) == len(seeds_a)
+    if paired_seeds:
+        B = sorted(B, key=lambda r: seeds_a.index(r["seed"]))
+    fn = METRICS[metric]
+
+    def indicators(r):  # (F * k*k, N): one row per (fine-tuning seed, confusion cell)
+        cells = r["label"][None, :] * k + r["pred"]                               # (F, N)
+        return (cells[:, None, :] == np.arange(k * k)[None, :, None]).reshape(-1, cells.shape[1]).astype(np.float32)
+
+    def stat(side, rows, U, W):  # U (N, b) example counts, W (S, b) seed counts -> (b,)
+        per_seed = [fn(np.moveaxis((R @ U).reshape(-1, k, k, U.shape[1]), -1, 0)).mean(1) for R in rows]  # S x (b,)
+        return (W * np.stack(per_seed)).sum(0) / len(side)
+
+    rows_a, rows_b = [indicators(r) for r in A], [indicators(r) for r in B]
+    n_a, n_b = len(A[0]["id"]), len(B[0]["id"])
+    ones = lambda n: np.ones((n, 1), np.float32)
+    mean_a = float(stat(A, rows_a, ones(n_a), ones(len(A)))[0])
+    mean_b = float(stat(B, rows_b, ones(n_b), ones(len(B)))[0])
+    rng = np.random.default_rng(seed)
+    diffs = []
+    for start in tqdm(range(0, nboot, block), desc="bootstrap", disable=None):
+        b = min(block, nboot - start)
+        U_a = bootstrap_counts(rng, n_a, b).T
+        U_b = U_a if paired_examples else bootstrap_counts(rng, n_b, b).T
+        W_a = bootstrap_counts(rng, len(A), b).T
+        W_b = W_a if paired_seeds else bootstrap_counts(rng, len(B), b).T
+        diffs.append(stat(B, rows_b, U_b, W_b) - stat(A, rows_a, U_a, W_a))
+    diffs = np.concatenate(diffs)
+    lo, hi = np.percentile(diffs, [2.5, 97.5])
+    return {"metric": metric, "mean_a": mean_a, "mean_b": mean_b, "diff": mean_b - mean_a, "ci95": [float(lo), float(hi)],
+            # one-sided: how often B is not better than A; exact ties count half (mid-p), so identical
+            # inputs give 0.5 rather than 1
+            "p": float((diffs < 0).mean() + 0.5 * (diffs == 0).mean()), "nboot": nboot,
+            "paired_seeds": paired_seeds, "paired_examples": paired_examples, "seeds_a": seeds_a, "seeds_b": seeds_b}
+
+
+def expand(patterns) -> list[list[Path]]:
+    """Two groups of result files: two arguments, each a file, folder or quoted glob; or the
+    shell's expansion of two globs, split by parent folder."""
+    def one(p):
+        path = Path(p)
+        files = sorted(path.glob("*.json")) if path.is_dir() else sorted(map(Path, glob.glob(p)))
+        if not files:
+            raise SystemExit(f"error: no result files match {p}")
+        return files
+    if len(patterns) == 2:
+        return [one(p) for p in patterns]
+    groups = {}
+    for p in patterns:
+        groups.setdefault(Path(p).parent, []).append(Path(p))
+    if len(groups) != 2:
+        raise SystemExit("error: give two groups of results: `compare 'A/*.json' 'B/*.json'` (quoted globs) or two folders")
+    return list(groups.values())
+
+
+def compare(args):
+    a_files, b_files = expand(args.results)
+    A = [load_examples(f, args.examples) for f in a_files]
+    B = [load_examples(f, args.examples) for f in b_files]
+    r = multibootstrap(A, B, args.nboot, args.seed)
+    print(f"A: {len(A)} seeds {r['seeds_a']}, B: {len(B)} seeds {r['seeds_b']}; {r['metric']}; "
+          f"seeds {'paired' if r['paired_seeds'] else 'unpaired'}, examples {'paired' if r['paired_examples'] else 'unpaired'}")
+    print(f"mean A {100 * r['mean_a']:.2f} | mean B {100 * r['mean_b']:.2f} | B - A {100 * r['diff']:+.2f} "
+          f"(95% CI {100 * r['ci95'][0]:+.2f} .. {100 * r['ci95'][1]:+.2f}) | p = P(B - A <= 0) = {r['p']:.4f}  [{r['nboot']} resamples]")
+    if args.out:
+        Path(args.out).write_text(json.dumps({**r, "a": list(map(str, a_files)), "b": list(map(str, b_files))}, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    floats = lambda s: [float(x) for x in s.split(",")]
+    ints = lambda s: [int(x) for x in s.split(",")]
+
+    b = sub.add_parser("blimp", help="zero-shot BLiMP by pseudo-log-likelihood")
+    b.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
+    b.add_argument("--blimp-dir", required=True, nargs="+", help="folder(s) of BLiMP-style *.jsonl, one paradigm per file")
+    b.add_argument("--scorer", default="pll", choices=["pll", "word-l2r"], help="PLL (Salazar et al.) or PLL-word-l2r (Kauf & Ivanova) (default pll)")
+    b.add_argument("--temperatures", type=floats, default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0], help="comma-separated grid; 1 is always added (default 0.5,0.75,1,1.5,2,3)")
+    b.add_argument("--batch-tokens", type=int, default=None, help="tokens per scoring batch (default 4096 on CPU, the fastest of 2k/4k/16k measured; 32768 on CUDA)")
+    b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default auto)")
+    b.add_argument("--out", default=None, help="result JSON (default RUN/eval/blimp.json)")
+    b.set_defaults(func=blimp)
+
+    f = sub.add_parser("finetune", help="fine-tune on a (Super)GLUE or MSGS task and score its validation set")
+    f.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
+    f.add_argument("--task", required=True, help=f"{', '.join(TASKS)}, or any name with MSGS-style files (sentence, label; MCC)")
+    f.add_argument("--data-dir", required=True, help="folder with TASK.train.jsonl and TASK.valid.jsonl")
+    f.add_argument("--seeds", type=ints, default=[1], help="comma-separated fine-tuning seeds; mean ± std over them (default 1)")
+    f.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5)")
+    f.add_argument("--weight-decay", type=float, default=0.01, help="(default 0.01)")
+    f.add_argument("--batch-size", type=int, default=32, help="(default 32)")
+    f.add_argument("--epochs", type=int, default=10, help="at most this many epochs (default 10)")
+    f.add_argument("--patience", type=int, default=3, help="stop after this many epochs without a better validation score (default 3)")
+    f.add_argument("--max-len", type=int, default=128, help="tokens per example, longer pairs truncated longest-first (default 128)")
+    f.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default auto)")
+    f.add_argument("--out", default=None, help="result JSON (default RUN/eval/TASK.json)")
+    f.set_defaults(func=finetune)
+
+    c = sub.add_parser("compare", help="Multi-Bootstrap of two procedures over pretraining seeds and examples")
+    c.add_argument("results", nargs="+", help="two groups of result JSONs: two folders or quoted globs, e.g. 'A/*.json' 'B/*.json'")
+    c.add_argument("--nboot", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    c.add_argument("--seed", type=int, default=0, help="(default 0)")
+    c.add_argument("--examples", default="examples", help="which per-example section to use; BLiMP also has examples_best_t (default examples)")
+    c.add_argument("--out", default=None, help="also write the result to this JSON")
+    c.set_defaults(func=compare)
+
+    args = ap.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

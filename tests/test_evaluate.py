@@ -1,0 +1,305 @@
+"""evaluate.py: PLL against a one-copy-at-a-time loop, word-l2r, temperature selection, metrics
+against hand-computed values, the Multi-Bootstrap against brute-force enumeration, readers and
+their errors, and fine-tuning end to end."""
+import itertools
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import evaluate as E
+from conftest import shared_data
+from data.prepare import CLS, MASK, SEP, load_tokenizer
+from model import PRESETS, Encoder, ModelConfig, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(prepared, tmp_path_factory):
+    """A randomly initialised tiny model with the 2000-piece test tokenizer, saved as train.py would."""
+    torch.manual_seed(0)
+    model = Encoder(ModelConfig(**{**PRESETS["tiny"], "vocab_size": 2000, "d_model": 64, "d_ff": 128})).eval()
+    path = tmp_path_factory.mktemp("ckpt") / "ckpt.pt"
+    save_checkpoint({"model": model.state_dict(), "config": asdict(model.config), "args": {"seed": 7},
+                     "tokenizer": (prepared / "tokenizer.model").read_bytes()}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sentences(prepared):
+    pairs = E.read_blimp([shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"])[::700]  # 20 pairs, many paradigms
+    tok = load_tokenizer(prepared)
+    return [[CLS] + s + [SEP] for s in tok.encode([p["good"] for p in pairs] + [p["bad"] for p in pairs])]
+
+
+def naive_pll(model, seq, temps, l2r, starts):
+    """Salazar et al. (2020) as written: for each token in turn, one copy with it masked (and, for
+    word-l2r, the later pieces of its word), one forward pass, its log-probability."""
+    words = starts[torch.tensor(seq)].cumsum(0)
+    total = np.zeros(len(temps))
+    for i in range(1, len(seq) - 1):
+        x = torch.tensor(seq)
+        hide = torch.arange(len(seq)) == i
+        if l2r:
+            hide |= (torch.arange(len(seq)) > i) & (words == words[i])
+        z = model.logits(x.masked_fill(hide, MASK)[None])[0, i]
+        total += [torch.log_softmax(z / t, -1)[seq[i]].item() for t in temps]
+    return total
+
+
+@pytest.mark.parametrize("scorer", ["pll", "word-l2r"])
+def test_batched_pll_equals_naive_loop(ckpt, sentences, scorer):
+    model, tok = E.load_checkpoint(ckpt)
+    starts = E.word_starts(tok)
+    temps = [0.5, 1.0, 2.0]
+    # a small token budget: many batches, several per length
+    got = E.pll(model, sentences, temps, scorer == "word-l2r", 64, torch.device("cpu"), starts, progress=False)
+    want = np.array([naive_pll(model, s, temps, scorer == "word-l2r", starts) for s in sentences])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_word_l2r_differs_only_inside_multi_piece_words(ckpt, sentences):
+    model, tok = E.load_checkpoint(ckpt)
+    starts = E.word_starts(tok)
+    run = lambda l2r: E.token_logprobs(model, sentences, [1.0], l2r, 256, torch.device("cpu"), starts, progress=False)
+    sent, pos, plain = run(False)
+    _, _, l2r = run(True)
+    # a copy's input changes only if its target has later pieces in the same word
+    nxt = np.array([sentences[s][p + 1] for s, p in zip(sent, pos)])
+    continued = ~starts[torch.from_numpy(nxt)].numpy()
+    assert continued.any() and (~continued).any()  # the sample has both kinds of token
+    np.testing.assert_array_equal(plain[~continued], l2r[~continued])
+    assert (plain[continued] != l2r[continued]).all()
+
+
+def test_temperature_is_chosen_on_one_half_only():
+    rng = np.random.default_rng(0)
+    temps = [0.5, 1.0, 2.0, 3.0]
+    uids = np.repeat(["a", "b", "c"], 200)
+    halves = rng.integers(0, 2, len(uids))
+    correct = rng.random((len(uids), 4)) < 0.5
+    correct[halves == 0, 2] = True      # the selection half likes T=2
+    correct[halves == 1, 0] = True      # the reporting half would like T=0.5
+    assert E.choose_temperature(correct, uids, halves, temps) == 2
+    for _ in range(5):  # whatever the reporting half says, the choice stays
+        shuffled = correct.copy()
+        shuffled[halves == 1] = rng.random(((halves == 1).sum(), 4)) < rng.random()
+        assert E.choose_temperature(shuffled, uids, halves, temps) == 2
+    tie = np.ones((len(uids), 4), bool)  # all equal: the temperature nearest to 1
+    assert E.choose_temperature(tie, uids, halves, temps) == 1
+
+
+def test_split_by_pair_id_is_fixed_and_balanced():
+    pairs = E.read_blimp([shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"])
+    halves = np.array([E.half_of(p["id"]) for p in pairs])
+    assert halves.mean() == pytest.approx(0.5, abs=0.02)
+    assert E.half_of("adjunct_island/0") == E.half_of("adjunct_island/0") and {E.half_of(f"x/{i}") for i in range(10)} == {0, 1}
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+def test_metrics_hand_computed():
+    labels, preds = [1, 1, 0, 0, 1], [1, 0, 0, 1, 1]  # TP 2, FN 1, TN 1, FP 1
+    cm = E.confusion(labels, preds, 2)
+    assert cm.tolist() == [[1, 1], [1, 2]]
+    assert E.accuracy(cm) == pytest.approx(3 / 5)
+    assert E.f1(cm) == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))
+    assert E.mcc(cm) == pytest.approx((2 * 1 - 1 * 1) / math.sqrt(3 * 3 * 2 * 2))
+    # three classes: c = 4 correct of s = 6; true counts t = (2, 2, 2), predicted p = (3, 2, 1)
+    cm3 = E.confusion([0, 0, 1, 1, 2, 2], [0, 0, 1, 0, 2, 1], 3)
+    assert E.mcc(cm3) == pytest.approx((4 * 6 - (3 * 2 + 2 * 2 + 1 * 2)) / math.sqrt((36 - (9 + 4 + 1)) * (36 - 12)))
+    assert E.accuracy(cm3) == pytest.approx(4 / 6)
+    # a constant prediction has no correlation; a class never seen has F1 0
+    assert E.mcc(E.confusion([0, 1, 1], [1, 1, 1], 2)) == 0 and E.f1(E.confusion([0, 0], [0, 0], 2)) == 0
+
+
+def test_binary_mcc_is_the_phi_coefficient_and_vectorises():
+    rng = np.random.default_rng(1)
+    cms = []
+    for _ in range(20):
+        y = rng.integers(0, 2, 50)
+        p = np.where(rng.random(50) < 0.7, y, 1 - y)
+        cm = E.confusion(y, p, 2)
+        assert E.mcc(cm) == pytest.approx(np.corrcoef(y, p)[0, 1])
+        cms.append(cm)
+    np.testing.assert_allclose(E.mcc(np.stack(cms)), [E.mcc(c) for c in cms])
+
+
+# --- Multi-Bootstrap -----------------------------------------------------------------------------
+
+def result(seed, pred, label=None, metric="accuracy"):
+    pred = np.atleast_2d(pred)
+    label = np.ones(pred.shape[1], int) if label is None else np.asarray(label)
+    return {"seed": seed, "id": [str(i) for i in range(pred.shape[1])], "label": label, "pred": pred,
+            "metric": metric, "k": 2, "path": f"seed{seed}.json"}
+
+
+def test_identical_inputs_give_no_difference():
+    rng = np.random.default_rng(0)
+    A = [result(s, rng.integers(0, 2, 300)) for s in range(4)]
+    r = E.multibootstrap(A, A, nboot=300)
+    assert r["paired_seeds"] and r["paired_examples"]
+    assert r["diff"] == 0 and r["ci95"] == [0, 0] and r["p"] == 0.5
+
+
+def test_same_distribution_unpaired_seeds_is_not_significant():
+    rng = np.random.default_rng(0)
+    easy = rng.random(1000)  # per-example difficulty shared by both procedures
+    draw = lambda: (rng.random(1000) < 0.4 + 0.4 * easy).astype(int)
+    A = [result(s, draw()) for s in range(5)]
+    B = [result(s + 10, draw()) for s in range(5)]
+    r = E.multibootstrap(A, B, nboot=1000)
+    assert not r["paired_seeds"] and r["paired_examples"]
+    assert r["ci95"][0] < 0 < r["ci95"][1] and 0.05 < r["p"] < 0.95
+
+
+def test_known_shift_is_detected():
+    rng = np.random.default_rng(0)
+    A = [result(s, (rng.random(2000) < 0.60).astype(int)) for s in range(5)]
+    B = [result(s, (rng.random(2000) < 0.66).astype(int)) for s in range(5)]
+    r = E.multibootstrap(A, B, nboot=1000)
+    assert r["diff"] == pytest.approx(0.06, abs=0.01) and r["ci95"][0] > 0.03 and r["p"] < 0.001
+
+
+def test_tiny_case_matches_brute_force_enumeration():
+    """2 seeds x 2 examples each, unpaired seeds, paired examples: 4 x 4 x 4 equally likely draws."""
+    A = [result(1, [1, 0]), result(2, [1, 1])]
+    B = [result(3, [0, 1]), result(4, [1, 1])]
+    diffs = []
+    for sa, sb, ex in itertools.product(itertools.product(range(2), repeat=2), repeat=3):
+        acc = lambda side, seeds: np.mean([side[s]["pred"][0][list(ex)].mean() for s in seeds])
+        diffs.append(acc(B, sb) - acc(A, sa))
+    diffs = np.array(diffs)
+    exact_p = (diffs < 0).mean() + 0.5 * (diffs == 0).mean()
+    r = E.multibootstrap(A, B, nboot=40000, block=5000)
+    assert r["p"] == pytest.approx(exact_p, abs=0.01)
+    assert r["diff"] == pytest.approx(0.75 - 0.75)  # point estimates on all data: both 0.75
+
+
+def test_bootstrap_point_estimates_use_the_metric():
+    rng = np.random.default_rng(2)
+    y = rng.integers(0, 2, 200)
+    preds = [np.where(rng.random((2, 200)) < 0.8, y, 1 - y) for _ in range(3)]  # 3 seeds x 2 fine-tuning seeds
+    A = [result(s, p, y, "f1") for s, p in enumerate(preds)]
+    want = np.mean([E.f1(E.confusion(y, row, 2)) for p in preds for row in p])
+    assert E.multibootstrap(A, A, nboot=10)["mean_a"] == pytest.approx(want, rel=1e-6)
+
+
+# --- readers and errors --------------------------------------------------------------------------
+
+def test_read_blimp_schemas(tmp_path):
+    (tmp_path / "orig").mkdir()
+    (tmp_path / "orig" / "x.jsonl").write_text(
+        json.dumps({"sentence_good": "a b.", "sentence_bad": "b a.", "UID": "animate_subject_trans", "field": "f",
+                    "linguistics_term": "s-selection", "pairID": "12"}) + "\n")
+    (tmp_path / "supp").mkdir()
+    (tmp_path / "supp" / "turn_taking.jsonl").write_text(
+        "".join(json.dumps({"sentence_good": "g", "sentence_bad": "b", "row": 0}) + "\n" for _ in range(3)))
+    pairs = E.read_blimp([tmp_path / "orig", tmp_path / "supp"])
+    assert pairs[0]["id"] == "animate_subject_trans/12" and pairs[0]["phenomenon"] == "argument_structure"
+    assert [p["id"] for p in pairs[1:]] == ["turn_taking/0", "turn_taking/1", "turn_taking/2"]  # line numbers
+    assert {p["phenomenon"] for p in pairs[1:]} == {"turn_taking"} and pairs[1]["group"] == "supp"
+
+
+def test_reader_errors(tmp_path):
+    with pytest.raises(SystemExit, match="no BLiMP folder at"):
+        E.read_blimp([tmp_path / "missing"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="holds no \\*.jsonl"):
+        E.read_blimp([tmp_path / "empty"])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "p.jsonl").write_text('{"sentence_good": "a", "sentence_bad": "b"}\n{"sentence_good": oops}\n')
+    with pytest.raises(SystemExit, match=r"p\.jsonl:2 is not valid JSON"):
+        E.read_blimp([tmp_path / "bad"])
+    (tmp_path / "bad" / "p.jsonl").write_text("\n")
+    with pytest.raises(SystemExit, match="holds no pairs"):
+        E.read_blimp([tmp_path / "bad"])
+
+
+def test_task_without_train_file_fails_clearly(prepared):
+    tok = load_tokenizer(prepared)
+    glue = shared_data() / "babylm_eval" / "full_eval" / "glue_filtered"
+    with pytest.raises(SystemExit, match=r"no boolq\.train\.jsonl .*only boolq\.valid\.jsonl"):
+        E.read_task(glue, "boolq", "train", tok, 128)
+    seqs, labels, ids = E.read_task(glue, "mrpc", "valid", tok, 32)
+    assert len(seqs) == 204 and max(map(len, seqs)) <= 32 and set(labels) == {0, 1}
+    assert all(s[0] == CLS and s[-1] == SEP and s.count(SEP) == 2 for s in seqs)  # [CLS] a [SEP] b [SEP]
+
+
+def test_pair_truncation_is_longest_first(tmp_path, prepared):
+    tok = load_tokenizer(prepared)
+    long, short = " ".join(["word"] * 40), "two words"
+    (tmp_path / "rte.valid.jsonl").write_text(json.dumps({"sentence1": long, "sentence2": short, "label": 0}) + "\n")
+    (seq,), _, _ = E.read_task(tmp_path, "rte", "valid", tok, 16)
+    assert len(seq) == 16 and seq[-1 - len(tok.encode(short)):-1] == tok.encode(short)  # the short one kept whole
+
+
+# --- fine-tuning and compare, end to end ---------------------------------------------------------
+
+def keyword_task(folder: Path, n: int, seed: int):
+    """An MSGS-style binary task (sentence, label) any model can learn: does 'dog' occur?"""
+    rng = np.random.default_rng(seed)
+    words = "the a red blue green cat house tree runs sees big small old new".split()
+    with open(folder / f"keyword.{'train' if n > 100 else 'valid'}.jsonl", "w") as f:
+        for i in range(n):
+            s = list(rng.choice(words, 8))
+            label = int(rng.random() < 0.5)
+            if label:
+                s[rng.integers(8)] = "dog"
+            f.write(json.dumps({"sentence": " ".join(s), "label": label}) + "\n")
+
+
+def test_finetune_learns_and_reports_every_seed(ckpt, tmp_path, capsys):
+    keyword_task(tmp_path, 400, 0)
+    keyword_task(tmp_path, 100, 1)
+    out = tmp_path / "keyword.json"
+    E.main(["finetune", "--ckpt", str(ckpt), "--task", "keyword", "--data-dir", str(tmp_path), "--seeds", "1,2",
+            "--lr", "1e-3", "--epochs", "4", "--batch-size", "16", "--device", "cpu", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["kind"] == "finetune" and r["pretrain_seed"] == 7 and set(r["runs"]) == {"1", "2"}
+    assert r["aggregate"]["mcc"]["mean"] > 0.8 and len(r["aggregate"]["mcc"]["values"]) == 2
+    for run in r["runs"].values():  # the reported metrics are those of the reported predictions
+        cm = E.confusion(r["examples"]["label"], run["pred"], 2)
+        assert run["metrics"]["mcc"] == pytest.approx(E.mcc(cm))
+    assert "mcc" in capsys.readouterr().out
+
+
+def test_blimp_then_compare(ckpt, tmp_path, capsys):
+    src = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
+    folder = tmp_path / "mini"
+    folder.mkdir()
+    for name in ("anaphor_gender_agreement", "regular_plural_subject_verb_agreement_1"):
+        (folder / f"{name}.jsonl").write_text("".join((src / f"{name}.jsonl").read_text().splitlines(True)[:20]))
+    for scorer in ("pll", "word-l2r"):
+        E.main(["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(folder), "--scorer", scorer, "--device", "cpu"])
+    r = json.loads((ckpt.parent / "eval" / "blimp.json").read_text())
+    assert (ckpt.parent / "eval" / "blimp_l2r.json").exists()
+    assert len(r["pairs"]) == 40 and r["best_temperature"] in r["temperatures"] and 1.0 in r["temperatures"]
+    t1 = r["temperatures"].index(1.0)
+    wins = [int(p["good"][t1] > p["bad"][t1]) for p in r["pairs"]]
+    assert r["examples"]["pred"] == [wins] and r["summary"]["mini"]["macro_paradigms"][0] == pytest.approx(
+        np.mean([np.mean(wins[:20]), np.mean(wins[20:])]))
+    report = [p for p in r["pairs"] if p["half"] == 1]
+    assert r["examples_best_t"]["id"] == [p["id"] for p in report]
+    out = capsys.readouterr().out
+    assert "sentences/s" in out and "anaphor_agreement" in out
+    (tmp_path / "A").mkdir()
+    (tmp_path / "B").mkdir()
+    for s in (1, 2):
+        (tmp_path / "A" / f"s{s}.json").write_text(json.dumps({**r, "pretrain_seed": s}))
+        (tmp_path / "B" / f"s{s}.json").write_text(json.dumps({**r, "pretrain_seed": s}))
+    E.main(["compare", str(tmp_path / "A"), str(tmp_path / "B"), "--nboot", "200", "--out", str(tmp_path / "c.json")])
+    c = json.loads((tmp_path / "c.json").read_text())
+    assert c["paired_seeds"] and c["diff"] == 0 and c["p"] == 0.5
+
+
+def test_ties_count_as_wrong(ckpt, tmp_path):
+    (tmp_path / "same").mkdir()
+    (tmp_path / "same" / "p.jsonl").write_text("".join(
+        json.dumps({"sentence_good": "the cat sat.", "sentence_bad": "the cat sat.", "pair_id": i}) + "\n" for i in range(4)))
+    E.main(["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(tmp_path / "same"), "--device", "cpu", "--out", str(tmp_path / "r.json")])
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert all(p["good"] == p["bad"] for p in r["pairs"]) and r["summary"]["same"]["macro_paradigms"][0] == 0
