@@ -267,6 +267,25 @@ def test_finetune_learns_and_reports_every_seed(ckpt, tmp_path, capsys):
     assert "mcc" in capsys.readouterr().out
 
 
+def test_finetune_can_choose_epochs_without_seeing_validation(ckpt, tmp_path, monkeypatch):
+    """With --holdout the epoch is chosen on held-out training examples: the choice must not
+    change whatever the validation labels say."""
+    keyword_task(tmp_path, 400, 0)
+    keyword_task(tmp_path, 100, 1)
+    runs = {}
+    for flip in (False, True):
+        if flip:  # invert every validation label: a validation-driven choice would move
+            rows = [json.loads(line) for line in (tmp_path / "keyword.valid.jsonl").read_text().splitlines()]
+            (tmp_path / "keyword.valid.jsonl").write_text("".join(json.dumps({**r, "label": 1 - r["label"]}) + "\n" for r in rows))
+        out = tmp_path / f"r{flip}.json"
+        # lr 1e-4: the scores still climb over the 4 epochs, so the two choices would differ
+        E.main(["finetune", "--ckpt", str(ckpt), "--task", "keyword", "--data-dir", str(tmp_path), "--lr", "1e-4",
+                "--epochs", "4", "--patience", "4", "--batch-size", "16", "--device", "cpu", "--holdout", "0.2", "--out", str(out)])
+        runs[flip] = json.loads(out.read_text())["runs"]["1"]
+    assert runs[False]["epoch"] == runs[True]["epoch"] == 4 and runs[False]["pred"] == runs[True]["pred"]
+    assert runs[True]["metrics"]["mcc"] == pytest.approx(-runs[False]["metrics"]["mcc"])
+
+
 def test_blimp_then_compare(ckpt, tmp_path, capsys):
     src = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
     folder = tmp_path / "mini"
