@@ -322,3 +322,17 @@ def test_ties_count_as_wrong(ckpt, tmp_path):
     E.main(["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(tmp_path / "same"), "--device", "cpu", "--out", str(tmp_path / "r.json")])
     r = json.loads((tmp_path / "r.json").read_text())
     assert all(p["good"] == p["bad"] for p in r["pairs"]) and r["summary"]["same"]["macro_paradigms"][0] == 0
+
+
+def test_cli_errors_are_one_line(ckpt, tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "rte.train.jsonl").write_text("")
+    (tmp_path / "rte.valid.jsonl").write_text('{"sentence1": "a", "sentence2": "b", "label": 1}\n')
+    cases = [(["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(tmp_path / "nope")], "no BLiMP folder at"),
+             (["finetune", "--ckpt", str(ckpt), "--task", "rte", "--data-dir", str(tmp_path)], r"rte\.train\.jsonl holds no examples"),
+             (["finetune", "--ckpt", str(tmp_path / "rte.valid.jsonl"), "--task", "rte", "--data-dir", str(tmp_path)], "cannot read checkpoint")]
+    for argv, pattern in cases:
+        r = subprocess.run([sys.executable, str(Path(E.__file__)), *argv], capture_output=True, text=True)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert __import__("re").search(pattern, r.stderr.strip().splitlines()[-1]), r.stderr
