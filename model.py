@@ -27,7 +27,7 @@ import inspect
 import math
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import sentencepiece as spm
@@ -92,12 +92,10 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
         self.post_norm = nn.LayerNorm(cfg.d_model, cfg.layer_norm_eps)
         self.drop = nn.Dropout(cfg.dropout)
-        if self.relative:
-            self.register_buffer("buckets", relative_buckets(cfg.max_position, cfg.position_buckets,
-                                                             cfg.max_position), persistent=False)
 
-    def forward(self, x, bias, rel=None):
-        # x (B, T, D); bias (B, 1, 1, T): 0 at real keys, -inf at padding; rel (R, D) or None
+    def forward(self, x, bias, rel=None, idx=None):
+        # x (B, T, D); bias (B, 1, 1, T): 0 at real keys, -inf at padding;
+        # relative only: rel (R, D) position vectors, idx (B or 1, 1, T, T) bucket of each pair
         B, T, D = x.shape
         H, hd = self.n_head, self.head_dim
         h = self.pre_norm(x)
@@ -106,7 +104,7 @@ class Attention(nn.Module):
         if self.relative:
             qp, kp = self.qk(self.drop(rel)).chunk(2, dim=-1)           # (R, D) each
             qp, kp = (t.view(-1, H, hd).transpose(0, 1) for t in (qp, kp))  # (H, R, hd)
-            idx = self.buckets[:T, :T].expand(B, H, T, T)                # r(i, j)
+            idx = idx.expand(B, H, T, T)                                  # r(i, j)
             # Score q_i.kp[r(i,j)] for every bucket first (B,H,T,R), then pick each pair's bucket:
             # R = 2*buckets-1 is small, so this avoids building a (T, T, D) position tensor.
             c2p = (q @ kp.transpose(-1, -2)).gather(-1, idx)              # (B, H, Ti, Tj)
@@ -137,8 +135,8 @@ class Layer(nn.Module):
         super().__init__()
         self.attn, self.ffn = Attention(cfg), FeedForward(cfg)
 
-    def forward(self, x, bias, rel):
-        x = x + self.attn(x, bias, rel)
+    def forward(self, x, bias, rel, idx):
+        x = x + self.attn(x, bias, rel, idx)
         return x + self.ffn(x)
 
 
@@ -157,6 +155,9 @@ class Encoder(nn.Module):
             self.pos = nn.Embedding(cfg.max_position, D)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layer))
+        if cfg.position == "relative":  # derived, not learned: left out of checkpoints
+            self.register_buffer("buckets", relative_buckets(cfg.max_position, cfg.position_buckets,
+                                                             cfg.max_position), persistent=False)
         self.head_in = nn.Sequential(
             nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Linear(D, D), nn.GELU(),
             nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Dropout(cfg.dropout))
@@ -176,45 +177,53 @@ class Encoder(nn.Module):
           LayerNorm weight / bias where affine (post_norm, rel_norm)                1 / 0
           the MLM decoder has no weight of its own: it is word.weight (tied)
         """
-        s = math.sqrt(2.0 / (5.0 * self.config.d_model))
-        normal = lambda w, scale=1.0: nn.init.trunc_normal_(w, 0.0, s, -2 * s, 2 * s).mul_(scale)
+        normal = small_init(self.config.d_model)
         normal(self.word.weight)
-        normal(self.rel if self.config.position == "relative" else self.pos.weight)
-        for i, layer in enumerate(self.layers):
-            for lin in (layer.attn.qk, layer.attn.v, layer.attn.out):
-                normal(lin.weight)
-                lin.bias.zero_()
-            depth = math.sqrt(1.0 / (2.0 * (i + 1)))
-            normal(layer.ffn.up.weight, depth)
-            normal(layer.ffn.down.weight, depth)
+        if self.config.position == "relative":
+            normal(self.rel)
+            nn.init.ones_(self.rel_norm.weight)
+            nn.init.zeros_(self.rel_norm.bias)
+        else:
+            normal(self.pos.weight)
+        init_layers(self.layers, normal)
         normal(self.head_in[1].weight)
         self.head_in[1].bias.zero_()
         self.head_bias.zero_()
-        for m in self.modules():
-            if isinstance(m, nn.LayerNorm) and m.elementwise_affine:
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
 
-    def forward(self, input_ids, attention_mask=None, predict=None, all_layers=False):
-        """input_ids (B, T) long; attention_mask (B, T), 1 = real token, 0 = padding (default all 1).
-        Returns the last hidden states (B, T, D), or with all_layers the list [embeddings, layer 1,
-        ..., layer n_layer]. With predict, a (B, T) bool of positions to score, returns
-        (hidden, logits (N, V)) for the N true positions in row-major order (the MLM head
-        runs on those alone)."""
+    def attention_inputs(self, attention_mask, positions=None):
+        """What every layer's attention needs, computed once: bias (B, 1, 1, T), 0 at real keys and
+        -inf at padding; for relative positions the normalised position vectors rel (R, D) and
+        each pair's bucket idx (B or 1, 1, T, T), from the tokens' positions (default 0..T-1)."""
+        B, T = attention_mask.shape
+        bias = torch.zeros(B, 1, 1, T, device=attention_mask.device)
+        bias = bias.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+        if self.config.position == "absolute":
+            return bias, None, None
+        if positions is None:
+            idx = self.buckets[:T, :T][None, None]
+        else:  # tokens taken out of a longer sequence keep their original offsets (BootBERT's MAE)
+            idx = self.buckets[positions[:, :, None], positions[:, None, :]][:, None]
+        return bias, self.rel_norm(self.rel), idx
+
+    def forward(self, input_ids, attention_mask=None, predict=None, all_layers=False, positions=None):
+        """input_ids (B, T) long; attention_mask (B, T), 1 = real token, 0 = padding (default all 1);
+        positions (B, T) long, each token's position in its sequence (default 0..T-1; a subset of
+        a sequence keeps its own). Returns the last hidden states (B, T, D), or with all_layers the
+        list [embeddings, layer 1, ..., layer n_layer]. With predict, a (B, T) bool of positions
+        to score, returns (hidden, logits (N, V)) for the N true positions in row-major order
+        (the MLM head runs on those alone)."""
         B, T = input_ids.shape
         assert T <= self.config.max_position, f"sequence of {T} > max_position {self.config.max_position}"
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         x = self.word(input_ids)
         if self.config.position == "absolute":
-            x = x + self.pos.weight[:T]
+            x = x + (self.pos.weight[:T] if positions is None else self.pos(positions))
         x = self.drop(self.word_norm(x))
-        rel = self.rel_norm(self.rel) if self.config.position == "relative" else None
-        bias = torch.zeros(B, 1, 1, T, device=x.device, dtype=x.dtype)
-        bias = bias.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+        att = self.attention_inputs(attention_mask, positions)
         hidden = [x]
         for layer in self.layers:
-            hidden.append(layer(hidden[-1], bias, rel))
+            hidden.append(layer(hidden[-1], *att))
         out = hidden if all_layers else hidden[-1]
         if predict is None:
             return out
@@ -230,6 +239,57 @@ class Encoder(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def small_init(d_model: int):
+    """N(0, s) truncated at +-2s with s = sqrt(2 / (5 d_model)), times an optional scale."""
+    s = math.sqrt(2.0 / (5.0 * d_model))
+    return lambda w, scale=1.0: nn.init.trunc_normal_(w, 0.0, s, -2 * s, 2 * s).mul_(scale)
+
+
+@torch.no_grad()
+def init_layers(layers, normal):
+    """Attention weights N(0, s), biases 0; feed-forward weights of layer i (from 0) scaled by
+    sqrt(1 / (2(i+1))); affine LayerNorms 1 / 0 (see Encoder.init_weights)."""
+    for i, layer in enumerate(layers):
+        for lin in (layer.attn.qk, layer.attn.v, layer.attn.out):
+            normal(lin.weight)
+            lin.bias.zero_()
+        depth = math.sqrt(1.0 / (2.0 * (i + 1)))
+        normal(layer.ffn.up.weight, depth)
+        normal(layer.ffn.down.weight, depth)
+        nn.init.ones_(layer.attn.post_norm.weight)
+        nn.init.zeros_(layer.attn.post_norm.bias)
+
+
+class Decoder(nn.Module):
+    """A stack of encoder layers over hidden states rather than tokens, without dropout: BootBERT's
+    light decoder (Samuel 2023). It attends with the attention_inputs of the encoder it decodes
+    for, so the two share their relative position vectors."""
+
+    def __init__(self, cfg: ModelConfig, n_layer: int):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(replace(cfg, dropout=0.0)) for _ in range(n_layer))
+        init_layers(self.layers, small_init(cfg.d_model))
+
+    def forward(self, x, att):
+        for layer in self.layers:
+            x = layer(x, *att)
+        return x
+
+
+@torch.no_grad()
+def ema_update(teacher: nn.Module, student: nn.Module, decay: float, fused: bool = True) -> None:
+    """teacher <- decay * teacher + (1 - decay) * student, for every parameter. Fused: one
+    torch._foreach_lerp_ over all tensors (a few multi-tensor kernels instead of one or more per
+    tensor); otherwise the same lerp_, tensor by tensor."""
+    t = list(teacher.parameters())
+    s = [p.detach() for p in student.parameters()]
+    if fused:
+        torch._foreach_lerp_(t, s, 1.0 - decay)
+    else:
+        for a, b in zip(t, s):
+            a.lerp_(b, 1.0 - decay)
 
 
 # ---------------------------------------------------------------------------------------------

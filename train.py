@@ -4,13 +4,18 @@
     python train.py --objective mlm --data babylm_10m --size small --compile         # one GPU
     torchrun --nproc_per_node 4 train.py --objective mlm --data babylm_10m            # DDP
     python train.py --out-dir runs/mlm_babylm_10m_small --resume                      # continue
+    python train.py --objective boot --data babylm_10m                                # BootBERT
+    python train.py --objective kd+mlm --data babylm_10m --phase1-steps 0.2           # MLM, then KD
 
 The data is prepared on first use (data/prepare.py). A run folder (--out-dir) holds args.json,
 config.json, data.json (the corpus' meta.json), log.jsonl (every logged figure), ckpt.pt (model,
 optimizer, config, args, step, RNG states, data position, code version, tokenizer) and code/
 (the exact model.py, train.py and prepare.py that ran).
 
-Adding an objective = one function `loss, figures = fn(model, batch, ctx)` + one LOSSES entry.
+Adding an objective = one function `loss, figures = fn(model, batch, ctx)` + one LOSSES entry
+(+ one SETUP entry if it trains extra modules or needs a teacher). Two-phase objectives (kd,
+kd+mlm) train plain MLM for --phase1-steps, keep that model as phase1.pt, then continue with the
+objective against it as a frozen teacher; one command, one schedule per phase.
 
 Reproducibility: batches and masks are functions of (seed, step, micro-batch), and dropout is
 reseeded the same way at every micro-batch, so a run resumed from any checkpoint follows the very
@@ -18,6 +23,8 @@ path of an uninterrupted one (bit for bit on CPU; tests/test_train.py checks it)
 """
 import argparse
 import contextlib
+import copy
+import functools
 import hashlib
 import json
 import math
@@ -32,11 +39,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from data.prepare import CLS, MASK, SEP, SPECIALS, load_meta, prepare
-from model import PRESETS, Encoder, ModelConfig, check_config, config_help, read_checkpoint, save_checkpoint
+from model import (PRESETS, Decoder, Encoder, ModelConfig, check_config, config_help, ema_update, load_checkpoint,
+                   read_checkpoint, save_checkpoint, small_init)
 
 HERE = Path(__file__).resolve().parent
 
@@ -68,20 +77,147 @@ def span_mask(ids, p, vocab_size, gen, mean_span=3.0):
 
 # ---------------------------------------------------------------------------------------------
 # Objectives: loss, figures = fn(model, batch, ctx)
-#   batch: input_ids (B, T) clean, attention_mask (B, T), inputs (B, T) masked, labels (B, T)
-#   ctx:   what an objective owns beyond the student (teachers, schedules); "step" is always set
+#   model:   a Trainee; model.encoder is the shared Encoder, model.heads what the objective adds
+#   batch:   input_ids (B, T) clean, attention_mask (B, T), inputs (B, T) masked, labels (B, T)
+#   ctx:     what an objective owns beyond what it trains (frozen teachers), plus "args", "step"
 #   figures: {name: 0-dim tensor}, averaged over the log interval and written to log.jsonl
+
+class Trainee(nn.Module):
+    """What one phase trains: the encoder plus the modules its objective adds. Its forward is the
+    objective's loss, so DDP and torch.compile see every trained parameter in one call."""
+
+    def __init__(self, encoder, heads, loss):
+        super().__init__()
+        self.encoder, self.heads, self.loss = encoder, heads, loss
+
+    def forward(self, batch, ctx):
+        return self.loss(self, batch, ctx)
+
+
+def accuracy(logits, target):
+    return (logits.argmax(-1) == target).float().mean()
+
 
 def mlm(model, batch, ctx):
     """Masked language modelling (Devlin et al. 2019): cross-entropy at the chosen positions."""
     predict = batch["labels"] != -100
-    _, logits = model(batch["inputs"], batch["attention_mask"], predict=predict)   # (N, V)
+    _, logits = model.encoder(batch["inputs"], batch["attention_mask"], predict=predict)   # (N, V)
     target = batch["labels"][predict]
-    loss = F.cross_entropy(logits.float(), target)
-    return loss, {"acc": (logits.argmax(-1) == target).float().mean()}
+    return F.cross_entropy(logits.float(), target), {"acc": accuracy(logits, target)}
 
 
-LOSSES = {"mlm": mlm}
+class BootHeads(nn.Module):
+    """What a BootBERT student has beyond the encoder (Samuel 2023, section 3): the vector that
+    stands in for the hidden tokens (MAE student only), a light decoder without dropout, and the
+    head that regresses the teacher's states (dense, GELU, LayerNorm, dense; LTG-BERT init)."""
+
+    def __init__(self, cfg: ModelConfig, n_layer: int, mae: bool):
+        super().__init__()
+        normal, D = small_init(cfg.d_model), cfg.d_model
+        with torch.no_grad():
+            self.mask = nn.Parameter(normal(torch.empty(D))) if mae else None
+            self.decoder = Decoder(cfg, n_layer)
+            self.regress = nn.Sequential(nn.Linear(D, D), nn.GELU(),
+                                         nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Linear(D, D))
+            for lin in (self.regress[0], self.regress[3]):
+                normal(lin.weight)
+                lin.bias.zero_()
+
+
+def boot(model, batch, ctx):
+    """Latent bootstrapping (Samuel 2023, "Mean BERTs make erratic language teachers", sec. 3).
+
+    The student encoder sees only the kept tokens, each at its original position (a masked
+    autoencoder, He et al. 2022); its states are scattered back to full length with a learned
+    vector at the hidden positions, and a light decoder reads that. At the hidden positions a
+    head regresses the mean teacher's last-layer states (LayerNorm-ed, no affine) with smooth-L1,
+    and the tied MLM head predicts the tokens: loss = lb_weight * LB + mlm_weight * MLM.
+    """
+    args, enc, heads = ctx["args"], model.encoder, model.heads
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    hide = batch["labels"] != -100                                           # (B, T)
+    B, T = ids.shape
+    if args.boot_student == "mae":
+        keep = ~hide & (mask == 1)
+        n = int(keep.sum(1).max())
+        order = torch.argsort((~keep).int(), dim=1, stable=True)[:, :n]     # (B, n): kept positions first
+        kept = enc(ids.gather(1, order), keep.gather(1, order).long(), positions=order)  # (B, n, D)
+        x = torch.zeros(B, T, kept.shape[-1], device=ids.device, dtype=kept.dtype)
+        x = x.scatter(1, order[..., None].expand_as(kept), kept)            # back to (B, T, D)
+        fill = heads.mask if enc.config.position == "relative" else heads.mask + enc.pos.weight[:T]
+        x = torch.where(hide[..., None], fill, x)
+    else:  # the ablation: a BERT-style student reads the whole masked input
+        x = enc(batch["inputs"], mask)
+    out = heads.decoder(x, enc.attention_inputs(mask))[hide]                # (N, D)
+    if out.shape[0] == 0:  # the smooth-L1 and cross-entropy means would be 0/0 = NaN
+        raise SystemExit("error: boot: no token of this batch is masked, so there is nothing to "
+                         "reconstruct; raise --mask-p or --seq-len")
+    with torch.no_grad():
+        target = ctx["ema"](ids, mask)[hide].float()
+        target = F.layer_norm(target, target.shape[-1:])
+    lb = F.smooth_l1_loss(heads.regress(out).float(), target)
+    labels = batch["labels"][hide]
+    logits = enc.head(out)
+    ce = F.cross_entropy(logits.float(), labels)
+    return args.lb_weight * lb + args.mlm_weight * ce, {"lb": lb, "mlm": ce, "acc": accuracy(logits, labels)}
+
+
+def kd(model, batch, ctx, mlm_weight=0.0):
+    """Knowledge distillation (Hinton et al. 2015) from the frozen phase-1 model (Berend 2023,
+    "Better Together", sec. 2.2): KL(teacher || student) over the vocabulary at the masked
+    positions, mean over positions, at temperature T and times T^2 (so gradients keep their
+    size as T changes), plus mlm_weight x the MLM cross-entropy."""
+    args = ctx["args"]
+    predict = batch["labels"] != -100
+    _, logits = model.encoder(batch["inputs"], batch["attention_mask"], predict=predict)      # (N, V)
+    with torch.no_grad():
+        seen = batch["input_ids"] if args.kd_teacher_input == "clean" else batch["inputs"]
+        _, teacher = ctx["teacher"](seen, batch["attention_mask"], predict=predict)
+    T = args.kd_temperature
+    kl = F.kl_div(F.log_softmax(logits.float() / T, -1), F.log_softmax(teacher.float() / T, -1),
+                  log_target=True, reduction="batchmean") * T * T
+    target = batch["labels"][predict]
+    ce = F.cross_entropy(logits.float(), target)
+    return kl + mlm_weight * ce, {"kd": kl, "mlm": ce, "acc": accuracy(logits, target)}
+
+
+LOSSES = {"mlm": mlm, "boot": boot, "kd": kd, "kd+mlm": functools.partial(kd, mlm_weight=1.0)}
+
+
+# Objectives that train modules besides the encoder, or need a teacher:
+#   setup(encoder, args, run_dir, device) -> (heads: nn.Module, ctx: dict)
+
+def setup_boot(encoder, args, run_dir, device):
+    """The student's extra parts, and the mean teacher: an EMA copy of the encoder (its
+    embeddings and layers, not the decoder), updated after every optimizer step."""
+    return BootHeads(encoder.config, args.decoder_layers, args.boot_student == "mae"), \
+        {"ema": copy.deepcopy(encoder).eval().requires_grad_(False)}
+
+
+def setup_kd(encoder, args, run_dir, device):
+    """The frozen teacher: this run's phase-1 model, or --teacher."""
+    path = args.teacher or Path(run_dir) / "phase1.pt"
+    teacher, _ = load_checkpoint(path, device)
+    if teacher.config.vocab_size != encoder.config.vocab_size:
+        raise SystemExit(f"error: the teacher {path} has a {teacher.config.vocab_size}-token vocabulary, "
+                         f"the data {encoder.config.vocab_size}")
+    return nn.ModuleDict(), {"teacher": teacher.requires_grad_(False)}
+
+
+SETUP = {"boot": setup_boot, "kd": setup_kd, "kd+mlm": setup_kd}
+TWO_PHASE = {"kd", "kd+mlm"}  # plain MLM first; then the objective, taught by the phase-1 model
+
+
+def phase1_steps(args) -> int:
+    if args.objective not in TWO_PHASE or args.teacher:
+        return 0
+    return round(args.phase1_steps * args.max_steps) if args.phase1_steps < 1 else int(args.phase1_steps)
+
+
+def phase_of(step, args):
+    """(objective, first step, end step) of the training phase that `step` belongs to."""
+    p1 = phase1_steps(args)
+    return ("mlm", 0, p1) if step < p1 else (args.objective, p1, args.max_steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,8 +252,10 @@ class Lamb(torch.optim.Optimizer):
 
 
 def make_optimizer(model, args):
-    # weight decay on weight matrices only, not on biases, LayerNorm gains or embedding tables (as LTG-BERT)
-    decays = lambda name, p: p.ndim >= 2 and name not in ("word.weight", "rel", "pos.weight")
+    """Group 0 decays (the weight matrices), group 1 does not (biases, LayerNorm gains, embedding
+    tables, BootBERT's mask vector), as LTG-BERT."""
+    table = lambda name: name.endswith(("word.weight", "pos.weight")) or name.rsplit(".", 1)[-1] == "rel"
+    decays = lambda name, p: p.ndim >= 2 and not table(name)
     groups = [dict(params=[p for n, p in model.named_parameters() if decays(n, p)], weight_decay=args.weight_decay),
               dict(params=[p for n, p in model.named_parameters() if not decays(n, p)], weight_decay=0.0)]
     if args.optim == "lamb":
@@ -125,14 +263,31 @@ def make_optimizer(model, args):
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
 
 
-def lr_at(step, args):
-    """Linear warmup to --lr, then cosine or linear decay to --min-lr * --lr at --max-steps."""
-    warmup = round(args.warmup * args.max_steps) if args.warmup < 1 else int(args.warmup)
+def lr_at(step, args, start=0, end=None):
+    """Linear warmup to --lr, then cosine or linear decay to --min-lr * --lr, over the phase
+    [start, end) (default the whole run)."""
+    end = args.max_steps if end is None else end
+    step, n = step - start, end - start
+    warmup = round(args.warmup * n) if args.warmup < 1 else int(args.warmup)
     if step < warmup:
         return args.lr * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, args.max_steps - warmup))
+    t = min(1.0, (step - warmup) / max(1, n - warmup))
     decay = 0.5 * (1 + math.cos(math.pi * t)) if args.schedule == "cosine" else 1 - t
     return args.lr * (args.min_lr + (1 - args.min_lr) * decay)
+
+
+def weight_decay_at(step, args, start, end):
+    """--weight-decay, or with --weight-decay-end a cosine from one to the other over the phase
+    (BootBERT raises it from 0.02 to 0.2)."""
+    if args.weight_decay_end is None:
+        return args.weight_decay
+    t = (step - start) / max(1, end - start - 1)
+    return args.weight_decay_end + (args.weight_decay - args.weight_decay_end) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def ema_decay_at(step, args, start, end):
+    """The mean teacher's decay rises linearly from --ema-start to --ema-end over the phase."""
+    return args.ema_start + (args.ema_end - args.ema_start) * (step - start) / max(1, end - start - 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,6 +374,20 @@ def build_parser():
     p.add_argument("--eval-batches", type=int, default=20, help="validation batches, always the same ones (default 20)")
     p.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (default 1000)")
     p.add_argument("--stop-at", type=int, default=None, help="checkpoint and exit after this step; the schedule still runs to --max-steps (for time-limited jobs)")
+    p.add_argument("--weight-decay-end", type=float, default=None, help="cosine weight decay from --weight-decay to this over the phase (BootBERT: 0.02 -> 0.2; default: constant)")
+    b = p.add_argument_group("boot (latent bootstrapping, Samuel 2023)")
+    b.add_argument("--lb-weight", type=float, default=1.0, help="weight of the latent-bootstrapping loss; 0 removes it (default 1)")
+    b.add_argument("--mlm-weight", type=float, default=0.1, help="weight of the decoder's MLM loss (default 0.1)")
+    b.add_argument("--ema-start", type=float, default=0.996, help="mean-teacher EMA decay at the first step (default 0.996)")
+    b.add_argument("--ema-end", type=float, default=1.0, help="EMA decay at the last step, reached linearly (default 1.0)")
+    b.add_argument("--decoder-layers", type=int, default=4, help="layers of the student's decoder (default 4)")
+    b.add_argument("--boot-student", default="mae", choices=["mae", "bert"], help="mae: the encoder sees the kept tokens only; bert: the whole masked input (ablation) (default mae)")
+    k = p.add_argument_group("kd, kd+mlm (distillation after an MLM phase, Berend 2023)")
+    k.add_argument("--phase1-steps", type=float, default=0.2, help="MLM steps before distillation: a fraction of --max-steps if < 1, else steps (default 0.2)")
+    k.add_argument("--teacher", default=None, help="distil from this checkpoint instead of training a phase 1")
+    k.add_argument("--student-init", default="continued", choices=["continued", "scratch"], help="phase 2 starts from the phase-1 weights, or from a fresh init (default continued)")
+    k.add_argument("--kd-temperature", type=float, default=1.0, help="softmax temperature T; the KL is scaled by T^2 (default 1)")
+    k.add_argument("--kd-teacher-input", default="clean", choices=["clean", "masked"], help="what the teacher reads (default clean)")
     model_flags = p.add_argument_group("model (ModelConfig fields; default: the --size preset)")
     for f, text in zip(fields(ModelConfig), config_help().values()):
         if f.name != "vocab_size":  # the tokenizer decides it
@@ -235,6 +404,10 @@ def get_args(argv):
             parser.error(f"--{name.replace('_', '-')} must be at least {3 if name == 'seq_len' else 1}")
     if not 0 < args.mask_p < 1:
         parser.error("--mask-p must be between 0 and 1")
+    if args.teacher and args.objective not in TWO_PHASE:
+        parser.error(f"--teacher only applies to {', '.join(sorted(TWO_PHASE))}")
+    if args.objective in TWO_PHASE and not 0 < phase1_steps(args) < args.max_steps and not args.teacher:
+        parser.error(f"--phase1-steps must leave both phases at least one of the {args.max_steps} steps")
     if args.out_dir is None:
         args.out_dir = str(HERE / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
     # which flags were typed (a resumed run keeps its saved settings and refuses new ones);
@@ -268,17 +441,18 @@ def code_version() -> dict:
 # Validation: the same masked batches every time, so figures compare across steps and runs
 
 @torch.no_grad()
-def evaluate(model, val, args, vocab_size, ctx, device, autocast):
-    model.eval()
+def evaluate(trainee, val, args, vocab_size, ctx, device, autocast):
+    """The objective's own loss and figures on the first --eval-batches validation batches."""
+    trainee.eval()
     sums = {}
     for i in range(min(args.eval_batches, max(1, val.n // args.batch_size))):
         ids = val.batch(i * args.batch_size % val.n, min(args.batch_size, val.n)).to(device)
         gen = torch.Generator(device).manual_seed(seed_of(args.seed, 2**31, i))
         with autocast:
-            loss, figs = LOSSES[args.objective](model, make_batch(ids, args, vocab_size, gen), ctx)
+            loss, figs = trainee(make_batch(ids, args, vocab_size, gen), ctx)
         for k, v in {"loss": loss, **figs}.items():
             sums[k] = sums.get(k, 0.0) + v.float()
-    model.train()
+    trainee.train()
     return {f"val_{k}": (v / (i + 1)).item() for k, v in sums.items()}
 
 
@@ -319,7 +493,8 @@ def main(argv=None):
             raise SystemExit(f"error: a resumed run keeps its settings, but {', '.join('--' + k.replace('_', '-') for k in changed)} "
                              f"differ from the checkpoint's; drop them or start a new --out-dir")
         now = {k: getattr(args, k) for k in RESUMABLE if k in args.given or k in ("resume", "out_dir")}
-        args = argparse.Namespace(**{**saved, **now, "given": args.given})
+        defaults = vars(build_parser().parse_args([]))  # flags newer than the checkpoint
+        args = argparse.Namespace(**{**defaults, **saved, **now, "given": args.given})
     elif ckpt_path.exists():
         raise SystemExit(f"error: {ckpt_path} exists; pass --resume to continue that run or choose another --out-dir")
 
@@ -335,33 +510,46 @@ def main(argv=None):
     train = Segments(data_dir / "train.bin", args.seq_len - 2, args.seed, shuffle=True)
     val = Segments(data_dir / "val.bin", args.seq_len - 2, args.seed, shuffle=False)
 
-    # --- model and optimizer ---------------------------------------------------------------
+    # --- the encoder, and what each phase trains with it ----------------------------------
     config = model_config(args, V)
     torch.manual_seed(args.seed)
-    model = Encoder(config)
+    encoder = Encoder(config)
     step = 0
+    init_from = args.init_from or (args.teacher if args.student_init == "continued" else None)
     if ckpt is not None:
         check_config(ckpt["config"], config, ckpt_path)
-        model.load_state_dict(ckpt["model"], strict=True)
+        encoder.load_state_dict(ckpt["model"], strict=True)
         step = ckpt["step"]
-    elif args.init_from:
-        src = read_checkpoint(args.init_from)
-        check_config(src["config"], config, args.init_from)
-        model.load_state_dict(src["model"], strict=True)
-    model.to(device)
-    optimizer = make_optimizer(model, args)
-    if ckpt is not None:
+    elif init_from:
+        src = read_checkpoint(init_from)
+        check_config(src["config"], config, init_from)
+        encoder.load_state_dict(src["model"], strict=True)
+    encoder.to(device)
+
+    def build(objective):
+        """The phase's Trainee (encoder + the objective's heads), its ctx, a fresh optimizer, and
+        the module the loop calls (the trainee, wrapped for DDP and compiled if asked)."""
+        heads, ctx = SETUP[objective](encoder, args, out, device) if objective in SETUP else (nn.ModuleDict(), {})
+        trainee = Trainee(encoder, heads.to(device), LOSSES[objective])
+        model = trainee
+        if ddp:
+            model = torch.nn.parallel.DistributedDataParallel(trainee, device_ids=[local] if want_cuda else None,
+                                                              broadcast_buffers=False)
+        if args.compile:
+            model = torch.compile(model)
+        return trainee, {**ctx, "args": args, "step": step}, make_optimizer(trainee, args), model
+
+    current = ckpt.get("objective", "mlm") if ckpt is not None else phase_of(step, args)[0]
+    trainee, ctx, optimizer, model = build(current)
+    if ckpt is not None:  # the phase the checkpoint was written in, in the state it was in
+        trainee.heads.load_state_dict(ckpt.get("heads", {}), strict=True)
+        if "ema" in ctx:
+            ctx["ema"].load_state_dict(ckpt["ctx_state"]["ema"], strict=True)
         optimizer.load_state_dict(ckpt["optimizer"])
         # the loop reseeds every micro-batch; the saved state covers randomness drawn outside it
         torch.set_rng_state(ckpt["rng"]["torch"])
         if want_cuda and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
-    raw = model
-    if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if want_cuda else None)
-    if args.compile:
-        model = torch.compile(model)
-    ctx = {"step": step}
     global_batch = args.batch_size * args.grad_accum * world
     tokenizer = (data_dir / "tokenizer.model").read_bytes()
     version = code_version()
@@ -389,21 +577,24 @@ def main(argv=None):
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
 
-    def save(at):
+    def save(at, path):
         if master:
             save_checkpoint({
-                "model": raw.state_dict(), "optimizer": optimizer.state_dict(), "config": asdict(config),
+                "model": encoder.state_dict(), "objective": current, "heads": trainee.heads.state_dict(),
+                "ctx_state": {"ema": ctx["ema"].state_dict()} if "ema" in ctx else None,
+                "optimizer": optimizer.state_dict(), "config": asdict(config),
                 "args": {k: v for k, v in vars(args).items() if k != "given"}, "step": at,
                 "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if want_cuda else None},
-                "data_pos": at * global_batch, "ctx_state": None, "code_version": version,
-                "tokenizer": tokenizer, "data": {k: meta[k] for k in ("name", "vocab_size", "train_tokens", "unigram_entropy")},
-            }, ckpt_path)
+                "data_pos": at * global_batch, "code_version": version, "tokenizer": tokenizer,
+                "data": {k: meta[k] for k in ("name", "vocab_size", "train_tokens", "unigram_entropy")},
+            }, path)
         return at
 
-    say(f"model: {raw.num_params() / 1e6:.2f}M parameters ({args.size}: {config.n_layer} layers, d_model {config.d_model}, "
+    phases = f"mlm for {phase1_steps(args)} steps, then {args.objective}" if phase1_steps(args) else args.objective
+    say(f"model: {encoder.num_params() / 1e6:.2f}M parameters ({args.size}: {config.n_layer} layers, d_model {config.d_model}, "
         f"{config.position} positions) | data: {meta['train_tokens']:,} train tokens, vocab {V}, "
         f"unigram entropy {meta['unigram_entropy']:.3f} nats")
-    say(f"train: {args.objective} on {device} x{world} | {global_batch} seqs x {args.seq_len} tokens per step "
+    say(f"train: {phases} on {device} x{world} | {global_batch} seqs x {args.seq_len} tokens per step "
         f"({args.batch_size} x {args.grad_accum} accum x {world} procs) | {args.max_steps} steps = "
         f"{args.max_steps * global_batch / train.n:.1f} epochs | {out}")
 
@@ -414,9 +605,19 @@ def main(argv=None):
     t_log, t0, step0 = time.time(), time.time(), step
     bar = tqdm(total=args.max_steps, initial=step, disable=None if master else True, unit="step", dynamic_ncols=True)
     while step < args.max_steps:
-        lr = lr_at(step, args)
+        objective, start, end = phase_of(step, args)
+        if objective != current:  # phase 2 begins; phase1.pt was written when phase 1 ended
+            if args.student_init == "scratch":
+                torch.manual_seed(seed_of(args.seed, step))
+                encoder.init_weights()
+            current = objective
+            trainee, ctx, optimizer, model = build(objective)
+            say(f"step {step}: phase 2, {objective} from {'scratch' if args.student_init == 'scratch' else 'the phase-1 weights'}, "
+                f"taught by {args.teacher or out / 'phase1.pt'}")
+        lr = lr_at(step, args, start, end)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        optimizer.param_groups[0]["weight_decay"] = weight_decay_at(step, args, start, end)
         ctx["step"] = step
         step_loss = 0.0
         for micro in range(args.grad_accum):
@@ -428,23 +629,25 @@ def main(argv=None):
             sync = not ddp or micro == args.grad_accum - 1  # DDP all-reduces on the last micro-batch only
             with contextlib.nullcontext() if sync else model.no_sync():
                 with autocast:
-                    loss, figs = LOSSES[args.objective](model, batch, ctx)
+                    loss, figs = model(batch, ctx)
                 (loss / args.grad_accum).backward()
             step_loss = step_loss + loss.detach()
             for name, v in {"loss": loss, **figs}.items():
                 sums[name] = sums.get(name, 0.0) + v.detach().float() / args.grad_accum
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), args.clip if args.clip > 0 else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainee.parameters(), args.clip if args.clip > 0 else float("inf"))
         sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
         bad = ~(torch.isfinite(step_loss) & torch.isfinite(grad_norm))
         nonfinite = torch.where(bad & (nonfinite < 0), step + 1, nonfinite)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if "ema" in ctx:  # the mean teacher follows the student, one fused update
+            ema_update(ctx["ema"], encoder, ema_decay_at(step, args, start, end))
         step += 1
         since_log += 1
         bar.update()
 
-        is_log = step % args.log_every == 0 or step == args.max_steps
-        is_save = step % args.save_every == 0 or step in (args.max_steps, args.stop_at)
+        is_log = step % args.log_every == 0 or step == end
+        is_save = step % args.save_every == 0 or step in (end, args.stop_at)
         if is_log or is_save:  # the only places the loop waits for the device
             if ddp:
                 dist.all_reduce(nonfinite, dist.ReduceOp.MAX)
@@ -464,17 +667,21 @@ def main(argv=None):
                       "tok_per_s": since_log * global_batch * args.seq_len / (time.time() - t_log)}
             log(record)
             eta = (time.time() - t0) / (step - step0) * (args.max_steps - step)
-            say(f"step {step}/{args.max_steps} | loss {record['loss']:.4f} | lr {lr:.1e} | "
+            terms = "".join(f" | {k} {record[k]:.4f}" for k in figs if k != "acc")
+            say(f"step {step}/{args.max_steps} | loss {record['loss']:.4f}{terms} | lr {lr:.1e} | "
                 f"{record['tok_per_s'] / 1e3:.1f}k tok/s | eta {eta / 60:.0f}m")
             sums, since_log, t_log = {}, 0, time.time()
-        if step % args.eval_every == 0 or step == args.max_steps:
-            record = {"step": step, **evaluate(raw, val, args, V, ctx, device, autocast)}
+        if step % args.eval_every == 0 or step == end:
+            record = {"step": step, **evaluate(trainee, val, args, V, ctx, device, autocast)}
             log(record)
-            say(f"step {step}/{args.max_steps} | val loss {record['val_loss']:.4f} | "
-                f"val acc {record.get('val_acc', float('nan')):.4f}")
+            say(f"step {step}/{args.max_steps} | {current} | " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
             t_log = time.time()  # throughput counts training time only
+        if current != args.objective and step == end:  # phase 1 is over: its model teaches phase 2
+            save(step, out / "phase1.pt")
+            if ddp:
+                dist.barrier()  # every process loads it as the teacher next
         if is_save:
-            last_saved = save(step)
+            last_saved = save(step, ckpt_path)
             t_log = time.time()
         if step == args.stop_at:
             break

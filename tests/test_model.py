@@ -1,5 +1,6 @@
 """model.py: position buckets, attention against a pair-by-pair reference, padding and translation
 invariance, initialisation statistics, and checkpoints."""
+import copy
 import math
 from dataclasses import asdict
 
@@ -9,7 +10,7 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
-from model import (PRESETS, Encoder, ModelConfig, check_config, load_checkpoint, read_checkpoint,
+from model import (PRESETS, Decoder, Encoder, ModelConfig, check_config, ema_update, load_checkpoint, read_checkpoint,
                    relative_buckets, save_checkpoint)
 
 V = 300
@@ -47,7 +48,7 @@ def test_buckets_against_scalar_loop():
     assert (b[:, 0].diff() >= 0).all()  # monotone in the offset
 
 
-def naive_attention(att, x, mask, rel):
+def naive_attention(att, x, mask, rel, r):
     """LTG-BERT's attention written pair by pair: score(i, j) = (q_i.k_j + q_i.kp_r + k_j.qp_r) /
     sqrt(3 d_head) with r = bucket(i - j); padded keys excluded; softmax; sum of values."""
     B, T, D = x.shape
@@ -56,7 +57,6 @@ def naive_attention(att, x, mask, rel):
     q, k = att.qk(h).chunk(2, -1)
     v = att.v(h)
     qp, kp = att.qk(rel).chunk(2, -1)
-    r = att.buckets
     out = torch.zeros(B, T, D, dtype=x.dtype)
     for b in range(B):
         for i in range(T):
@@ -79,8 +79,8 @@ def test_relative_attention_matches_pair_by_pair_reference():
     mask[1, 9:] = 0
     bias = torch.zeros(2, 1, 1, 13, dtype=torch.float64).masked_fill(mask[:, None, None, :] == 0, -math.inf)
     rel = model.rel_norm(model.rel)
-    got = att(x, bias, rel)
-    want = naive_attention(att, x, mask, rel)
+    got = att(x, bias, rel, model.buckets[:13, :13][None, None])
+    want = naive_attention(att, x, mask, rel, model.buckets)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
@@ -222,3 +222,50 @@ def test_config_mismatch_names_the_fields():
         check_config(asdict(tiny()), tiny(d_model=64, vocab_size=500), "x.pt")
     check_config(asdict(tiny()), tiny(), "x.pt")  # equal configs pass
     check_config(asdict(tiny()), tiny(dropout=0.0), "x.pt")  # and so does another dropout
+
+
+# --- a subset of tokens at their own positions (BootBERT's MAE student) --------------------------
+
+@pytest.mark.parametrize("position", ["relative", "absolute"])
+def test_subset_at_original_positions_equals_masking_the_rest(position):
+    """Encoding only some tokens, each at its original position, must equal encoding the whole
+    sequence with the other tokens hidden from attention."""
+    torch.manual_seed(0)
+    model = Encoder(tiny(position=position, n_layer=3)).eval()
+    ids = torch.randint(5, V, (2, 14))
+    keep = torch.rand(2, 14) < 0.6
+    keep[:, 0] = True
+    full = model(ids, keep.long())
+    for b in range(2):
+        pos = keep[b].nonzero()[:, 0]
+        sub = model(ids[b, pos][None], positions=pos[None])
+        torch.testing.assert_close(sub[0], full[b, pos], rtol=1e-5, atol=1e-5)
+
+
+# --- EMA -----------------------------------------------------------------------------------------
+
+def test_ema_fused_equals_loop_and_the_formula():
+    torch.manual_seed(0)
+    student, teacher = Encoder(tiny()), Encoder(tiny())
+    fused, loop = copy.deepcopy(teacher), copy.deepcopy(teacher)
+    ema_update(fused, student, 0.9, fused=True)
+    ema_update(loop, student, 0.9, fused=False)
+    for (name, a), b, t, s in zip(fused.named_parameters(), loop.parameters(), teacher.parameters(), student.parameters()):
+        assert torch.equal(a, b), name
+        torch.testing.assert_close(a, 0.9 * t + 0.1 * s)
+
+
+def test_ema_with_decay_one_keeps_the_teacher():
+    torch.manual_seed(0)
+    student, teacher = Encoder(tiny()), Encoder(tiny())
+    before = copy.deepcopy(teacher.state_dict())
+    ema_update(teacher, student, 1.0)
+    assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
+
+
+def test_decoder_is_initialised_like_encoder_layers():
+    torch.manual_seed(0)
+    dec = Decoder(tiny(d_model=256, d_ff=512), 4)
+    s = math.sqrt(2 / (5 * 256)) * scipy.stats.truncnorm(-2, 2).std()
+    assert dec.layers[3].ffn.down.weight.std().item() == pytest.approx(s * math.sqrt(1 / 8), rel=0.05)
+    assert all(layer.attn.p == 0.0 for layer in dec.layers)  # no dropout

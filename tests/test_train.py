@@ -1,6 +1,7 @@
 """train.py: span masking, LAMB, schedule, data order, and the command line as a user meets it
 (run folder, exact resume, DDP, and a clear one-line error for every bad input)."""
 import argparse
+import copy
 import json
 import math
 import sys
@@ -91,6 +92,27 @@ def test_schedule_hand_computed():
     assert T.lr_at(35, args) == pytest.approx(0.1 + 0.9 * 0.75)
     args.warmup = 0.1  # a fraction of max_steps: 11 steps
     assert T.lr_at(10, args) == pytest.approx(1.0) and T.lr_at(9, args) == pytest.approx(10 / 11)
+    # a phase [100, 210) has its own warmup and decay
+    assert T.lr_at(100, args, 100, 210) == pytest.approx(1 / 11) and T.lr_at(210, args, 100, 210) == pytest.approx(0.1)
+
+
+def test_boot_schedules_hand_computed():
+    args = argparse.Namespace(ema_start=0.996, ema_end=1.0, weight_decay=0.02, weight_decay_end=0.2)
+    assert T.ema_decay_at(0, args, 0, 101) == 0.996 and T.ema_decay_at(100, args, 0, 101) == 1.0
+    assert T.ema_decay_at(50, args, 0, 101) == pytest.approx(0.998)
+    assert T.weight_decay_at(0, args, 0, 101) == pytest.approx(0.02) and T.weight_decay_at(100, args, 0, 101) == pytest.approx(0.2)
+    assert T.weight_decay_at(50, args, 0, 101) == pytest.approx(0.11)  # cosine midpoint
+    args.weight_decay_end = None
+    assert T.weight_decay_at(50, args, 0, 101) == 0.02
+
+
+def test_phases():
+    args = argparse.Namespace(objective="kd", teacher=None, phase1_steps=0.25, max_steps=40)
+    assert T.phase_of(9, args) == ("mlm", 0, 10) and T.phase_of(10, args) == ("kd", 10, 40)
+    args.teacher = "t.pt"  # a given teacher: no phase 1
+    assert T.phase_of(0, args) == ("kd", 0, 40)
+    args.objective, args.teacher = "boot", None
+    assert T.phase_of(0, args) == ("boot", 0, 40)
 
 
 # --- data order ----------------------------------------------------------------------------------
@@ -135,39 +157,49 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     assert "step 10/10 | loss" in r.stdout
 
 
-def test_resume_is_exact(prepared, tmp_path):
-    """40 steps in one go == 20 steps, stop, resume, 20 more: same parameters, optimizer state and
-    logged losses, bit for bit (dropout is on)."""
-    common = ["--data", prepared, "--max-steps", 40, *TINY]
+@pytest.mark.parametrize("objective,stop", [("mlm", 20), ("boot", 20), ("kd", 10), ("kd+mlm", 25)])
+def test_resume_is_exact(prepared, tmp_path, objective, stop):
+    """40 steps in one go == `stop` steps, stop, resume, the rest: same parameters, optimizer and
+    teacher state and logged losses, bit for bit (dropout is on). kd stops exactly where phase 1
+    ends (step 10 of 40), kd+mlm inside phase 2."""
+    common = ["--data", prepared, "--max-steps", 40, "--objective", objective, "--phase1-steps", 0.25, *TINY]
     assert run_train(*common, "--out-dir", tmp_path / "a").returncode == 0
-    first = run_train(*common, "--out-dir", tmp_path / "b", "--stop-at", 20)
+    first = run_train(*common, "--out-dir", tmp_path / "b", "--stop-at", stop)
     assert first.returncode == 0, first.stderr
-    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["step"] == 20
+    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["step"] == stop
     second = run_train("--out-dir", tmp_path / "b", "--resume", "--device", "cpu")
     assert second.returncode == 0, second.stderr
     a, b = (torch.load(tmp_path / x / "ckpt.pt", weights_only=True) for x in "ab")
-    assert a["step"] == b["step"] == 40
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["step"] == b["step"] == 40 and a["objective"] == b["objective"] == objective
+    for part in ("model", "heads"):
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), (part, k)
+    if objective == "boot":
+        assert all(torch.equal(v, b["ctx_state"]["ema"][k]) for k, v in a["ctx_state"]["ema"].items())
+    if objective.startswith("kd"):
+        assert (tmp_path / "b" / "phase1.pt").exists() and torch.load(tmp_path / "b" / "phase1.pt", weights_only=True)["step"] == 10
     for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
         assert all(torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])) for k in sa)
     drop = lambda log: [{k: v for k, v in e.items() if k != "tok_per_s"} for e in log]
     assert drop(read_log(tmp_path / "a")) == drop(read_log(tmp_path / "b"))
 
 
-def test_ddp_two_gloo_processes_equal_one_process_accumulating(prepared, tmp_path):
+@pytest.mark.parametrize("objective", ["mlm", "boot"])
+def test_ddp_two_gloo_processes_equal_one_process_accumulating(prepared, tmp_path, objective):
     """2 processes x batch 8 must take the same steps as 1 process x 2 micro-batches of 8: same
-    segments, same masks; DDP averages the gradients that accumulation sums /2 (dropout off)."""
-    common = ["--data", prepared, "--max-steps", 6, "--dropout", 0.0, *TINY]
+    segments, same masks; DDP averages the gradients that accumulation sums /2 (dropout off).
+    For boot that covers the decoder and heads, and the EMA teacher each process keeps."""
+    common = ["--data", prepared, "--max-steps", 6, "--dropout", 0.0, "--objective", objective, *TINY]
     single = run_train(*common, "--grad-accum", 2, "--out-dir", tmp_path / "single")
     assert single.returncode == 0, single.stderr
     ddp = run_train(*common, "--out-dir", tmp_path / "ddp",
                     launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
     assert ddp.returncode == 0, ddp.stderr
     assert "x2 |" in ddp.stdout and "16 seqs" in ddp.stdout
-    a, b = (torch.load(tmp_path / x / "ckpt.pt", weights_only=True)["model"] for x in ("single", "ddp"))
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    a, b = (torch.load(tmp_path / x / "ckpt.pt", weights_only=True) for x in ("single", "ddp"))
+    for part in ("model", "heads"):
+        for k in a[part]:
+            torch.testing.assert_close(a[part][k], b[part][k], rtol=1e-4, atol=1e-5)
     la, lb = ([e["loss"] for e in read_log(tmp_path / x) if "loss" in e] for x in ("single", "ddp"))
     np.testing.assert_allclose(la, lb, rtol=1e-5)
 
@@ -256,3 +288,110 @@ def test_error_nan_loss_keeps_last_good_checkpoint(prepared, tmp_path):
     assert ckpt["step"] == bad_step - 1
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
     assert read_log(out)[-1] == {"step": bad_step, "error": "non-finite loss or gradient"}
+
+
+# --- objectives, in process ----------------------------------------------------------------------
+
+def objective_setup(objective, **flags):
+    """A tiny encoder, the Trainee and ctx an objective trains with, and a masked batch."""
+    args = T.build_parser().parse_args(["--objective", objective])
+    for k, v in flags.items():
+        setattr(args, k, v)
+    torch.manual_seed(0)
+    encoder = T.Encoder(T.ModelConfig(**{**T.PRESETS["tiny"], "vocab_size": 300, "d_model": 32, "d_ff": 48}))
+    heads, ctx = T.SETUP[objective](encoder, args, None, "cpu") if objective in T.SETUP else (torch.nn.ModuleDict(), {})
+    ids = torch.randint(5, 300, (4, 24))
+    ids[:, 0], ids[:, -1] = CLS, SEP
+    batch = T.make_batch(ids, args, 300, torch.Generator().manual_seed(1))
+    return T.Trainee(encoder, heads, T.LOSSES[objective]), {**ctx, "args": args, "step": 0}, batch
+
+
+def test_boot_teacher_starts_as_the_student_and_gets_no_gradient():
+    trainee, ctx, batch = objective_setup("boot")
+    teacher = ctx["ema"]
+    for (name, s), t in zip(trainee.encoder.named_parameters(), teacher.parameters()):
+        assert torch.equal(s, t), name
+    loss, figs = trainee(batch, ctx)
+    loss.backward()
+    assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
+    assert trainee.heads.mask.grad is not None and trainee.encoder.word.weight.grad is not None
+    assert set(figs) == {"lb", "mlm", "acc"} and loss.item() == pytest.approx(figs["lb"].item() + 0.1 * figs["mlm"].item())
+
+
+def test_boot_ablations():
+    trainee, ctx, batch = objective_setup("boot", lb_weight=0.0, boot_student="bert")
+    loss, figs = trainee(batch, ctx)
+    assert trainee.heads.mask is None  # the BERT-style student has nothing to fill in
+    assert loss.item() == pytest.approx(0.1 * figs["mlm"].item())
+
+
+def test_mae_student_without_masked_tokens_fails_clearly():
+    trainee, ctx, batch = objective_setup("boot")
+    batch["labels"][:] = -100
+    with pytest.raises(SystemExit, match="no token of this batch is masked"):
+        trainee(batch, ctx)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_kd_loss(temperature):
+    trainee, _, batch = objective_setup("mlm")
+    trainee.eval()  # no dropout: the same weights give the same distribution
+    teacher = copy.deepcopy(trainee.encoder)
+    args = T.build_parser().parse_args(["--objective", "kd", "--kd-temperature", str(temperature), "--kd-teacher-input", "masked"])
+    ctx = {"teacher": teacher, "args": args}
+    kd = T.Trainee(trainee.encoder, trainee.heads, T.LOSSES["kd"])
+    assert kd(batch, ctx)[0].item() == pytest.approx(0.0, abs=1e-5)  # student = teacher (up to float noise)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    loss, figs = kd(batch, ctx)
+    predict = batch["labels"] != -100
+    _, s = trainee.encoder(batch["inputs"], predict=predict)
+    _, t = teacher(batch["inputs"], predict=predict)
+    p_t = torch.softmax(t / temperature, -1)
+    want = (p_t * (torch.log_softmax(t / temperature, -1) - torch.log_softmax(s / temperature, -1))).sum(-1).mean() * temperature ** 2
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5) and loss.item() > 1e-3
+    mixed, mfigs = T.Trainee(trainee.encoder, trainee.heads, T.LOSSES["kd+mlm"])(batch, ctx)
+    assert mixed.item() == pytest.approx(mfigs["kd"].item() + mfigs["mlm"].item())
+
+
+def test_kd_with_a_given_teacher_skips_phase_one(trained, prepared, tmp_path):
+    out = tmp_path / "run"
+    r = run_train("--data", prepared, "--objective", "kd", "--teacher", trained, "--out-dir", out, "--max-steps", 10, *TINY)
+    assert r.returncode == 0, r.stderr
+    assert not (out / "phase1.pt").exists() and "phase 2" not in r.stdout
+    log = read_log(out)
+    assert {"kd", "mlm"} <= log[0].keys()  # distillation from the first step
+    first = torch.load(trained, weights_only=True)["model"]  # --student-init continued: the teacher's weights
+    assert not torch.equal(torch.load(out / "ckpt.pt", weights_only=True)["model"]["word.weight"], first["word.weight"])
+
+
+def test_mae_decoder_input_is_the_kept_tokens_encoding_and_the_mask_vector():
+    trainee, ctx, batch = objective_setup("boot")
+    trainee.eval()
+    seen = {}
+    decode = trainee.heads.decoder.forward
+    trainee.heads.decoder.forward = lambda x, att: decode(seen.setdefault("x", x), att)  # record its input
+    trainee(batch, ctx)
+    hide = batch["labels"] != -100
+    keep = ~hide
+    want = trainee.encoder(batch["input_ids"], keep.long())  # the hidden tokens masked out of attention
+    torch.testing.assert_close(seen["x"][keep], want[keep], rtol=1e-5, atol=1e-5)
+    assert (seen["x"][hide] == trainee.heads.mask).all()
+
+
+@pytest.mark.parametrize("decay", [0.0, 1.0])
+def test_the_loop_updates_the_mean_teacher(prepared, tmp_path, decay):
+    """Decay 0: after each step the teacher is the student. Decay 1: it stays the initial encoder."""
+    out = tmp_path / "run"
+    r = run_train("--data", prepared, "--objective", "boot", "--ema-start", decay, "--ema-end", decay,
+                  "--out-dir", out, "--max-steps", 5, *TINY)
+    assert r.returncode == 0, r.stderr
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    if decay == 0.0:
+        want = ckpt["model"]
+    else:
+        torch.manual_seed(0)  # the seed the run initialised its encoder with
+        want = T.Encoder(T.ModelConfig(**ckpt["config"])).state_dict()
+        assert not torch.equal(want["word.weight"], ckpt["model"]["word.weight"])  # the student moved
+    assert all(torch.equal(v, want[k]) for k, v in ckpt["ctx_state"]["ema"].items())
