@@ -159,7 +159,10 @@ def boot(model, batch, ctx):
     labels = batch["labels"][hide]
     logits = enc.head(out)
     ce = F.cross_entropy(logits.float(), labels)
-    return args.lb_weight * lb + args.mlm_weight * ce, {"lb": lb, "mlm": ce, "acc": accuracy(logits, labels)}
+    # a collapse gauge: how much the targets differ from token to token, per dimension (1: as
+    # much as within a vector; 0: every position gets the same target)
+    spread = target.std(0).mean()
+    return args.lb_weight * lb + args.mlm_weight * ce, {"lb": lb, "mlm": ce, "acc": accuracy(logits, labels), "target_std": spread}
 
 
 def kd(model, batch, ctx, mlm_weight=0.0):
@@ -205,6 +208,8 @@ def setup_kd(encoder, args, run_dir, device):
 
 
 SETUP = {"boot": setup_boot, "kd": setup_kd, "kd+mlm": setup_kd}
+# shared flags whose default differs for an objective, as its paper trained it (typed flags win)
+DEFAULTS = {"boot": {"lr": 5e-3, "weight_decay": 0.02, "weight_decay_end": 0.2}}
 TWO_PHASE = {"kd", "kd+mlm"}  # plain MLM first; then the objective, taught by the phase-1 model
 
 
@@ -355,11 +360,11 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=128, help="sequences per micro-batch per process (default 128)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--optim", default="lamb", choices=["adamw", "lamb"], help="optimizer; betas (0.9, 0.98), eps 1e-6 (default lamb)")
-    p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
+    p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2; boot 5e-3)")
     p.add_argument("--warmup", type=float, default=0.016, help="warmup: a fraction of --max-steps if < 1, else steps (default 0.016)")
     p.add_argument("--schedule", default="cosine", choices=["cosine", "linear"], help="decay after warmup (default cosine)")
     p.add_argument("--min-lr", type=float, default=0.1, help="final learning rate as a fraction of --lr (default 0.1)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay on weight matrices (default 0.1)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay on weight matrices (default 0.1; boot 0.02, rising to 0.2)")
     p.add_argument("--clip", type=float, default=2.0, help="gradient-norm clipping, 0 = off (default 2.0)")
     p.add_argument("--mask-p", type=float, default=0.15, help="fraction of tokens to predict (default 0.15)")
     p.add_argument("--max-steps", type=int, default=10000, help="optimizer steps (default 10000)")
@@ -374,7 +379,7 @@ def build_parser():
     p.add_argument("--eval-batches", type=int, default=20, help="validation batches, always the same ones (default 20)")
     p.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (default 1000)")
     p.add_argument("--stop-at", type=int, default=None, help="checkpoint and exit after this step; the schedule still runs to --max-steps (for time-limited jobs)")
-    p.add_argument("--weight-decay-end", type=float, default=None, help="cosine weight decay from --weight-decay to this over the phase (BootBERT: 0.02 -> 0.2; default: constant)")
+    p.add_argument("--weight-decay-end", type=float, default=None, help="cosine weight decay from --weight-decay to this over the phase (default: constant; boot 0.2)")
     b = p.add_argument_group("boot (latent bootstrapping, Samuel 2023)")
     b.add_argument("--lb-weight", type=float, default=1.0, help="weight of the latent-bootstrapping loss; 0 removes it (default 1)")
     b.add_argument("--mlm-weight", type=float, default=0.1, help="weight of the decoder's MLM loss (default 0.1)")
@@ -414,6 +419,9 @@ def get_args(argv):
     # argparse has no public map from option string to destination, hence the private one
     typed = [t.split("=")[0] for t in (sys.argv[1:] if argv is None else argv)]
     args.given = sorted({parser._option_string_actions[t].dest for t in typed if t in parser._option_string_actions})
+    for k, v in DEFAULTS.get(args.objective, {}).items():
+        if k not in args.given:
+            setattr(args, k, v)
     return args
 
 

@@ -106,6 +106,14 @@ def test_boot_schedules_hand_computed():
     assert T.weight_decay_at(50, args, 0, 101) == 0.02
 
 
+def test_objective_defaults_yield_to_typed_flags():
+    boot = T.get_args(["--objective", "boot"])
+    assert (boot.lr, boot.weight_decay, boot.weight_decay_end) == (5e-3, 0.02, 0.2)
+    typed = T.get_args(["--objective", "boot", "--lr", "0.01"])
+    assert typed.lr == 0.01 and typed.weight_decay == 0.02
+    assert T.get_args(["--objective", "mlm"]).lr == 1e-2
+
+
 def test_phases():
     args = argparse.Namespace(objective="kd", teacher=None, phase1_steps=0.25, max_steps=40)
     assert T.phase_of(9, args) == ("mlm", 0, 10) and T.phase_of(10, args) == ("kd", 10, 40)
@@ -315,7 +323,8 @@ def test_boot_teacher_starts_as_the_student_and_gets_no_gradient():
     loss.backward()
     assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
     assert trainee.heads.mask.grad is not None and trainee.encoder.word.weight.grad is not None
-    assert set(figs) == {"lb", "mlm", "acc"} and loss.item() == pytest.approx(figs["lb"].item() + 0.1 * figs["mlm"].item())
+    assert set(figs) == {"lb", "mlm", "acc", "target_std"}
+    assert loss.item() == pytest.approx(figs["lb"].item() + 0.1 * figs["mlm"].item())
 
 
 def test_boot_ablations():
