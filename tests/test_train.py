@@ -404,3 +404,17 @@ def test_the_loop_updates_the_mean_teacher(prepared, tmp_path, decay):
         want = T.Encoder(T.ModelConfig(**ckpt["config"])).state_dict()
         assert not torch.equal(want["word.weight"], ckpt["model"]["word.weight"])  # the student moved
     assert all(torch.equal(v, want[k]) for k, v in ckpt["ctx_state"]["ema"].items())
+
+
+def test_student_init_continued_or_scratch(trained, prepared, tmp_path):
+    """Phase 2 starts from the teacher's weights (continued) or from a fresh init (scratch); with
+    --lr 0 the saved student is exactly where it started."""
+    teacher = torch.load(trained, weights_only=True)["model"]
+    for init in ("continued", "scratch"):
+        out = tmp_path / init
+        r = run_train("--data", prepared, "--objective", "kd", "--teacher", trained, "--student-init", init,
+                      "--lr", 0, "--out-dir", out, "--max-steps", 2, *TINY)
+        assert r.returncode == 0, r.stderr
+        student = torch.load(out / "ckpt.pt", weights_only=True)["model"]
+        same = all(torch.equal(student[k], teacher[k]) for k in teacher)
+        assert same == (init == "continued")
