@@ -6,6 +6,7 @@
     python train.py --out-dir runs/mlm_babylm_10m_small --resume                      # continue
     python train.py --objective boot --data babylm_10m                                # BootBERT
     python train.py --objective kd+mlm --data babylm_10m --phase1-steps 0.2           # MLM, then KD
+    python train.py --objective mlsm+mlm --data babylm_10m                            # MLM, then MLSM
 
 The data is prepared on first use (data/prepare.py). A run folder (--out-dir) holds args.json,
 config.json, data.json (the corpus' meta.json), log.jsonl (every logged figure), ckpt.pt (model,
@@ -14,8 +15,9 @@ optimizer, config, args, step, RNG states, data position, code version, tokenize
 
 Adding an objective = one function `loss, figures = fn(model, batch, ctx)` + one LOSSES entry
 (+ one SETUP entry if it trains extra modules or needs a teacher). Two-phase objectives (kd,
-kd+mlm) train plain MLM for --phase1-steps, keep that model as phase1.pt, then continue with the
-objective against it as a frozen teacher; one command, one schedule per phase.
+kd+mlm, mlsm, mlsm+mlm) train plain MLM for --phase1-steps, keep that model as phase1.pt, then
+continue with the objective against it as a frozen teacher; one command, one schedule per phase.
+mlsm learns its dictionary between the phases by running sparse.py (RUN/dict.pt).
 
 Reproducibility: batches and masks are functions of (seed, step, micro-batch), and dropout is
 reseeded the same way at every micro-batch, so a run resumed from any checkpoint follows the very
@@ -45,7 +47,7 @@ from tqdm import tqdm
 
 from data.prepare import CLS, MASK, SEP, SPECIALS, load_meta, prepare
 from model import (PRESETS, Decoder, Encoder, ModelConfig, check_config, config_help, ema_update, load_checkpoint,
-                   read_checkpoint, save_checkpoint, small_init)
+                   read_checkpoint, save_checkpoint, small_init, sparse_code)
 
 HERE = Path(__file__).resolve().parent
 
@@ -165,11 +167,11 @@ def boot(model, batch, ctx):
     return args.lb_weight * lb + args.mlm_weight * ce, {"lb": lb, "mlm": ce, "acc": accuracy(logits, labels), "target_std": spread}
 
 
-def kd(model, batch, ctx, mlm_weight=0.0):
+def kd(model, batch, ctx, with_mlm=False):
     """Knowledge distillation (Hinton et al. 2015) from the frozen phase-1 model (Berend 2023,
     "Better Together", sec. 2.2): KL(teacher || student) over the vocabulary at the masked
     positions, mean over positions, at temperature T and times T^2 (so gradients keep their
-    size as T changes), plus mlm_weight x the MLM cross-entropy."""
+    size as T changes); kd+mlm adds --mlm-weight x the MLM cross-entropy."""
     args = ctx["args"]
     predict = batch["labels"] != -100
     _, logits = model.encoder(batch["inputs"], batch["attention_mask"], predict=predict)      # (N, V)
@@ -181,10 +183,75 @@ def kd(model, batch, ctx, mlm_weight=0.0):
                   log_target=True, reduction="batchmean") * T * T
     target = batch["labels"][predict]
     ce = F.cross_entropy(logits.float(), target)
-    return kl + mlm_weight * ce, {"kd": kl, "mlm": ce, "acc": accuracy(logits, target)}
+    return kl + (args.mlm_weight * ce if with_mlm else 0.0), {"kd": kl, "mlm": ce, "acc": accuracy(logits, target)}
 
 
-LOSSES = {"mlm": mlm, "boot": boot, "kd": kd, "kd+mlm": functools.partial(kd, mlm_weight=1.0)}
+class Stopwatch:
+    """Seconds spent in a block, summed between two reads without making the host wait for the
+    device: CUDA events on a GPU (read at log steps, where the loop waits anyway), perf_counter
+    on a CPU."""
+
+    def __init__(self, device):
+        self.cuda, self.spans = device.type == "cuda", []
+
+    @contextlib.contextmanager
+    def __call__(self, on=True):
+        if not on:
+            yield
+        elif self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.spans.append((start, end))
+        else:
+            t = time.perf_counter()
+            yield
+            self.spans.append(time.perf_counter() - t)
+
+    def read(self) -> float:
+        total = sum(s.elapsed_time(e) / 1e3 for s, e in self.spans) if self.cuda else sum(self.spans)
+        self.spans = []
+        return total
+
+
+def mlsm(model, batch, ctx, with_mlm=False):
+    """Masked latent semantic modeling (Berend 2023, "Masked Latent Semantic Modeling", sec. 3;
+    "Better Together", sec. 2.3). At every masked position the frozen phase-1 model, reading the
+    unmasked sequence, gives its layer-L state h; the target is the l1-normalised non-negative
+    sparse code of h / ||h|| under the dictionary D (d, k), a distribution over k latent
+    properties; the student predicts it with a k-way softmax over its MLM-head features.
+    Loss: KL(target || prediction), mean over the positions whose code is not all zero (those
+    have no distribution to predict and are left out, counted in zero_rate); mlsm+mlm adds
+    --mlm-weight x the MLM cross-entropy at the same positions."""
+    args, enc = ctx["args"], model.encoder
+    predict = batch["labels"] != -100                                                    # (B, T)
+    with torch.no_grad():
+        h = ctx["teacher"](batch["input_ids"], batch["attention_mask"], all_layers=True)[ctx["layer"]][predict]
+        with ctx["stopwatch"](model.training), torch.autocast(h.device.type, enabled=False):
+            codes = sparse_code(F.normalize(h.float(), dim=-1), ctx["dict"], args.mlsm_lam,
+                                args.mlsm_iters, args.mlsm_tol)                            # (N, k) >= 0
+        mass = codes.sum(1, keepdim=True)                                                # (N, 1)
+        target = codes / mass.clamp(min=torch.finfo(codes.dtype).tiny)   # rows sum to 1, or stay 0
+        coded = (mass.squeeze(1) > 0).float()
+        n_coded = coded.sum().clamp(min=1)
+    feats = enc.head_in(enc(batch["inputs"], batch["attention_mask"])[predict])          # (N, D)
+    logp = F.log_softmax(model.heads.latent(feats).float(), -1)                          # (N, k)
+    # an all-zero target row adds exactly 0 to the sum (kl_div takes 0 log 0 = 0), so dividing by
+    # the number of coded rows is the batch mean over those rows, without a host sync
+    kl = F.kl_div(logp, target, reduction="sum") / n_coded
+    figs = {"kl": kl, "nnz": (codes > 0).sum(1).float().sum() / n_coded,
+            "zero_rate": 1 - coded.sum() / max(1, coded.numel())}
+    if not with_mlm:
+        return kl, figs
+    logits = F.linear(feats, enc.word.weight, enc.head_bias)                            # (N, V)
+    labels = batch["labels"][predict]
+    ce = F.cross_entropy(logits.float(), labels)
+    return kl + args.mlm_weight * ce, {**figs, "mlm": ce, "acc": accuracy(logits, labels)}
+
+
+LOSSES = {"mlm": mlm, "boot": boot, "kd": kd, "kd+mlm": functools.partial(kd, with_mlm=True),
+          "mlsm": mlsm, "mlsm+mlm": functools.partial(mlsm, with_mlm=True)}
 
 
 # Objectives that train modules besides the encoder, or need a teacher:
@@ -207,10 +274,54 @@ def setup_kd(encoder, args, run_dir, device):
     return nn.ModuleDict(), {"teacher": teacher.requires_grad_(False)}
 
 
-SETUP = {"boot": setup_boot, "kd": setup_kd, "kd+mlm": setup_kd}
+def setup_mlsm(encoder, args, run_dir, device):
+    """The frozen teacher (as kd), the dictionary of its layer --mlsm-layer, and the student's
+    k-way head (a Linear on the MLM head's features, N(0, s) weight, zero bias: a separate head
+    rather than k extra tied rows, so the MLM head stays as it is). The dictionary is RUN/dict.pt:
+    --dict is copied there; without one, sparse.py learns it from the teacher (rank 0; the
+    others wait), so a resumed run and its code/ folder keep the very dictionary it trained on."""
+    _, ctx = setup_kd(encoder, args, run_dir, device)
+    teacher_path = args.teacher or Path(run_dir) / "phase1.pt"
+    path = Path(run_dir) / "dict.pt"
+    master = not dist.is_initialized() or dist.get_rank() == 0
+    if master and not path.exists():
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        if args.dict:
+            if not Path(args.dict).is_file():
+                raise SystemExit(f"error: --dict {args.dict}: no such file")
+            shutil.copy(args.dict, path)
+        else:
+            tqdm.write(f"learning the MLSM dictionary from layer {args.mlsm_layer} of {teacher_path} (sparse.py)")
+            cmd = [sys.executable, str(HERE / "sparse.py"), "--ckpt", str(teacher_path), "--data", args.data,
+                   "--layer", str(args.mlsm_layer), "--k", str(args.mlsm_k), "--lam", str(args.mlsm_lam),
+                   "--vectors", str(args.dict_vectors), "--epochs", str(args.dict_epochs), "--seq-len", str(args.seq_len),
+                   "--seed", str(args.seed), "--device", device.type, "--out", str(path)]
+            if subprocess.run(cmd).returncode != 0:
+                raise SystemExit(f"error: learning the dictionary failed (command: {' '.join(cmd)})")
+    if dist.is_initialized():
+        dist.barrier()
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        D = saved["D"]
+    except Exception as e:
+        raise SystemExit(f"error: cannot read the dictionary {path} ({type(e).__name__}: {e})") from None
+    n_layer, d = ctx["teacher"].config.n_layer, ctx["teacher"].config.d_model
+    if D.ndim != 2 or D.shape[0] != d:
+        raise SystemExit(f"error: the dictionary {path} has shape {tuple(D.shape)}, but the teacher's states have {d} dimensions")
+    layer = saved.get("layer", n_layer)
+    if "mlsm_layer" in args.given and args.mlsm_layer % (n_layer + 1) != layer:
+        raise SystemExit(f"error: the dictionary {path} was learned on layer {layer}, not --mlsm-layer {args.mlsm_layer}")
+    head = nn.Linear(encoder.config.d_model, D.shape[1])
+    with torch.no_grad():
+        small_init(encoder.config.d_model)(head.weight)
+        head.bias.zero_()
+    return nn.ModuleDict({"latent": head}), {**ctx, "dict": D.float().to(device), "layer": layer, "stopwatch": Stopwatch(device)}
+
+
+SETUP = {"boot": setup_boot, "kd": setup_kd, "kd+mlm": setup_kd, "mlsm": setup_mlsm, "mlsm+mlm": setup_mlsm}
 # shared flags whose default differs for an objective, as its paper trained it (typed flags win)
-DEFAULTS = {"boot": {"lr": 5e-3, "weight_decay": 0.02, "weight_decay_end": 0.2}}
-TWO_PHASE = {"kd", "kd+mlm"}  # plain MLM first; then the objective, taught by the phase-1 model
+DEFAULTS = {"boot": {"lr": 5e-3, "weight_decay": 0.02, "weight_decay_end": 0.2, "mlm_weight": 0.1}}
+TWO_PHASE = {"kd", "kd+mlm", "mlsm", "mlsm+mlm"}  # plain MLM first; then the objective, taught by the phase-1 model
 
 
 def phase1_steps(args) -> int:
@@ -382,17 +493,25 @@ def build_parser():
     p.add_argument("--weight-decay-end", type=float, default=None, help="cosine weight decay from --weight-decay to this over the phase (default: constant; boot 0.2)")
     b = p.add_argument_group("boot (latent bootstrapping, Samuel 2023)")
     b.add_argument("--lb-weight", type=float, default=1.0, help="weight of the latent-bootstrapping loss; 0 removes it (default 1)")
-    b.add_argument("--mlm-weight", type=float, default=0.1, help="weight of the decoder's MLM loss (default 0.1)")
+    b.add_argument("--mlm-weight", type=float, default=1.0, help="weight of the MLM loss in kd+mlm, mlsm+mlm and boot (default 1; boot 0.1, its decoder's)")
     b.add_argument("--ema-start", type=float, default=0.996, help="mean-teacher EMA decay at the first step (default 0.996)")
     b.add_argument("--ema-end", type=float, default=1.0, help="EMA decay at the last step, reached linearly (default 1.0)")
     b.add_argument("--decoder-layers", type=int, default=4, help="layers of the student's decoder (default 4)")
     b.add_argument("--boot-student", default="mae", choices=["mae", "bert"], help="mae: the encoder sees the kept tokens only; bert: the whole masked input (ablation) (default mae)")
-    k = p.add_argument_group("kd, kd+mlm (distillation after an MLM phase, Berend 2023)")
+    k = p.add_argument_group("kd, kd+mlm, mlsm, mlsm+mlm (a phase of MLM, then the objective taught by that model; Berend 2023)")
     k.add_argument("--phase1-steps", type=float, default=0.2, help="MLM steps before distillation: a fraction of --max-steps if < 1, else steps (default 0.2)")
     k.add_argument("--teacher", default=None, help="distil from this checkpoint instead of training a phase 1")
     k.add_argument("--student-init", default="continued", choices=["continued", "scratch"], help="phase 2 starts from the phase-1 weights, or from a fresh init (default continued)")
     k.add_argument("--kd-temperature", type=float, default=1.0, help="softmax temperature T; the KL is scaled by T^2 (default 1)")
     k.add_argument("--kd-teacher-input", default="clean", choices=["clean", "masked"], help="what the teacher reads (default clean)")
+    k.add_argument("--dict", default=None, help="mlsm: a dictionary from sparse.py (default: learn one from the teacher into RUN/dict.pt)")
+    k.add_argument("--mlsm-layer", type=int, default=-1, help="mlsm: the teacher's layer whose states are coded, 0 = embeddings, negative from the end (default -1)")
+    k.add_argument("--mlsm-k", type=int, default=2500, help="mlsm: dictionary atoms, the size of the predicted distribution (default 2500)")
+    k.add_argument("--mlsm-lam", type=float, default=0.05, help="mlsm: l1 penalty of the sparse codes (default 0.05)")
+    k.add_argument("--mlsm-iters", type=int, default=200, help="mlsm: FISTA iteration cap per batch of targets (default 200)")
+    k.add_argument("--mlsm-tol", type=float, default=1e-2, help="mlsm: FISTA stops when its gradient mapping is below tol*lam (default 1e-2)")
+    k.add_argument("--dict-vectors", type=int, default=100000, help="mlsm: hidden states the dictionary is learned from (default 100000)")
+    k.add_argument("--dict-epochs", type=int, default=4, help="mlsm: passes of dictionary learning over them (default 4)")
     model_flags = p.add_argument_group("model (ModelConfig fields; default: the --size preset)")
     for f, text in zip(fields(ModelConfig), config_help().values()):
         if f.name != "vocab_size":  # the tokenizer decides it
@@ -436,7 +555,7 @@ def model_config(args, vocab_size) -> ModelConfig:
 
 
 def code_version() -> dict:
-    files = [HERE / "model.py", HERE / "train.py", HERE / "data" / "prepare.py"]
+    files = [HERE / "model.py", HERE / "train.py", HERE / "sparse.py", HERE / "data" / "prepare.py"]
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
     try:
         git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
@@ -570,7 +689,7 @@ def main(argv=None):
             (out / "config.json").write_text(json.dumps(asdict(config), indent=1))
             (out / "data.json").write_text(json.dumps(meta, indent=1))
             (out / "code").mkdir(exist_ok=True)
-            for f in ("model.py", "train.py", "data/prepare.py"):
+            for f in ("model.py", "train.py", "sparse.py", "data/prepare.py"):
                 shutil.copy(HERE / f, out / "code" / Path(f).name)
             (out / "log.jsonl").unlink(missing_ok=True)
         else:  # drop log lines written after the checkpoint by the run that was cut off
@@ -671,11 +790,14 @@ def main(argv=None):
             if ddp:
                 dist.all_reduce(values)
                 values /= world
+            elapsed = time.time() - t_log
             record = {"step": step, **dict(zip(names, values.tolist())), "lr": lr,
-                      "tok_per_s": since_log * global_batch * args.seq_len / (time.time() - t_log)}
+                      "tok_per_s": since_log * global_batch * args.seq_len / elapsed}
+            if "stopwatch" in ctx:  # e.g. mlsm's sparse coding, as a share of the training time
+                record["code_share"] = ctx["stopwatch"].read() / elapsed
             log(record)
             eta = (time.time() - t0) / (step - step0) * (args.max_steps - step)
-            terms = "".join(f" | {k} {record[k]:.4f}" for k in figs if k != "acc")
+            terms = "".join(f" | {k} {record[k]:.4f}" for k in [*figs, "code_share"] if k in record and k != "acc")
             say(f"step {step}/{args.max_steps} | loss {record['loss']:.4f}{terms} | lr {lr:.1e} | "
                 f"{record['tok_per_s'] / 1e3:.1f}k tok/s | eta {eta / 60:.0f}m")
             sums, since_log, t_log = {}, 0, time.time()

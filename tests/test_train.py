@@ -165,12 +165,14 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     assert "step 10/10 | loss" in r.stdout
 
 
-@pytest.mark.parametrize("objective,stop", [("mlm", 20), ("boot", 20), ("kd", 10), ("kd+mlm", 25)])
+@pytest.mark.parametrize("objective,stop", [("mlm", 20), ("boot", 20), ("kd", 10), ("kd+mlm", 25), ("mlsm+mlm", 25)])
 def test_resume_is_exact(prepared, tmp_path, objective, stop):
     """40 steps in one go == `stop` steps, stop, resume, the rest: same parameters, optimizer and
     teacher state and logged losses, bit for bit (dropout is on). kd stops exactly where phase 1
-    ends (step 10 of 40), kd+mlm inside phase 2."""
+    ends (step 10 of 40), kd+mlm and mlsm+mlm inside phase 2."""
     common = ["--data", prepared, "--max-steps", 40, "--objective", objective, "--phase1-steps", 0.25, *TINY]
+    if objective.startswith("mlsm"):
+        common += MLSM_DICT
     assert run_train(*common, "--out-dir", tmp_path / "a").returncode == 0
     first = run_train(*common, "--out-dir", tmp_path / "b", "--stop-at", stop)
     assert first.returncode == 0, first.stderr
@@ -184,11 +186,11 @@ def test_resume_is_exact(prepared, tmp_path, objective, stop):
             assert torch.equal(a[part][k], b[part][k]), (part, k)
     if objective == "boot":
         assert all(torch.equal(v, b["ctx_state"]["ema"][k]) for k, v in a["ctx_state"]["ema"].items())
-    if objective.startswith("kd"):
+    if objective in T.TWO_PHASE:
         assert (tmp_path / "b" / "phase1.pt").exists() and torch.load(tmp_path / "b" / "phase1.pt", weights_only=True)["step"] == 10
     for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
         assert all(torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])) for k in sa)
-    drop = lambda log: [{k: v for k, v in e.items() if k != "tok_per_s"} for e in log]
+    drop = lambda log: [{k: v for k, v in e.items() if k not in ("tok_per_s", "code_share")} for e in log]  # timings
     assert drop(read_log(tmp_path / "a")) == drop(read_log(tmp_path / "b"))
 
 
@@ -302,7 +304,7 @@ def test_error_nan_loss_keeps_last_good_checkpoint(prepared, tmp_path):
 
 def objective_setup(objective, **flags):
     """A tiny encoder, the Trainee and ctx an objective trains with, and a masked batch."""
-    args = T.build_parser().parse_args(["--objective", objective])
+    args = T.get_args(["--objective", objective])  # with the objective's own defaults
     for k, v in flags.items():
         setattr(args, k, v)
     torch.manual_seed(0)
@@ -418,3 +420,105 @@ def test_student_init_continued_or_scratch(trained, prepared, tmp_path):
         student = torch.load(out / "ckpt.pt", weights_only=True)["model"]
         same = all(torch.equal(student[k], teacher[k]) for k in teacher)
         assert same == (init == "continued")
+
+
+# --- mlsm --------------------------------------------------------------------------------------
+
+MLSM_DICT = ["--mlsm-k", 48, "--dict-vectors", 300, "--dict-epochs", 1]  # a dictionary learned in seconds
+
+
+def mlsm_setup(lam=0.05, with_mlm=False):
+    """A tiny student, a perturbed copy as the frozen teacher, a random 40-atom dictionary."""
+    trainee, _, batch = objective_setup("mlm")
+    teacher = copy.deepcopy(trainee.encoder).eval()
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    D = torch.nn.functional.normalize(torch.randn(32, 40), dim=0)
+    args = T.get_args(["--objective", "mlsm+mlm" if with_mlm else "mlsm", "--mlsm-lam", str(lam), "--mlsm-tol", "1e-6"])
+    head = torch.nn.Linear(32, 40)
+    ctx = {"teacher": teacher, "dict": D, "layer": 1, "stopwatch": T.Stopwatch(torch.device("cpu")), "args": args}
+    return T.Trainee(trainee.encoder, torch.nn.ModuleDict({"latent": head}), T.LOSSES[args.objective]), ctx, batch
+
+
+def test_mlsm_loss_against_a_per_position_loop():
+    """Targets: l1-normalised codes of the teacher's unit-norm layer states at the masked
+    positions, each a distribution (sums to 1); the loss is the mean over positions of
+    KL(target || softmax(student)), here recomputed position by position with the exact solver."""
+    import sparse as S
+    trainee, ctx, batch = mlsm_setup()
+    trainee.eval()
+    loss, figs = trainee(batch, ctx)
+    predict = batch["labels"] != -100
+    states = ctx["teacher"](batch["input_ids"], all_layers=True)[1][predict]
+    logits = trainee.heads.latent(trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict]))
+    want, nnz = [], []
+    for h, z in zip(states, logits):
+        code = S.encode((h / h.norm())[None].double(), ctx["dict"].double(), 0.05, method="lars")[0]
+        assert code.sum() > 0
+        target = code / code.sum()
+        assert target.sum().item() == pytest.approx(1.0, abs=1e-12) and (target >= 0).all()
+        logp = torch.log_softmax(z.double(), -1)
+        want.append(sum(t * (math.log(t) - lp) for t, lp in zip(target.tolist(), logp.tolist()) if t > 0))
+        nnz.append((code > 0).sum().item())
+    assert loss.item() == pytest.approx(float(np.mean(want)), rel=1e-5)
+    assert figs["nnz"].item() == pytest.approx(np.mean(nnz), abs=0.05) and figs["zero_rate"].item() == 0.0
+    loss.backward()
+    assert trainee.heads.latent.weight.grad is not None and trainee.encoder.word.weight.grad is not None
+    assert all(p.grad is None for p in ctx["teacher"].parameters())
+    mixed, mfigs = T.Trainee(trainee.encoder, trainee.heads, T.LOSSES["mlsm+mlm"])(batch, ctx)
+    assert mixed.item() == pytest.approx(mfigs["kl"].item() + mfigs["mlm"].item(), rel=1e-6)
+
+
+def test_mlsm_skips_all_zero_codes_without_nan():
+    """lam above every correlation: all codes are 0, there is nothing to predict; the loss is 0 with
+    finite gradients, not 0/0. At a middle lam, the positions with zero codes are left out of the
+    mean: the loss equals the mean over the others."""
+    trainee, ctx, batch = mlsm_setup(lam=10.0)
+    loss, figs = trainee(batch, ctx)
+    assert loss.item() == 0.0 and figs["zero_rate"].item() == 1.0
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in trainee.parameters() if p.grad is not None)
+
+    trainee, ctx, batch = mlsm_setup()
+    trainee.eval()
+    predict = batch["labels"] != -100
+    states = torch.nn.functional.normalize(ctx["teacher"](batch["input_ids"], all_layers=True)[1][predict], dim=-1)
+    best = (states @ ctx["dict"]).amax(1)              # a row codes to 0 iff its best correlation <= lam
+    lam = best.median().item()
+    ctx["args"].mlsm_lam = lam
+    loss, figs = trainee(batch, ctx)
+    zero = best <= lam
+    assert 0 < zero.sum() < len(zero) and figs["zero_rate"].item() == pytest.approx(zero.float().mean().item())
+    per_row = []
+    logits = trainee.heads.latent(trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict]))
+    codes = T.sparse_code(states, ctx["dict"], lam, tol=1e-6)
+    for code, z in zip(codes[~zero], logits[~zero]):
+        t = code / code.sum()
+        per_row.append(torch.nn.functional.kl_div(torch.log_softmax(z, -1), t, reduction="sum").item())
+    assert np.isfinite(loss.item()) and loss.item() == pytest.approx(np.mean(per_row), rel=1e-5)
+
+
+def test_mlsm_run_learns_its_dictionary_between_the_phases(prepared, tmp_path):
+    out = tmp_path / "run"
+    r = run_train("--data", prepared, "--objective", "mlsm", "--max-steps", 10, "--phase1-steps", 5,
+                  "--out-dir", out, *MLSM_DICT, *TINY)
+    assert r.returncode == 0, r.stderr
+    saved = torch.load(out / "dict.pt", weights_only=True)
+    assert saved["D"].shape == (64, 48) and saved["layer"] == 1 and saved["ckpt"] == str(out / "phase1.pt")
+    log = read_log(out)
+    phase2 = [e for e in log if "kl" in e]
+    assert [e["step"] for e in phase2] == [10] and "mlm" not in phase2[0]
+    assert 0 < phase2[0]["code_share"] < 1 and phase2[0]["nnz"] > 0 and 0 <= phase2[0]["zero_rate"] < 1
+    assert (out / "code" / "sparse.py").exists()
+    # the same dictionary given with --dict: copied into the run, same first phase-2 losses
+    again = tmp_path / "again"
+    r = run_train("--data", prepared, "--objective", "mlsm", "--max-steps", 10, "--phase1-steps", 5,
+                  "--dict", out / "dict.pt", "--out-dir", again, *TINY)
+    assert r.returncode == 0, r.stderr
+    assert "learning the MLSM dictionary" not in r.stdout
+    assert torch.equal(torch.load(again / "dict.pt", weights_only=True)["D"], saved["D"])
+    assert read_log(again)[-1]["val_kl"] == read_log(out)[-1]["val_kl"]
+    bad = run_train("--data", prepared, "--objective", "mlsm", "--max-steps", 10, "--phase1-steps", 5,
+                    "--dict", out / "dict.pt", "--mlsm-layer", 0, "--out-dir", tmp_path / "bad", *TINY)
+    assert_clean_error(bad, "learned on layer 1, not --mlsm-layer 0")

@@ -1,0 +1,291 @@
+"""Non-negative sparse coding and dictionary learning, written here: the targets of masked latent
+semantic modeling (MLSM; Berend 2023, "Masked Latent Semantic Modeling", ACL Findings, sec. 3).
+
+    python sparse.py --ckpt runs/mlm_babylm_10m_small/ckpt.pt --data babylm_10m --layer -1 \\
+        --k 2500 --lam 0.05 --out dict.pt          # learn a dictionary from a model's hidden states
+
+train.py runs this itself between the two phases of `--objective mlsm` / `mlsm+mlm`.
+
+The problem. For hidden vectors h (rows of H, n x d) and a dictionary D (d x k) whose columns
+have norm <= 1, the codes a >= 0 minimise
+        1/2 ||h - D a||^2 + lam * ||a||_1                                                   (1)
+and learning D minimises the mean of (1) over the data under that norm constraint.
+
+    encode(H, D, lam, method="fista")   batched FISTA in torch, on any device (model.sparse_code,
+                                        which train.py calls every step)
+    encode(H, D, lam, method="lars")    an exact homotopy solver in float64 numpy, one vector at a
+                                        time: the reference the tests hold FISTA to
+    learn_dictionary(H, k, lam)         online dictionary learning (Mairal, Bach, Ponce & Sapiro
+                                        2009/2010): code a mini-batch, accumulate its sufficient
+                                        statistics, update D by block-coordinate descent
+
+The CLI collects layer-L states of a checkpoint at random positions of the training split,
+L2-normalises them (as the MLSM code does before sparse coding), leaves out the most frequent
+tokens (relative frequency >= --max-freq, again as the MLSM code does, so that a few function
+words do not claim the atoms), learns D, and reports the objective, the mean number of non-zeros
+per code and the fraction of all-zero codes. Unlike the MLSM code, it does not average sub-word
+pieces into words: each piece is one vector, as each masked piece is one target in training.
+"""
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from data.prepare import CLS, SEP, prepare
+from model import load_checkpoint, read_checkpoint, save_checkpoint, sparse_code
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse coding
+
+def objective(H, D, A, lam) -> torch.Tensor:
+    """(1) for every row: (n,) from H (n, d), D (d, k), A (n, k)."""
+    return 0.5 * ((H - A @ D.T) ** 2).sum(1) + lam * A.abs().sum(1)
+
+
+def kkt_violation(H, D, A, lam) -> float:
+    """How far A is from optimal for (1): with c = D^T (h - D a), the optimum has c_j = lam where
+    a_j > 0 and c_j <= lam where a_j = 0 (and a >= 0). Returns the largest violation."""
+    c = (H - A @ D.T) @ D
+    on = A > 0
+    return max((c - lam).abs()[on].max().item() if on.any() else 0.0,
+               (c - lam).clamp(min=0)[~on].max().item() if (~on).any() else 0.0,
+               (-A).clamp(min=0).max().item())
+
+
+def lars(h: np.ndarray, D: np.ndarray, lam: float) -> np.ndarray:
+    """The exact minimiser of (1) for one vector h (d,), by the non-negative LARS-lasso homotopy
+    (Efron et al. 2004, "Least Angle Regression", sec. 3.1 with the lasso modification of sec.
+    3.1 and the positive constraint of sec. 3.4), in float64.
+
+    Follow the solution a(mu) as the penalty mu falls from max_j c_j (where a = 0) to lam. On the
+    active set S the KKT conditions hold with equality, D_S^T (h - D_S a_S) = mu, so
+    a_S(mu) = G^-1 (D_S^T h - mu 1) with G = D_S^T D_S: a_S grows along w = G^-1 1 as mu falls,
+    and the correlation of an inactive atom j falls at rate D_j^T D_S w (active ones at rate 1).
+    The path is linear until an inactive atom's correlation reaches mu (it joins) or an active
+    coefficient reaches 0 (it leaves); each such event is a breakpoint."""
+    D = np.asarray(D, np.float64)
+    h = np.asarray(h, np.float64)
+    k = D.shape[1]
+    a = np.zeros(k)
+    c = D.T @ h
+    mu = c.max()
+    if mu <= lam:
+        return a
+    active, left = [int(c.argmax())], None
+    for _ in range(10 * k):  # each breakpoint adds or drops one atom; the path has few of them
+        S = np.array(active)
+        w = np.linalg.solve(D[:, S].T @ D[:, S], np.ones(len(S)))
+        c = D.T @ (h - D @ a)                 # recomputed at every breakpoint: no drift
+        rate = D.T @ (D[:, S] @ w)            # how fast each correlation falls per unit of mu
+        inactive = np.ones(k, bool)
+        inactive[S] = False
+        if left is not None:
+            inactive[left] = False            # the atom that just left is at its breakpoint
+        with np.errstate(divide="ignore", invalid="ignore"):
+            join = np.where(inactive & (rate < 1 - 1e-12), (mu - c) / (1 - rate), np.inf)
+            drop = np.where(w < 0, -a[S] / w, np.inf)
+        join[join < 0] = 0.0                  # round-off at a breakpoint
+        step = min(mu - lam, join.min(), drop.min())
+        a[S] += step * w
+        if step == mu - lam:                  # reached lam before the next breakpoint
+            break
+        mu -= step
+        if drop.min() <= join.min():
+            j = int(S[drop.argmin()])
+            a[j], left = 0.0, j
+            active.remove(j)                  # never empties: at a = 0 some c_j = max c > mu
+        else:
+            active.append(int(join.argmin()))
+            left = None
+    return np.maximum(a, 0.0)
+
+
+def encode(H, D, lam: float, method: str = "fista", iters: int = 1000, tol: float = 1e-3, work: int = 32):
+    """Codes (n, k) >= 0 minimising (1) for every row of H (n, d), dictionary D (d, k).
+    fista: batched, in H's dtype and device; tol and work (working-set size, 0 = all atoms): see
+    model.sparse_code. lars: exact, float64, one row at a time."""
+    if method == "fista":
+        return sparse_code(H, D, lam, iters=iters, tol=tol, work=work)
+    if method == "lars":
+        Dn = D.detach().cpu().double().numpy()
+        rows = [lars(h, Dn, lam) for h in H.detach().cpu().double().numpy()]
+        return torch.tensor(np.stack(rows), dtype=H.dtype, device=H.device)
+    raise ValueError(f"unknown method {method!r} (fista or lars)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Dictionary learning
+
+@torch.no_grad()
+def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1024, seed: int = 0,
+                     forget: float = 50.0, iters: int = 1000, tol: float = 1e-2, eval_vectors: int = 8192,
+                     progress: bool = True):
+    """D (d, k) with columns of norm <= 1 minimising the mean of (1) over the rows of H (n, d),
+    and the history [{epoch, objective, nnz, zero_rate, resampled}], epoch 0 being the start.
+
+    Online dictionary learning (Mairal et al. 2010, JMLR 11, "Online Learning for Matrix
+    Factorization and Sparse Coding", Algorithm 1 with the refinements of sec. 3.4):
+      - D starts as k distinct data vectors;
+      - each mini-batch X (b, d) is coded with the current D, A = its codes (b, k), and the
+        sufficient statistics become  P <- beta_t P + A^T A,  Q <- beta_t Q + X^T A  (k x k, d x k)
+        with beta_t = (1 - 1/t)^forget, t = 1, 2, ... the mini-batch count (sec. 3.4.2, "scaling
+        the past data"): forget = 0 weighs every past code equally, larger values forget the
+        codes made with the early, poor dictionaries faster (on planted problems 50 converged in
+        10 epochs where Algorithm 1's plain sums had not in 30);
+      - one pass of block-coordinate descent (Algorithm 2) then minimises the surrogate
+        1/2 tr(D^T D P) - tr(D^T Q) column by column, each column projected onto the unit ball:
+            u_j = d_j + (q_j - D p_j) / P_jj,   d_j = u_j / max(1, ||u_j||);
+      - an atom no vector of the epoch used is replaced by a random data vector (sec. 3.4.4,
+        "purging the dictionary from unused atoms"), and its statistics are reset.
+    The objective is measured after every epoch on a fixed sample of `eval_vectors` rows, coded
+    afresh with the current D, so epochs compare with each other.
+    """
+    n, d = H.shape
+    if k > n:
+        raise SystemExit(f"error: {k} atoms need at least {k} vectors to start from; there are {n}")
+    gen = torch.Generator().manual_seed(seed)
+    pick = lambda m: torch.randperm(n, generator=gen)[:m].to(H.device)
+    D = H[pick(k)].T.clone()
+    D /= D.norm(dim=0).clamp(min=1.0)
+    P = torch.zeros(k, k, dtype=H.dtype, device=H.device)
+    Q = torch.zeros(d, k, dtype=H.dtype, device=H.device)
+    sample = H[pick(min(n, eval_vectors))]
+
+    def measure(epoch, resampled):
+        A = torch.cat([sparse_code(x, D, lam, iters, tol) for x in sample.split(batch_size)])
+        nnz = (A > 0).sum(1)
+        row = dict(epoch=epoch, objective=objective(sample, D, A, lam).mean().item(),
+                   nnz=nnz.float().mean().item(), zero_rate=(nnz == 0).float().mean().item(), resampled=resampled)
+        if progress:
+            tqdm.write("dictionary: " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                   for k, v in row.items()))
+        return row
+
+    history = [measure(0, 0)]
+    t = 0
+    for epoch in range(1, epochs + 1):
+        used = torch.zeros(k, dtype=torch.bool, device=H.device)
+        batches = pick(n).split(batch_size)
+        for idx in tqdm(batches, desc=f"dictionary epoch {epoch}/{epochs}", unit="batch", disable=None if progress else True):
+            X = H[idx]
+            A = sparse_code(X, D, lam, iters, tol)                # (b, k)
+            used |= (A > 0).any(0)
+            t += 1
+            beta = (1 - 1 / t) ** forget
+            P.mul_(beta).addmm_(A.T, A)
+            Q.mul_(beta).addmm_(X.T, A)
+            for j in torch.nonzero(P.diagonal() > 1e-12).flatten().tolist():   # Algorithm 2
+                u = D[:, j] + (Q[:, j] - D @ P[:, j]) / P[j, j]
+                D[:, j] = u / u.norm().clamp(min=1.0)
+        dead = torch.nonzero(~used).flatten()
+        if len(dead):
+            D[:, dead] = H[pick(len(dead))].T
+            D[:, dead] /= D[:, dead].norm(dim=0).clamp(min=1.0)
+            P[dead], P[:, dead], Q[:, dead] = 0, 0, 0
+        history.append(measure(epoch, len(dead)))
+    return D, history
+
+
+# ---------------------------------------------------------------------------------------------
+# Hidden states of a checkpoint
+
+@torch.no_grad()
+def collect(model, tokens: np.ndarray, layer: int, n: int, seq_len: int, max_freq: float, batch_size: int,
+            seed: int, device) -> torch.Tensor:
+    """(n, d) float32: L2-normalised layer-`layer` states at random positions of random windows of
+    the token stream, [CLS]/[SEP] and tokens of relative frequency >= max_freq left out."""
+    freq = np.bincount(tokens, minlength=model.config.vocab_size) / len(tokens)
+    keep = torch.from_numpy(freq < max_freq).to(device)
+    if freq[freq < max_freq].sum() < 0.01:
+        raise SystemExit(f"error: --max-freq {max_freq} leaves out {100 * freq[freq >= max_freq].sum():.1f}% of the "
+                         f"tokens; raise it (1 keeps every token)")
+    rng = np.random.default_rng(seed)
+    L = seq_len - 2
+    if len(tokens) < L:
+        raise SystemExit(f"error: the corpus holds {len(tokens)} tokens, fewer than one window of {L}")
+    out, have = [], 0
+    bar = tqdm(total=n, desc=f"layer {layer} states", unit="vec", disable=None)
+    for _ in range(100000):
+        starts = rng.integers(0, len(tokens) - L + 1, batch_size)
+        ids = np.full((batch_size, seq_len), SEP, np.int64)
+        ids[:, 0] = CLS
+        ids[:, 1:-1] = np.stack([tokens[s:s + L] for s in starts])
+        ids = torch.from_numpy(ids).to(device)
+        h = model(ids, all_layers=True)[layer].float()            # (B, T, d)
+        take = keep[ids]
+        take[:, 0] = take[:, -1] = False
+        v = h[take]
+        out.append(torch.nn.functional.normalize(v, dim=1)[: n - have].cpu())
+        have += len(out[-1])
+        bar.update(len(out[-1]))
+        if have >= n:
+            break
+    bar.close()
+    if have < n:
+        raise SystemExit(f"error: found only {have} of {n} vectors below --max-freq {max_freq}")
+    return torch.cat(out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="checkpoint whose hidden states are coded (a train.py ckpt.pt or phase1.pt)")
+    p.add_argument("--data", default=None, help="corpus it was trained on (default: the checkpoint's --data)")
+    p.add_argument("--layer", type=int, default=-1, help="hidden layer: 0 = embeddings, 1..n_layer, negative from the end (default -1, the last)")
+    p.add_argument("--k", type=int, default=2500, help="dictionary atoms (default 2500)")
+    p.add_argument("--lam", type=float, default=0.05, help="l1 penalty lambda of (1) (default 0.05)")
+    p.add_argument("--vectors", type=int, default=100000, help="hidden vectors to learn from (default 100000)")
+    p.add_argument("--epochs", type=int, default=4, help="passes over the vectors (default 4)")
+    p.add_argument("--batch-size", type=int, default=1024, help="vectors per mini-batch (default 1024)")
+    p.add_argument("--max-freq", type=float, default=1e-3, help="leave out tokens at least this frequent (default 1e-3; 1 keeps all)")
+    p.add_argument("--seq-len", type=int, default=128, help="window length read by the model (default 128)")
+    p.add_argument("--forget", type=float, default=50.0, help="past mini-batches weigh (1-1/t)^forget at mini-batch t; 0 = all equally (default 50)")
+    p.add_argument("--iters", type=int, default=1000, help="FISTA iteration cap per mini-batch (default 1000)")
+    p.add_argument("--tol", type=float, default=1e-2, help="FISTA stops when every coordinate of the gradient mapping is below tol*lam (default 1e-2)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the windows, the initial atoms and the batch order (default 0)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda if available (default auto)")
+    p.add_argument("--out", required=True, help="where to write the dictionary (a torch file: D (d, k) and how it was made)")
+    args = p.parse_args(argv)
+    if args.k < 1 or args.vectors < args.k or args.lam <= 0 or args.epochs < 0:
+        p.error("need --k >= 1, --vectors >= --k, --lam > 0 and --epochs >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA device is visible")
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+
+    ckpt = read_checkpoint(args.ckpt)
+    model, _ = load_checkpoint(args.ckpt, device)
+    n_layer = model.config.n_layer
+    if not -n_layer - 1 <= args.layer <= n_layer:
+        raise SystemExit(f"error: --layer {args.layer}: {args.ckpt} has layers 0..{n_layer}")
+    layer = args.layer % (n_layer + 1)
+    trained = ckpt.get("args", {})
+    data_dir = prepare(args.data or trained.get("data", "babylm_10m"), trained.get("vocab_size", model.config.vocab_size), quiet=True)
+    if (data_dir / "tokenizer.model").read_bytes() != ckpt["tokenizer"]:
+        raise SystemExit(f"error: {args.ckpt} was trained with another tokenizer than {data_dir}'s; pass the --data it was trained on")
+    tokens = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
+
+    t0 = time.time()
+    H = collect(model, tokens, layer, args.vectors, args.seq_len, args.max_freq, 64, args.seed, device).to(device)
+    t1 = time.time()
+    D, history = learn_dictionary(H, args.k, args.lam, args.epochs, args.batch_size, args.seed,
+                                  args.forget, args.iters, args.tol)
+    t2 = time.time()
+    last = history[-1]
+    print(f"dictionary: {args.k} atoms of layer {layer} from {args.vectors} vectors (d {H.shape[1]}) | objective "
+          f"{history[0]['objective']:.4f} -> {last['objective']:.4f} | {last['nnz']:.1f} non-zeros per code | "
+          f"{100 * last['zero_rate']:.2f}% all-zero codes | states {t1 - t0:.0f} s, learning {t2 - t1:.0f} s")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint({"D": D.cpu(), "lam": args.lam, "layer": layer, "k": args.k, "d_model": H.shape[1],
+                     "ckpt": str(args.ckpt), "ckpt_step": ckpt.get("step"), "history": history,
+                     "args": vars(args), "seconds": {"states": t1 - t0, "learning": t2 - t1}}, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

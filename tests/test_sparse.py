@@ -1,0 +1,140 @@
+"""sparse.py: non-negative sparse coding against exact references, and dictionary learning on a
+planted problem; the CLI on a real checkpoint."""
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import linear_sum_assignment
+
+import sparse as S
+from conftest import REPO
+
+
+def problem(d, k, n, seed, dtype=torch.float64):
+    """Random unit-norm rows H (n, d) and a dictionary D (d, k), some columns shorter than 1."""
+    g = torch.Generator().manual_seed(seed)
+    D = torch.randn(d, k, generator=g, dtype=dtype)
+    D /= D.norm(dim=0)
+    D[:, : k // 5] *= 0.6
+    H = torch.randn(n, d, generator=g, dtype=dtype)
+    return H / H.norm(dim=1, keepdim=True), D
+
+
+def brute_force(h, D, lam):
+    """The minimiser of 1/2||h - Da||^2 + lam*sum(a), a >= 0, by trying every support S: on S the
+    KKT equalities give a_S = (D_S^T D_S)^-1 (D_S^T h - lam); keep the S whose a_S > 0 and whose
+    other atoms satisfy the KKT inequality. The problem is strictly convex here (d >= k), so
+    exactly one support passes."""
+    k = D.shape[1]
+    found = []
+    for r in range(k + 1):
+        for S_ in itertools.combinations(range(k), r):
+            a = np.zeros(k)
+            if S_:
+                Ds = D[:, S_]
+                a[list(S_)] = np.linalg.solve(Ds.T @ Ds, Ds.T @ h - lam)
+            c = D.T @ (h - D @ a)
+            if (a[list(S_)] > 0).all() and (c <= lam + 1e-12).all():
+                found.append(a)
+    assert len(found) == 1
+    return found[0]
+
+
+@pytest.mark.parametrize("lam", [0.02, 0.1, 0.3])
+def test_lars_equals_brute_force_support_search(lam):
+    H, D = problem(8, 6, 10, seed=1)
+    for h in H.numpy():
+        np.testing.assert_allclose(S.lars(h, D.numpy(), lam), brute_force(h, D.numpy(), lam), atol=1e-10)
+
+
+@pytest.mark.parametrize("lam", [0.01, 0.05, 0.2])
+def test_fista_matches_lars_and_both_satisfy_kkt(lam):
+    """Over-complete (k > d) random problems: FISTA at its default tolerance reaches LARS's exact
+    objective to 1e-4 relative, row by row; both meet the optimality conditions."""
+    H, D = problem(24, 60, 30, seed=2)
+    exact = S.encode(H, D, lam, method="lars")
+    fista = S.encode(H, D, lam, method="fista")
+    assert S.kkt_violation(H, D, exact, lam) < 1e-10
+    assert S.kkt_violation(H, D, S.encode(H, D, lam, iters=20000, tol=1e-7), lam) < 1e-6
+    f_exact, f_fista = S.objective(H, D, exact, lam), S.objective(H, D, fista, lam)
+    assert ((f_fista - f_exact) / f_exact).abs().max().item() < 1e-4
+    assert (exact > 0).sum(1).float().mean() > 3  # the codes are neither empty nor trivial
+    # float32, as in training, against the float64 exact solution
+    f32 = S.encode(H.float(), D.float(), lam)
+    assert f32.dtype == torch.float32
+    assert ((S.objective(H, D, f32.double(), lam) - f_exact) / f_exact).abs().max().item() < 1e-4
+
+
+def test_codes_are_non_negative_even_where_the_unconstrained_lasso_is_not():
+    H, D = problem(16, 32, 20, seed=3)
+    H = torch.cat([H, -D[:, :4].T])       # h = -d_j: the plain lasso would put a negative weight on j
+    for method in ("fista", "lars"):
+        A = S.encode(H, D, 0.05, method=method)
+        assert (A >= 0).all()
+        assert (A[-4:, :4] == 0).all()
+
+
+def test_vectors_too_weakly_correlated_get_all_zero_codes():
+    """If no atom correlates with h by more than lam, a = 0 is optimal: both solvers return it."""
+    H, D = problem(16, 32, 8, seed=4)
+    lam = (H @ D).max().item() + 1e-3
+    for method in ("fista", "lars"):
+        assert (S.encode(H, D, lam, method=method) == 0).all()
+
+
+def planted(seed, d=20, k=24, n=3000, per=3):
+    """Data made of `per` atoms of a random dictionary each, positive weights in [0.5, 1.5]."""
+    g = torch.Generator().manual_seed(seed)
+    D = torch.randn(d, k, generator=g)
+    D /= D.norm(dim=0)
+    A = torch.zeros(n, k)
+    for i in range(n):
+        A[i, torch.randperm(k, generator=g)[:per]] = 0.5 + torch.rand(per, generator=g)
+    return A @ D.T + 0.01 * torch.randn(n, d, generator=g), D
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dictionary_learning_recovers_planted_atoms(seed):
+    H, truth = planted(seed)
+    D, history = S.learn_dictionary(H, truth.shape[1], 0.05, epochs=10, batch_size=256, seed=seed, progress=False)
+    assert (D.norm(dim=0) <= 1 + 1e-6).all()
+    # non-increasing, up to the jitter of mini-batch updates once converged (measured: < 1e-5)
+    objectives = [h["objective"] for h in history]
+    assert all(b <= a * (1 + 1e-5) for a, b in zip(objectives, objectives[1:])), objectives
+    assert objectives[-1] < 0.5 * objectives[0]
+    cos = ((D / D.norm(dim=0)).T @ truth).numpy()  # (learned, planted)
+    rows, cols = linear_sum_assignment(-cos)        # the best one-to-one matching
+    assert cos[rows, cols].min() > 0.9
+    assert history[-1]["nnz"] == pytest.approx(3, abs=0.5)
+
+
+def test_unused_atoms_are_resampled_from_the_data():
+    """Data on two rays use at most two atoms; the others are replaced by data vectors."""
+    g = torch.Generator().manual_seed(0)
+    rays = torch.nn.functional.normalize(torch.randn(2, 8, generator=g), dim=1)
+    H = rays[torch.randint(0, 2, (400,), generator=g)] * (0.5 + torch.rand(400, 1, generator=g))
+    D, history = S.learn_dictionary(H, 6, 0.05, epochs=2, batch_size=100, progress=False)
+    assert history[1]["resampled"] >= 1
+    assert (D.norm(dim=0) <= 1 + 1e-6).all()
+
+
+def test_cli_learns_a_dictionary_from_a_checkpoint(prepared, tmp_path):
+    from conftest import TINY, run_train
+    run = tmp_path / "run"
+    assert run_train("--data", prepared, "--out-dir", run, "--max-steps", 3, *TINY).returncode == 0
+    out = tmp_path / "dict.pt"
+    r = subprocess.run([sys.executable, str(REPO / "sparse.py"), "--ckpt", run / "ckpt.pt", "--data", prepared,
+                        "--layer", "1", "--k", "40", "--vectors", "400", "--epochs", "2", "--batch-size", "100",
+                        "--seq-len", "32", "--max-freq", "0.05", "--device", "cpu", "--out", out],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "non-zeros per code" in r.stdout and "all-zero codes" in r.stdout
+    saved = torch.load(out, weights_only=True)
+    assert saved["D"].shape == (64, 40) and saved["layer"] == 1 and len(saved["history"]) == 3
+    assert (saved["D"].norm(dim=0) <= 1 + 1e-6).all()
+    bad = subprocess.run([sys.executable, str(REPO / "sparse.py"), "--ckpt", run / "ckpt.pt", "--data", prepared,
+                          "--layer", "5", "--out", out], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith("error: --layer 5")
