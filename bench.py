@@ -2,6 +2,7 @@
 
     python bench.py ema                                  # fused vs per-tensor EMA update, per model size
     python bench.py steps --size tiny --data babylm_10m  # each objective's training speed vs mlm
+    python bench.py sparse                               # MLSM's sparse coding vs scikit-learn, if installed
 
 `steps` runs train.py itself (short runs in a temporary folder) and reads tokens/s from its
 log.jsonl, skipping the first log interval (start-up, allocator warm-up), so it times exactly
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from model import PRESETS, Encoder, ModelConfig, ema_update
+from model import PRESETS, Encoder, ModelConfig, ema_update, sparse_code
 
 HERE = Path(__file__).resolve().parent
 
@@ -76,6 +77,70 @@ def bench_steps(args):
         print(f"{objective:<10} {tps:10.0f} {f'{base / tps:.2f}x' if base else '-':>17}")
 
 
+def sparse_problem(kind, d, k, n, seed=0):
+    """Unit-norm rows H (n, d) and a dictionary D (d, k), unit columns. `isotropic`: random atoms,
+    each row a noisy positive mix of about 10 of them. `anisotropic`: rows share a common
+    direction (mean cosine about 0.3, as the hidden states of our tiny model, measured: 0.30) and
+    the atoms are k of those rows, as learn_dictionary starts; its D^T D is badly conditioned."""
+    g = torch.Generator().manual_seed(seed)
+    unit = lambda x, dim: x / x.norm(dim=dim, keepdim=True)
+    if kind == "isotropic":
+        D = unit(torch.randn(d, k, generator=g), 0)
+        A = (torch.rand(n, k, generator=g) < 10 / k) * torch.rand(n, k, generator=g)
+        return unit(A @ D.T + 0.1 * torch.randn(n, d, generator=g) / d ** 0.5, 1), D
+    common = unit(torch.randn(d, generator=g), 0)
+    X = unit(0.55 * common + unit(torch.randn(n + k, d, generator=g), 1), 1)
+    return X[:n], X[n:].T.contiguous()
+
+
+def bench_sparse(args):
+    """vectors/s and the mean objective of each solver on the same vectors; ours on `--vectors`
+    at once (training codes a whole batch of targets), scikit-learn on the first `--sk-vectors`."""
+    device = torch.device(args.device)
+    try:
+        from sklearn.decomposition import sparse_encode
+    except ImportError:
+        sparse_encode = None
+        print("scikit-learn is not installed: its rows are skipped (it is never a requirement)")
+    lam = args.lam
+    objective = lambda H, D, A: (0.5 * ((H - A @ D.T) ** 2).sum(1) + lam * A.sum(1)).double()
+    print(f"non-negative sparse coding, k = {args.k} atoms, lam = {lam}, on {device}; objective = mean of "
+          f"1/2||h - Da||^2 + lam*|a|_1 over the first {args.sk_vectors} vectors (gap: relative to the best)")
+    print(f"{'problem':<18} {'solver':<34} {'vectors/s':>10} {'objective':>10} {'gap':>9} {'vs sklearn':>10}")
+    for d in args.dims:
+        for kind in ("isotropic", "anisotropic"):
+            H, D = sparse_problem(kind, d, args.k, args.vectors)
+            H, D = H.to(device), D.to(device)
+            rows = []
+            for name, work, tol in [("ours, working set (default)", 32, 1e-3), ("ours, working set, tol 1e-2 (train)", 32, 1e-2),
+                                    ("ours, plain FISTA over all atoms", 0, 1e-3)]:
+                sparse_code(H[:64], D, lam, tol=tol, work=work)  # warm-up
+                times = []
+                for _ in range(args.repeat):
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    A = sparse_code(H, D, lam, tol=tol, work=work)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t)
+                rows.append((name, len(H) / statistics.median(times), objective(H[:args.sk_vectors], D, A[:args.sk_vectors]).mean().item()))
+            if sparse_encode is not None:
+                Hn, Dn = H[:args.sk_vectors].cpu().double().numpy(), D.T.cpu().double().numpy()
+                for alg in ("lasso_lars", "lasso_cd"):
+                    # scikit-learn scales its penalty as lam / d inside; alpha = lam is the same problem (1)
+                    t = time.perf_counter()
+                    A = sparse_encode(Hn, Dn, algorithm=alg, alpha=lam, positive=True, max_iter=args.sk_max_iter)
+                    t = time.perf_counter() - t
+                    A = torch.tensor(A, dtype=torch.float64)
+                    rows.append((f"sklearn sparse_encode {alg}", len(Hn) / t, objective(H[:args.sk_vectors].cpu().double(), D.cpu().double(), A).mean().item()))
+            best = min(r[2] for r in rows)
+            sk = max((r[1] for r in rows if r[0].startswith("sklearn")), default=None)
+            for name, vps, obj in rows:
+                ratio = f"{vps / sk:.1f}x" if sk and not name.startswith("sklearn") else "-"
+                print(f"{f'{kind} d={d}':<18} {name:<34} {vps:10.0f} {obj:10.5f} {(obj - best) / best:9.1e} {ratio:>10}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="bench", required=True)
@@ -94,5 +159,15 @@ if __name__ == "__main__":
     s.add_argument("--steps", type=int, default=30, help="steps per timed interval; each run takes twice this (default 30)")
     s.add_argument("--device", default=auto, help=f"(default {auto})")
     s.set_defaults(func=bench_steps)
+    c = sub.add_parser("sparse", help="sparse coding (model.sparse_code) vs scikit-learn's sparse_encode(positive=True)")
+    c.add_argument("--dims", nargs="+", type=int, default=[384, 768], help="state sizes d (default 384 768: small, base)")
+    c.add_argument("--k", type=int, default=2500, help="atoms (default 2500)")
+    c.add_argument("--lam", type=float, default=0.05, help="(default 0.05)")
+    c.add_argument("--vectors", type=int, default=1024, help="vectors our solver codes at once (default 1024)")
+    c.add_argument("--sk-vectors", type=int, default=128, help="vectors scikit-learn codes; the objective is compared on these (default 128)")
+    c.add_argument("--sk-max-iter", type=int, default=1000, help="scikit-learn's max_iter (default 1000, its own)")
+    c.add_argument("--repeat", type=int, default=3, help="timed calls of ours, after a warm-up; the median is shown (default 3)")
+    c.add_argument("--device", default=auto, help=f"(default {auto})")
+    c.set_defaults(func=bench_sparse)
     args = ap.parse_args()
     args.func(args)

@@ -741,6 +741,7 @@ def main(argv=None):
             trainee, ctx, optimizer, model = build(objective)
             say(f"step {step}: phase 2, {objective} from {'scratch' if args.student_init == 'scratch' else 'the phase-1 weights'}, "
                 f"taught by {args.teacher or out / 'phase1.pt'}")
+            t_log = time.time()  # phase 1 ended on a log step; its set-up (mlsm: a dictionary) is not training time
         lr = lr_at(step, args, start, end)
         for group in optimizer.param_groups:
             group["lr"] = lr
