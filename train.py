@@ -530,6 +530,8 @@ def get_args(argv):
         parser.error("--mask-p must be between 0 and 1")
     if args.teacher and args.objective not in TWO_PHASE:
         parser.error(f"--teacher only applies to {', '.join(sorted(TWO_PHASE))}")
+    if args.dict and not args.objective.startswith("mlsm"):
+        parser.error("--dict only applies to mlsm and mlsm+mlm")
     if args.objective in TWO_PHASE and not 0 < phase1_steps(args) < args.max_steps and not args.teacher:
         parser.error(f"--phase1-steps must leave both phases at least one of the {args.max_steps} steps")
     if args.out_dir is None:

@@ -152,7 +152,7 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     r = run_train("--data", prepared, "--out-dir", out, "--max-steps", 10, *TINY)
     assert r.returncode == 0, r.stderr
     assert {"args.json", "config.json", "data.json", "log.jsonl", "ckpt.pt", "code"} <= {p.name for p in out.iterdir()}
-    assert {p.name for p in (out / "code").iterdir()} == {"model.py", "train.py", "prepare.py"}
+    assert {p.name for p in (out / "code").iterdir()} == {"model.py", "train.py", "sparse.py", "prepare.py"}
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert {"model", "optimizer", "config", "args", "step", "rng", "data_pos", "ctx_state",
             "code_version", "tokenizer"} <= ckpt.keys()
@@ -522,3 +522,8 @@ def test_mlsm_run_learns_its_dictionary_between_the_phases(prepared, tmp_path):
     bad = run_train("--data", prepared, "--objective", "mlsm", "--max-steps", 10, "--phase1-steps", 5,
                     "--dict", out / "dict.pt", "--mlsm-layer", 0, "--out-dir", tmp_path / "bad", *TINY)
     assert_clean_error(bad, "learned on layer 1, not --mlsm-layer 0")
+
+
+def test_mlsm_flags_refused_elsewhere():
+    with pytest.raises(SystemExit):
+        T.get_args(["--objective", "kd", "--dict", "dict.pt"])
