@@ -1,0 +1,119 @@
+"""synth.py: the CoNLL-U reader, the grammar read off dependency trees, the batched sampler and
+the relexicalisations, against hand-computed examples and the statistics they promise."""
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import synth as S
+from conftest import REPO, shared_data
+
+EDGE = """# sent_id = 1
+# text = a made-up line
+1-2\tzz\t_\t_\t_\t_\t_\t_\t_\t_
+1\tA\ta\tDET\t_\t_\t2\tdet\t_\t_
+2\tB\tb\tNOUN\t_\t_\t4\tnsubj:pass\t_\t_
+3\tC\tc\tAUX\t_\t_\t4\taux\t_\t_
+3.1\tE\te\tVERB\t_\t_\t_\t_\t4:conj\t_
+4\tD\td\tVERB\t_\t_\t0\troot\t_\t_
+5\tF\tf\tNOUN\t_\t_\t4\tobj\t_\t_
+
+1\tG\tg\tVERB\t_\t_\t0\troot\t_\t_
+2\tH\th\tNOUN\t_\t_\t1\tobj\t_\t_"""          # no final newline
+
+
+def test_conllu_skips_comments_ranges_and_empty_nodes(tmp_path):
+    (tmp_path / "a.conllu").write_text(EDGE)
+    sents = S.read_conllu(tmp_path / "a.conllu")
+    assert [[w["id"] for w in s] for s in sents] == [[1, 2, 3, 4, 5], [1, 2]]
+    assert [w["head"] for w in sents[0]] == [2, 4, 4, 0, 4] and sents[0][1]["deprel"] == "nsubj:pass"
+    (tmp_path / "bad.conllu").write_text("1\tA\ta\n")
+    with pytest.raises(SystemExit, match=r"bad.conllu:1: .* 10 tab-separated columns, this one 3"):
+        S.read_conllu(tmp_path / "bad.conllu")
+
+
+def test_grammar_hand_computed(tmp_path):
+    """Sentence 1: root D has dependents nsubj(B) aux(C) obj(F) -> root: nsubj aux * obj; B has
+    det(A) -> nsubj: det *. Sentence 2: root: * obj. With n_rels=4 (root and obj twice each,
+    then the first two of the ties det/nsubj/aux by order of appearance), aux becomes `other`."""
+    (tmp_path / "a.conllu").write_text(EDGE)
+    g = S.grammar(S.read_conllu(tmp_path / "a.conllu"), n_rels=4)
+    assert g["symbols"] == ["root", "obj", "det", "nsubj", "other"]
+    assert g["rules"]["root"] == {("nsubj", "other", "*", "obj"): 0.5, ("*", "obj"): 0.5}
+    assert g["rules"]["nsubj"] == {("det", "*"): 1.0}   # nsubj:pass counted as nsubj
+    assert g["rules"]["obj"] == {("*",): 1.0} and g["rules"]["other"] == {("*",): 1.0}
+    assert g["lemmas"]["obj"] == 2 and g["lengths"] == [5, 2]
+
+
+@pytest.fixture(scope="module")
+def french():
+    sents = [s for f in S.treebank_files(shared_data() / "ud") for s in S.read_conllu(f)]
+    return S.grammar(sents, n_rels=20)
+
+
+def test_real_grammar_is_a_distribution_per_nonterminal(french):
+    assert len(french["symbols"]) == 21 and french["symbols"][-1] == "other"
+    for lhs, rules in french["rules"].items():
+        assert sum(rules.values()) == pytest.approx(1.0, abs=1e-12), lhs
+        assert all(rhs.count("*") == 1 for rhs in rules)
+
+
+def test_sampler_draws_rules_with_their_probabilities(french):
+    """With the depth capped at 1, a sentence is the root's rule with every dependent written as
+    its own word: the frequency of each right-hand side must match its probability."""
+    sampler = S.Sampler(french, max_depth=1, max_len=1000)
+    rels, sids = sampler.sample(20000, seed=0)
+    sym = french["symbols"]
+    root = sym.index("root")
+    bounds = np.r_[0, np.cumsum(np.bincount(sids))]
+    seen = Counter(tuple("*" if r == root else sym[r] for r in rels[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
+    for rhs, p in sorted(french["rules"]["root"].items(), key=lambda x: -x[1])[:5]:
+        assert seen[rhs] / 20000 == pytest.approx(p, abs=4 * (p * (1 - p) / 20000) ** 0.5 + 1e-3), rhs
+
+
+def test_sampler_is_reproducible_and_respects_its_caps(french):
+    a = S.Sampler(french, max_depth=30, max_len=40).sample(3000, seed=1)
+    b = S.Sampler(french, max_depth=30, max_len=40).sample(3000, seed=1)
+    c = S.Sampler(french, max_depth=30, max_len=40).sample(3000, seed=2)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)) and not np.array_equal(a[0], c[0])
+    lengths = np.bincount(a[1])
+    assert len(lengths) == 3000 and lengths.min() >= 1 and lengths.max() <= 40
+    assert (a[0] >= 0).all() and (a[0] < len(french["symbols"])).all()   # only words are left
+
+
+def test_uncapped_mean_length_matches_the_treebank(french):
+    """A PCFG estimated by maximum likelihood from trees generates yields whose expected length is
+    the trees' mean length (Chi & Geman 1998: such a PCFG is also consistent)."""
+    _, sids = S.Sampler(french, max_depth=200, max_len=10**6).sample(20000, seed=0)
+    assert np.bincount(sids).mean() == pytest.approx(np.mean(french["lengths"]), rel=0.05)
+
+
+def test_relexicalisation_statistics(french):
+    rels, sids = S.Sampler(french).sample(20000, seed=0)
+    sizes = S.token_sets(french, 5000)
+    assert sizes.sum() == 5000 and sizes.min() >= 1
+    lemmas = np.array([french["lemmas"][s] for s in french["symbols"]], float)
+    big = sizes >= 100
+    np.testing.assert_allclose(sizes[big] / sizes.sum(), lemmas[big] / lemmas.sum(), rtol=0.05)
+    zipf = S.relex_zipf(rels, sizes, np.random.default_rng(0))
+    loglin = S.relex_loglinear(rels, sids, sizes, np.random.default_rng(0))
+    start = np.r_[0, np.cumsum(sizes)]
+    for tokens in (zipf, loglin):      # every word stays in its relation's set
+        assert ((tokens >= start[rels]) & (tokens < start[rels + 1])).all()
+    for r in np.nonzero(sizes >= 200)[0]:
+        assert S.rank_slope(zipf[rels == r], top=30) == pytest.approx(-1.0, abs=0.1), french["symbols"][r]
+    assert abs(S.same_sentence_pmi(zipf, rels, sids)) < 0.02
+    assert S.same_sentence_pmi(loglin, rels, sids) > 0.3
+
+
+def test_cli_writes_a_corpus_folder(tmp_path):
+    out = tmp_path / "synth"
+    r = subprocess.run([sys.executable, str(REPO / "synth.py"), "--ud", shared_data() / "ud", "--sentences", "2000",
+                        "--out", out], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    train, dev = (out / "synth.train").read_text().splitlines(), (out / "synth.dev").read_text().splitlines()
+    assert len(train) == 1900 and len(dev) == 100
+    assert all(w.startswith("w") and w[1:].isdigit() for line in dev for w in line.split())
+    assert "sentences/s" in r.stdout and (out / "stats.json").exists() and (out / "grammar.json").exists()
