@@ -5,9 +5,11 @@ Models"; word distributions after Ri & Tsuruoka 2022, "Pretraining with Artifici
     python synth.py --relex zipf --sentences 1000000 --out data/raw/synth_zipf
     python synth.py --relex loglinear --sentences 1000000 --out data/raw/synth_loglinear
 
-STATUS: the grammar, the sampler, both relexicalisations and their statistics are written and
-tested; reading the output with a word-level vocabulary in train.py, and the transfer flags, are
-not written yet (issue 6).
+The output folder reads like any corpus (`train.py --data data/raw/synth_zipf`); its
+tokenizer.json asks data/prepare.py for a word-level vocabulary, one token per made-up word.
+
+STATUS: the grammar, the sampler, both relexicalisations, their statistics and the word-level
+corpus are written and tested; the transfer flags and the Breton study are not written yet.
 
 The grammar. Every node of a dependency tree is a nonterminal named by its relation to its head
 (the root's is `root`); it expands into its dependents' relations in sentence order, with `*`
@@ -316,6 +318,7 @@ def main(argv=None):
     (out / "grammar.json").write_text(json.dumps({"symbols": g["symbols"], "sizes": sizes.tolist(), "args": vars(args),
                                                   "rules": {l: [[" ".join(r), p] for r, p in rs.items()] for l, rs in g["rules"].items()}}))
     (out / "stats.json").write_text(json.dumps(stats, indent=1))
+    (out / "tokenizer.json").write_text(json.dumps({"model_type": "word"}))  # data/prepare.py: one token per word
     print(f"wrote {out}")
 
 

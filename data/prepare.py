@@ -17,6 +17,10 @@ with byte fallback (no [UNK] in practice) and fixed special ids [PAD]=0 [UNK]=1 
 [MASK]=4. Lines are tokenized independently and concatenated into one stream per split; train.py
 cuts that stream into `seq_len - 2` token segments and wraps them in [CLS] ... [SEP].
 
+A raw folder with a `tokenizer.json` saying {"model_type": "word"} (synth.py writes one) gets a
+word-level vocabulary instead: every distinct training word is one token, --vocab-size is not
+used, and a word never seen in training reads as [UNK].
+
 A prepared folder is reused while meta.json matches the raw files (name, size, sha256) and the
 tokenizer settings; anything else rebuilds it.
 """
@@ -108,8 +112,9 @@ def sha256(path: Path) -> str:
 # ---------------------------------------------------------------------------------------------
 # Tokenizer and token streams
 
-def train_tokenizer(lines: list[str], vocab_size: int) -> bytes:
-    """Sentencepiece unigram model (serialized) trained on `lines`."""
+def train_tokenizer(lines: list[str], vocab_size: int, word_level: bool = False) -> bytes:
+    """Sentencepiece unigram model (serialized) trained on `lines`; word_level: one piece per
+    distinct word (sentencepiece's "word" model keeping every word)."""
     def pieces():  # the trainer skips sentences over 4192 bytes; BabyLM pieces can be 500 words
         for line in lines:
             words = line.split()
@@ -118,7 +123,7 @@ def train_tokenizer(lines: list[str], vocab_size: int) -> bytes:
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=pieces(), model_writer=model, **tokenizer_settings(vocab_size),
+            sentence_iterator=pieces(), model_writer=model, **tokenizer_settings(vocab_size, word_level),
             num_threads=os.cpu_count(), minloglevel=2)
     except RuntimeError as e:  # e.g. "Vocabulary size is too high" on a tiny corpus
         raise SystemExit(f"error: sentencepiece could not train a {vocab_size}-piece tokenizer "
@@ -127,13 +132,32 @@ def train_tokenizer(lines: list[str], vocab_size: int) -> bytes:
     return model.getvalue()
 
 
-def tokenizer_settings(vocab_size: int) -> dict:
+def tokenizer_settings(vocab_size: int, word_level: bool = False) -> dict:
+    """Sentencepiece trainer settings; word_level: vocab_size counts the words, specials apart."""
+    specials = dict(pad_id=PAD, unk_id=UNK, bos_id=CLS, eos_id=SEP, pad_piece="[PAD]",
+                    unk_piece="[UNK]", bos_piece="[CLS]", eos_piece="[SEP]",
+                    control_symbols=["[MASK]"])  # control: never produced from text, even "[MASK]"
+    if word_level:  # every distinct word, whole: no byte fallback, no digit splitting
+        return dict(vocab_size=vocab_size + len(SPECIALS), model_type="word", use_all_vocab=True,
+                    byte_fallback=False, split_digits=False, character_coverage=1.0,
+                    input_sentence_size=0, **specials)
     return dict(vocab_size=vocab_size, model_type="unigram", byte_fallback=True, split_digits=True,
                 character_coverage=0.9995, input_sentence_size=2_000_000,
-                shuffle_input_sentence=True, seed_sentencepiece_size=1_000_000,
-                pad_id=PAD, unk_id=UNK, bos_id=CLS, eos_id=SEP, pad_piece="[PAD]",
-                unk_piece="[UNK]", bos_piece="[CLS]", eos_piece="[SEP]",
-                control_symbols=["[MASK]"])  # control: never produced from text, even "[MASK]"
+                shuffle_input_sentence=True, seed_sentencepiece_size=1_000_000, **specials)
+
+
+def is_word_level(raw: Path) -> bool:
+    """Does the raw folder ask for a word-level vocabulary (tokenizer.json: {"model_type": "word"})?"""
+    f = raw / "tokenizer.json"
+    if not f.is_file():
+        return False
+    try:
+        kind = json.loads(f.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError):
+        kind = None
+    if kind != "word":
+        raise SystemExit(f'error: {f} must be {{"model_type": "word"}} (the only setting it takes)')
+    return True
 
 
 def encode(sp: spm.SentencePieceProcessor, lines: list[str], desc: str) -> np.ndarray:
@@ -179,7 +203,8 @@ def prepare(data: str, vocab_size: int = 16384, force: bool = False, quiet: bool
                          f"plain or .gz). {where_to_get(raw.name, raw)}")
     sources = [{"split": split, "file": p.name, "bytes": p.stat().st_size, "sha256": sha256(p)}
                for split, files in (("train", train_files), ("dev", dev_files)) for p in files]
-    settings = tokenizer_settings(vocab_size)
+    words = is_word_level(raw)
+    settings = tokenizer_settings(vocab_size) if not words else {"model_type": "word"}
     if (out / "meta.json").exists() and not force:
         meta = load_meta(out)
         if (meta.get("version"), meta.get("sources"), meta.get("tokenizer")) == (VERSION, sources, settings):
@@ -202,8 +227,12 @@ def prepare(data: str, vocab_size: int = 16384, force: bool = False, quiet: bool
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)  # meta.json is written last: it marks a complete folder
     t1 = time.time()
-    say(f"data: training a {vocab_size}-piece unigram tokenizer on {len(train_lines):,} lines")
-    model = train_tokenizer(train_lines, vocab_size)
+    if words:
+        vocab_size = len({w for line in train_lines for w in line.split()})
+        say(f"data: a word-level vocabulary of the {vocab_size:,} distinct training words")
+    else:
+        say(f"data: training a {vocab_size}-piece unigram tokenizer on {len(train_lines):,} lines")
+    model = train_tokenizer(train_lines, vocab_size, words)
     (out / "tokenizer.model").write_bytes(model)
     sp = spm.SentencePieceProcessor(model_proto=model)
     t2 = time.time()
@@ -212,7 +241,7 @@ def prepare(data: str, vocab_size: int = 16384, force: bool = False, quiet: bool
     train.tofile(out / "train.bin")
     val.tofile(out / "val.bin")
 
-    p = np.bincount(train, minlength=vocab_size) / max(len(train), 1)
+    p = np.bincount(train, minlength=sp.get_piece_size()) / max(len(train), 1)
     meta = {
         "version": VERSION, "name": out.name, "raw": str(raw), "vocab_size": sp.get_piece_size(),
         "specials": {s: i for i, s in enumerate(SPECIALS)},

@@ -1,5 +1,6 @@
 """synth.py: the CoNLL-U reader, the grammar read off dependency trees, the batched sampler and
 the relexicalisations, against hand-computed examples and the statistics they promise."""
+import json
 import subprocess
 import sys
 from collections import Counter
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 import synth as S
-from conftest import REPO, shared_data
+from conftest import REPO, TINY, run_train, shared_data
 
 EDGE = """# sent_id = 1
 # text = a made-up line
@@ -108,7 +109,7 @@ def test_relexicalisation_statistics(french):
     assert S.same_sentence_pmi(loglin, rels, sids) > 0.3
 
 
-def test_cli_writes_a_corpus_folder(tmp_path):
+def test_cli_writes_a_corpus_folder_that_trains_word_by_word(tmp_path, monkeypatch):
     out = tmp_path / "synth"
     r = subprocess.run([sys.executable, str(REPO / "synth.py"), "--ud", shared_data() / "ud", "--sentences", "2000",
                         "--out", out], capture_output=True, text=True, timeout=300)
@@ -117,3 +118,11 @@ def test_cli_writes_a_corpus_folder(tmp_path):
     assert len(train) == 1900 and len(dev) == 100
     assert all(w.startswith("w") and w[1:].isdigit() for line in dev for w in line.split())
     assert "sentences/s" in r.stdout and (out / "stats.json").exists() and (out / "grammar.json").exists()
+    # data/prepare.py reads it with one token per made-up word; train.py trains on it
+    from data.prepare import prepare
+    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prepared"))
+    meta = json.loads((prepare(str(out), quiet=True) / "meta.json").read_text())
+    words = [w for line in train for w in line.split()]
+    assert meta["vocab_size"] == len(set(words)) + 5 and meta["train_tokens"] == len(words)
+    r = run_train("--data", out, "--out-dir", tmp_path / "run", "--max-steps", 2, *TINY)
+    assert r.returncode == 0, r.stderr
