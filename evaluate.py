@@ -5,6 +5,7 @@
     python evaluate.py blimp --ckpt runs/X/ckpt.pt --blimp-dir $E/fast_eval/blimp_fast $E/fast_eval/supplement_fast
     python evaluate.py finetune --ckpt runs/X/ckpt.pt --task rte --data-dir $E/full_eval/glue_filtered --seeds 1,2,3
     python evaluate.py compare "runs/mlm_s*/eval/blimp.json" "runs/boot_s*/eval/blimp.json"
+    python evaluate.py weights --ckpt runs/X/ckpt.pt
 
 Each command writes RUN/eval/NAME.json next to the checkpoint (or --out) with every per-example
 result, so that `compare` can resample examples as well as pretraining seeds.
@@ -532,6 +533,37 @@ def compare(args):
 
 
 # ---------------------------------------------------------------------------------------------
+# weights: where a model's parameters went (Castagné 2023: synthetic-language models transfer
+# worse because their weights stay near initialisation)
+
+def weight_stats(model) -> list[dict]:
+    """Per module (the parameters grouped by name up to the layer: word, layers.0.attn, ...):
+    parameter count, mean, std and max |w| over its tensors together."""
+    groups = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        key = ".".join(parts[:3] if parts[0] == "layers" else parts[:1])
+        groups.setdefault(key, []).append(p.detach().float().flatten())
+    rows = []
+    for key, ts in groups.items():
+        w = torch.cat(ts)
+        rows.append(dict(module=key, params=w.numel(), mean=w.mean().item(), std=w.std().item() if w.numel() > 1 else 0.0,
+                         max_abs=w.abs().max().item()))
+    return rows
+
+
+def weights(args):
+    model, _ = load_checkpoint(args.ckpt, "cpu")
+    rows = weight_stats(model)
+    print(f"{'module':<22} {'params':>9} {'mean':>10} {'std':>9} {'max |w|':>9}")
+    for r in rows:
+        print(f"{r['module']:<22} {r['params']:9d} {r['mean']:10.5f} {r['std']:9.5f} {r['max_abs']:9.4f}")
+    out = Path(args.out) if args.out else Path(args.ckpt).parent / "eval" / "weights.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"ckpt": str(args.ckpt), "modules": rows}, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------
 # Command line
 
 def main(argv=None):
@@ -573,6 +605,11 @@ def main(argv=None):
     c.add_argument("--examples", default="examples", help="which per-example section to use; BLiMP also has examples_best_t (default examples)")
     c.add_argument("--out", default=None, help="also write the result to this JSON")
     c.set_defaults(func=compare)
+
+    w = sub.add_parser("weights", help="per-module parameter mean / std / max |w| of a checkpoint")
+    w.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
+    w.add_argument("--out", default=None, help="result JSON (default RUN/eval/weights.json)")
+    w.set_defaults(func=weights)
 
     args = ap.parse_args(argv)
     args.func(args)

@@ -399,14 +399,22 @@ def read_checkpoint(path) -> dict:
     return ckpt
 
 
-def check_config(saved: dict, config: ModelConfig, path) -> None:
+def check_config(saved: dict, config: ModelConfig, path, ignore=()) -> None:
     """A checkpoint only loads into the model it was made from: say which fields differ.
-    Dropout is a training setting, not part of the model, and may differ."""
+    Dropout is a training setting, not part of the model, and may differ; so may the `ignore`d
+    fields (the vocabulary, when the embeddings are re-initialised for another language)."""
     want = asdict(config)
-    diff = [f"{k}={saved.get(k)!r} there but {want.get(k)!r} here"
-            for k in sorted(set(saved) | set(want)) if saved.get(k) != want.get(k) and k != "dropout"]
+    diff = [f"{k}={saved.get(k)!r} there but {want.get(k)!r} here" for k in sorted(set(saved) | set(want))
+            if saved.get(k) != want.get(k) and k != "dropout" and k not in ignore]
     if diff:
         raise SystemExit(f"error: {path} holds a different model: {'; '.join(diff)}")
+
+
+# the tensors each part of a model holds: train.py --reset / --freeze name these parts
+PARTS = {
+    "embeddings": lambda name: name in ("word.weight", "head_bias"),  # the tied output goes with them
+    "positions": lambda name: name in ("pos.weight", "rel") or name.startswith("rel_norm."),
+}
 
 
 def load_checkpoint(path, device="cpu"):

@@ -46,8 +46,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from data.prepare import CLS, MASK, SEP, SPECIALS, load_meta, prepare
-from model import (PRESETS, Decoder, Encoder, ModelConfig, check_config, config_help, ema_update, load_checkpoint,
-                   read_checkpoint, save_checkpoint, small_init, sparse_code)
+from model import (PARTS, PRESETS, Decoder, Encoder, ModelConfig, check_config, config_help, ema_update,
+                   load_checkpoint, read_checkpoint, save_checkpoint, small_init, sparse_code)
 
 HERE = Path(__file__).resolve().parent
 
@@ -485,6 +485,9 @@ def build_parser():
     p.add_argument("--out-dir", default=None, help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its ckpt.pt, with its saved settings")
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights (fresh optimizer, step 0)")
+    p.add_argument("--reset", default="", help="with --init-from, re-initialise these parts instead of loading them: "
+                   "embeddings (token embeddings and the tied output; the vocabulary may then differ), positions; comma-separated")
+    p.add_argument("--freeze", default="", help="parts that get no updates: embeddings (the token embeddings, so the tied output too)")
     p.add_argument("--log-every", type=int, default=50, help="steps between log lines (default 50)")
     p.add_argument("--eval-every", type=int, default=500, help="steps between validations (default 500)")
     p.add_argument("--eval-batches", type=int, default=20, help="validation batches, always the same ones (default 20)")
@@ -532,6 +535,12 @@ def get_args(argv):
         parser.error(f"--teacher only applies to {', '.join(sorted(TWO_PHASE))}")
     if args.dict and not args.objective.startswith("mlsm"):
         parser.error("--dict only applies to mlsm and mlsm+mlm")
+    for flag, allowed in (("reset", PARTS), ("freeze", ["embeddings"])):
+        bad = [x for x in getattr(args, flag).split(",") if x and x not in allowed]
+        if bad:
+            parser.error(f"--{flag}: unknown part {bad[0]!r} (choose from {', '.join(allowed)})")
+    if args.reset and not args.init_from:
+        parser.error("--reset only applies with --init-from")
     if args.objective in TWO_PHASE and not 0 < phase1_steps(args) < args.max_steps and not args.teacher:
         parser.error(f"--phase1-steps must leave both phases at least one of the {args.max_steps} steps")
     if args.out_dir is None:
@@ -651,8 +660,14 @@ def main(argv=None):
         step = ckpt["step"]
     elif init_from:
         src = read_checkpoint(init_from)
-        check_config(src["config"], config, init_from)
-        encoder.load_state_dict(src["model"], strict=True)
+        reset = [PARTS[x] for x in args.reset.split(",") if x]
+        check_config(src["config"], config, init_from, ignore=("vocab_size",) if "embeddings" in args.reset else ())
+        if set(src["model"]) != set(encoder.state_dict()):
+            raise SystemExit(f"error: {init_from} holds other tensors than this model has")
+        fresh = lambda name: any(part(name) for part in reset)   # these keep this run's own init
+        encoder.load_state_dict({k: (v if fresh(k) else src["model"][k]) for k, v in encoder.state_dict().items()}, strict=True)
+    if "embeddings" in args.freeze.split(","):  # the blog's "is it all in the embeddings?" ablation
+        encoder.word.weight.requires_grad_(False)  # (the tied output with them)
     encoder.to(device)
 
     def build(objective):

@@ -336,3 +336,19 @@ def test_cli_errors_are_one_line(ckpt, tmp_path):
         r = subprocess.run([sys.executable, str(Path(E.__file__)), *argv], capture_output=True, text=True)
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert __import__("re").search(pattern, r.stderr.strip().splitlines()[-1]), r.stderr
+
+
+def test_weight_stats_hand_computed():
+    """Modules group tensors by name up to the layer; mean, std and max |w| over them together."""
+    model = Encoder(ModelConfig(**{**PRESETS["tiny"], "n_layer": 1, "vocab_size": 50, "d_model": 8, "d_ff": 8}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+        model.layers[0].attn.qk.weight.copy_(torch.arange(128.0).reshape(16, 8))
+    rows = {r["module"]: r for r in E.weight_stats(model)}
+    assert set(rows) == {"word", "rel", "rel_norm", "layers.0.attn", "layers.0.ffn", "head_in", "head_bias"}
+    attn = torch.cat([p.detach().flatten() for p in model.layers[0].attn.parameters()])
+    assert rows["layers.0.attn"]["params"] == attn.numel() == sum(p.numel() for p in model.layers[0].attn.parameters())
+    assert rows["layers.0.attn"]["mean"] == pytest.approx(attn.mean().item())
+    assert rows["layers.0.attn"]["std"] == pytest.approx(attn.std().item()) and rows["layers.0.attn"]["max_abs"] == 127.0
+    assert rows["word"] == dict(module="word", params=400, mean=1.0, std=0.0, max_abs=1.0)

@@ -527,3 +527,37 @@ def test_mlsm_run_learns_its_dictionary_between_the_phases(prepared, tmp_path):
 def test_mlsm_flags_refused_elsewhere():
     with pytest.raises(SystemExit):
         T.get_args(["--objective", "kd", "--dict", "dict.pt"])
+
+
+# --- transfer: --init-from with --reset, and --freeze ------------------------------------------
+
+def test_reset_and_freeze_change_exactly_the_intended_tensors(prepared, small_raw, tmp_path, monkeypatch):
+    """Source: 3 steps on the corpus with --freeze embeddings: the token embeddings stay at their
+    init, everything else moves. Target: another vocabulary (1500 pieces), --init-from the source
+    with --reset embeddings (absolute positions): every other tensor is the source's, the reset
+    ones are the target run's own init; with positions reset too, the position table as well."""
+    common = [*TINY, "--position", "absolute", "--dropout", "0.0"]
+    src = tmp_path / "src"
+    r = run_train("--data", prepared, "--out-dir", src, "--max-steps", 3, "--freeze", "embeddings", *common)
+    assert r.returncode == 0, r.stderr
+    source = torch.load(src / "ckpt.pt", weights_only=True)["model"]
+    torch.manual_seed(0)
+    init = T.Encoder(T.ModelConfig(**torch.load(src / "ckpt.pt", weights_only=True)["config"])).state_dict()
+    assert torch.equal(source["word.weight"], init["word.weight"])                  # frozen
+    assert all(not torch.equal(source[k], init[k]) for k in ("pos.weight", "layers.0.attn.qk.weight", "head_bias"))
+
+    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "other"))
+    other = prepare(str(small_raw), vocab_size=1500, quiet=True)
+    for reset, fresh in (("embeddings", {"word.weight", "head_bias"}), ("embeddings,positions", {"word.weight", "head_bias", "pos.weight"})):
+        out = tmp_path / reset
+        r = run_train("--data", other, "--out-dir", out, "--max-steps", 1, "--lr", 0, "--init-from", src / "ckpt.pt",
+                      "--reset", reset, *common)
+        assert r.returncode == 0, r.stderr
+        ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+        torch.manual_seed(0)
+        own = T.Encoder(T.ModelConfig(**ckpt["config"])).state_dict()
+        assert ckpt["model"]["word.weight"].shape[0] == 1500
+        for k, v in ckpt["model"].items():
+            assert torch.equal(v, own[k] if k in fresh else source[k]), k
+    bad = run_train("--data", other, "--out-dir", tmp_path / "bad", "--max-steps", 1, "--init-from", src / "ckpt.pt", *common)
+    assert_clean_error(bad, "vocab_size=2000 there but 1500 here")
