@@ -10,6 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from conftest import REPO, shared_data
 from data import prepare as P
 
 
@@ -150,3 +151,22 @@ def test_prepared_folder_must_not_be_the_raw_folder(one_file, monkeypatch):
     monkeypatch.setenv("NANOMLM_DATA", str(one_file.parent))  # would write prep/corpus/ = the raw folder
     with pytest.raises(SystemExit, match="would be the raw folder"):
         P.prepare(str(one_file), vocab_size=800)
+
+
+def test_breton_corpus_split_is_fixed_and_disjoint(tmp_path):
+    import random
+    import subprocess
+    import sys
+    from data import breton
+    sents = breton.sentences(shared_data())
+    assert all(len(v) > 500 for v in sents.values()), {k: len(v) for k, v in sents.items()}
+    flat = [s for v in sents.values() for s in v]
+    train, dev = breton.split(flat)
+    assert not set(train) & set(dev) and len(train) + len(dev) == len(set(flat)) < len(flat)  # duplicates dropped
+    assert 0.08 < len(dev) / (len(train) + len(dev)) < 0.12
+    random.Random(0).shuffle(flat)
+    assert set(breton.split(flat)[1]) == set(dev)                 # the split does not depend on order
+    r = subprocess.run([sys.executable, str(REPO / "data" / "breton.py"), "--raw", shared_data(), "--out", tmp_path / "br"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "br" / "breton.dev").read_text(encoding="utf-8").splitlines() == dev
