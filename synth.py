@@ -8,8 +8,9 @@ Models"; word distributions after Ri & Tsuruoka 2022, "Pretraining with Artifici
 The output folder reads like any corpus (`train.py --data data/raw/synth_zipf`); its
 tokenizer.json asks data/prepare.py for a word-level vocabulary, one token per made-up word.
 
-STATUS: the grammar, the sampler, both relexicalisations, their statistics and the word-level
-corpus are written and tested; the transfer flags and the Breton study are not written yet.
+The transfer study (train.py --init-from CKPT --reset embeddings[,positions], --freeze
+embeddings; data/breton.py; evaluate.py weights) is described, with commands and results, in
+the README.
 
 The grammar. Every node of a dependency tree is a nonterminal named by its relation to its head
 (the root's is `root`); it expands into its dependents' relations in sentence order, with `*`
@@ -311,10 +312,11 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bounds = np.r_[0, np.cumsum(lengths)]
-    words = np.char.add("w", tokens.astype(str))
     with open(out / "synth.train", "w") as tr, open(out / "synth.dev", "w") as dv:
-        for i in range(args.sentences):
-            (dv if i % 20 == 19 else tr).write(" ".join(words[bounds[i]:bounds[i + 1]]) + "\n")
+        for first in range(0, args.sentences, 50000):      # in chunks: the strings of 1M sentences take GBs
+            words = np.char.add("w", tokens[bounds[first]:bounds[min(first + 50000, args.sentences)]].astype(str))
+            for i in range(first, min(first + 50000, args.sentences)):
+                (dv if i % 20 == 19 else tr).write(" ".join(words[bounds[i] - bounds[first]:bounds[i + 1] - bounds[first]]) + "\n")
     (out / "grammar.json").write_text(json.dumps({"symbols": g["symbols"], "sizes": sizes.tolist(), "args": vars(args),
                                                   "rules": {l: [[" ".join(r), p] for r, p in rs.items()] for l, rs in g["rules"].items()}}))
     (out / "stats.json").write_text(json.dumps(stats, indent=1))
