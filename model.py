@@ -357,10 +357,11 @@ def sparse_code(H, D, lam: float, iters: int = 1000, tol: float = 1e-3, work: in
         # coherent atoms one eigenvalue dominates and both are close to it
         L = torch.minimum(torch.linalg.matrix_norm(G), G.abs().sum(2).amax(1))[:, None]    # (r, 1)
         x = _fista(lambda y: (G @ y[:, :, None]).squeeze(-1), HD[todo].gather(1, W), a.gather(1, W), lam, L, iters, tol)
-        A[todo] = torch.zeros_like(a).scatter_(1, W, x)
+        a = torch.zeros_like(a).scatter_(1, W, x)
+        A[todo] = a
         resid = H[todo] - (x[:, None, :] @ DW).squeeze(1)                # (r, d)
         c = resid @ D                                                     # (r, k)
-        viol = torch.where(A[todo] > 0, (c - lam).abs(), c - lam).amax(1) # (r,): KKT, all k atoms
+        viol = torch.where(a > 0, (c - lam).abs(), c - lam).amax(1)       # (r,): KKT, all k atoms
         left = viol > tol * lam
         if not left.any():
             break

@@ -30,6 +30,7 @@ their own word; sentences longer than --max-len are dropped and drawn again.
 import argparse
 import json
 import math
+import os
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -115,13 +116,24 @@ def grammar(sentences, n_rels: int = 20):
                 lengths=[len(s) for s in sentences])
 
 
+def block_cdf(block, weight) -> np.ndarray:
+    """For items in consecutive blocks (block (n,) non-decreasing ints) with weights (n,): block +
+    the cumulative share of its block's weight, each block ending at exactly block + 1. The result
+    increases, so searchsorted(result, b + u, side="right"), u ~ U[0, 1), draws an item of block b
+    in proportion to its weight: one call samples any mix of blocks."""
+    ends = np.r_[np.flatnonzero(np.diff(block)), len(block) - 1]
+    within = np.concatenate([np.cumsum(w) / w.sum() for w in np.split(weight, ends[:-1] + 1)])
+    within[ends] = 1.0
+    return block + within
+
+
 class Sampler:
     """Sentences of relation-labelled words from a grammar, drawn level by level for a batch.
 
     Symbols are integers: nonterminal r in [0, R), the word of relation r is R + r. The rules of
     all nonterminals sit in flat arrays (their right-hand sides concatenated), and each
     nonterminal's rule is drawn by one searchsorted on the cumulative probabilities shifted by
-    the nonterminal's index: rule = searchsorted(r + cumprob within r's block, r + u)."""
+    the nonterminal's index (block_cdf)."""
 
     def __init__(self, g, max_depth: int = 30, max_len: int = 100):
         self.symbols = g["symbols"]
@@ -134,10 +146,7 @@ class Sampler:
                 probs.append(p)
                 start.append(len(rhs))
                 rhs.extend(R + r if x == "*" else index[x] for x in right)
-        lhs, probs = np.array(lhs), np.array(probs)
-        within = np.concatenate([np.cumsum(probs[lhs == r]) for r in range(R)])
-        within[np.r_[np.nonzero(np.diff(lhs))[0], len(lhs) - 1]] = 1.0   # each block ends at exactly 1
-        self.key = lhs + within                                              # increasing
+        self.key = block_cdf(np.array(lhs), np.array(probs))
         self.rhs, self.start = np.array(rhs), np.array(start)
         self.length = np.diff(np.r_[self.start, len(rhs)])
         self.root = index["root"]
@@ -203,13 +212,9 @@ def token_sets(g, vocab: int) -> np.ndarray:
 
 
 def relex_zipf(rels, sizes, rng) -> np.ndarray:
-    """Token ids: a word of relation r is token offset_r + k - 1 with probability proportional to
-    1/k, k = 1..size_r (Zipf's law within r's set)."""
-    offset = np.r_[0, np.cumsum(sizes)[:-1]]
-    R = len(sizes)
-    cdf = np.concatenate([np.cumsum(1 / np.arange(1, m + 1)) / np.sum(1 / np.arange(1, m + 1)) for m in sizes])
-    key = np.repeat(np.arange(R), sizes) + cdf                 # as in Sampler: one sorted array
-    key[np.cumsum(sizes) - 1] = np.arange(R) + 1.0
+    """Token ids: a word of relation r is the k-th token of r's set (the sets are consecutive id
+    ranges) with probability proportional to 1/k, k = 1..size_r (Zipf's law within the set)."""
+    key = block_cdf(np.repeat(np.arange(len(sizes)), sizes), np.concatenate([1 / np.arange(1, m + 1) for m in sizes]))
     return np.searchsorted(key, rels + rng.random(len(rels)), side="right")
 
 
@@ -222,6 +227,7 @@ def relex_loglinear(rels, sids, sizes, rng, dim: int = 10, chunk: int = 2000) ->
     block = np.repeat(np.arange(R), sizes)
     vec = rng.standard_normal((V, dim)) / math.sqrt(dim)
     out = np.empty(len(rels), np.int64)
+    ends = np.cumsum(sizes) - 1
     bounds = np.searchsorted(sids, np.r_[np.arange(0, sids.max() + 1, chunk), sids.max() + 1])
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if lo == hi:
@@ -231,7 +237,6 @@ def relex_loglinear(rels, sids, sizes, rng, dim: int = 10, chunk: int = 2000) ->
         logits = topics @ vec.T                                                # (S, V)
         p = np.exp(logits - logits.max(1, keepdims=True))
         cum = np.cumsum(p, 1)
-        ends = np.cumsum(sizes) - 1
         total = cum[:, ends]                                                   # (S, R) cumulative at each set's end
         before = np.concatenate([np.zeros((len(cum), 1)), total[:, :-1]], 1)
         within = (cum - before[:, block]) / (total - before)[:, block]         # (S, V), each set rising to 1
@@ -261,14 +266,13 @@ def same_sentence_pmi(tokens, rels, sids) -> float:
     R, V = int(rels.max()) + 1, int(tokens.max()) + 1
     group = sids.astype(np.int64) * R + rels                           # (sentence, relation)
     _, c = np.unique(group * V + tokens, return_counts=True)
-    _, n = np.unique(group, return_counts=True)
+    groups, n = np.unique(group, return_counts=True)
     pairs = (n * (n - 1)).sum()
     within = (c * (c - 1)).sum() / pairs
     # the same pairs, if their tokens were drawn from the relation's overall distribution
     f = np.bincount(rels * V + tokens, minlength=R * V).reshape(R, V).astype(float)
     collide = ((f / f.sum(1, keepdims=True).clip(min=1)) ** 2).sum(1)          # (R,)
-    group_rel = np.unique(group) % R
-    chance = (n * (n - 1) * collide[group_rel]).sum() / pairs
+    chance = (n * (n - 1) * collide[groups % R]).sum() / pairs
     return float(math.log(within / chance))
 
 
@@ -285,7 +289,6 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="(default 0)")
     ap.add_argument("--out", required=True, help="corpus folder to write: synth.train, synth.dev (every 20th sentence), grammar.json, stats.json")
     args = ap.parse_args(argv)
-    import os
     ud = Path(args.ud or Path(os.environ.get("NANOMLM_RAW", HERE / "data" / "raw")) / "ud")
     t0 = time.time()
     sentences = [s for f in treebank_files(ud, args.treebanks) for s in read_conllu(f)]

@@ -39,9 +39,8 @@ def sentences(root: Path) -> dict[str, list[str]]:
 
 def split(sents: list[str], dev_share: int = 10) -> tuple[list[str], list[str]]:
     """De-duplicated (first occurrence kept), then (train, dev) with dev = crc32(sentence) % 10 == 0."""
-    unique = list(dict.fromkeys(sents))
-    dev = [s for s in unique if zlib.crc32(s.encode()) % dev_share == 0]
-    return [s for s in unique if zlib.crc32(s.encode()) % dev_share != 0], dev
+    in_dev = {s: zlib.crc32(s.encode()) % dev_share == 0 for s in sents}   # keys keep first-seen order
+    return [s for s, d in in_dev.items() if not d], [s for s, d in in_dev.items() if d]
 
 
 def main(argv=None):
