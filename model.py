@@ -206,17 +206,18 @@ class Encoder(nn.Module):
         return bias, self.rel_norm(self.rel), idx
 
     def forward(self, input_ids, attention_mask=None, predict=None, all_layers=False, positions=None):
-        """input_ids (B, T) long; attention_mask (B, T), 1 = real token, 0 = padding (default all 1);
-        positions (B, T) long, each token's position in its sequence (default 0..T-1; a subset of
+        """input_ids (B, T) long, or soft tokens (B, T, V) float: a distribution over the vocabulary
+        per position, embedded as its expected word vector (meta.py's soft-label teacher writes
+        these); attention_mask (B, T), 1 = real token, 0 = padding (default all 1); positions (B, T) long, each token's position in its sequence (default 0..T-1; a subset of
         a sequence keeps its own). Returns the last hidden states (B, T, D), or with all_layers the
         list [embeddings, layer 1, ..., layer n_layer]. With predict, a (B, T) bool of positions
         to score, returns (hidden, logits (N, V)) for the N true positions in row-major order
         (the MLM head runs on those alone)."""
-        B, T = input_ids.shape
+        B, T = input_ids.shape[:2]
         assert T <= self.config.max_position, f"sequence of {T} > max_position {self.config.max_position}"
         if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        x = self.word(input_ids)
+            attention_mask = torch.ones(B, T, dtype=torch.long, device=input_ids.device)
+        x = input_ids @ self.word.weight if input_ids.is_floating_point() else self.word(input_ids)
         if self.config.position == "absolute":
             x = x + (self.pos.weight[:T] if positions is None else self.pos(positions))
         x = self.drop(self.word_norm(x))

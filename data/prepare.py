@@ -262,6 +262,69 @@ def prepare(data: str, vocab_size: int = 16384, force: bool = False, quiet: bool
 
 
 # ---------------------------------------------------------------------------------------------
+# Labelled tasks ((Super)GLUE, MSGS jsonl files): evaluate.py fine-tunes on them, meta.py meta-learns
+# with them
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"error: {path}:{n} is not valid JSON ({e.msg})") from None
+    return rows
+
+
+# task -> (its text(s) from a row, number of classes, metrics; the first one drives early stopping)
+TASKS = {
+    "cola": (lambda r: (r["sentence"],), 2, ("mcc", "accuracy")),
+    "sst2": (lambda r: (r["sentence"],), 2, ("accuracy",)),
+    "mrpc": (lambda r: (r["sentence1"], r["sentence2"]), 2, ("f1", "accuracy")),
+    "qqp": (lambda r: (r["question1"], r["question2"]), 2, ("f1", "accuracy")),
+    "mnli": (lambda r: (r["premise"], r["hypothesis"]), 3, ("accuracy",)),
+    "qnli": (lambda r: (r["question"], r["sentence"]), 2, ("accuracy",)),
+    "rte": (lambda r: (r["sentence1"], r["sentence2"]), 2, ("accuracy",)),
+    "boolq": (lambda r: (r["question"], r["passage"]), 2, ("accuracy",)),
+    "multirc": (lambda r: (r["paragraph"], r["question"] + " " + r["answer"]), 2, ("accuracy",)),
+    "wsc": (lambda r: (r["text"], f"{r['span2_text']} refers to {r['span1_text']}"), 2, ("accuracy",)),
+}
+MSGS = (lambda r: (r["sentence"],), 2, ("mcc", "accuracy"))  # any other task name: MSGS-style files
+
+
+def read_task(data_dir: Path, task: str, split: str, tok, max_len: int):
+    """(ids [[CLS] a [SEP] (b [SEP])], labels, example ids) of TASK.SPLIT.jsonl, pairs truncated
+    longest-first to max_len tokens."""
+    path = Path(data_dir) / f"{task}.{split}.jsonl"
+    if not path.exists():
+        have = sorted(p.name for p in Path(data_dir).glob(f"{task}.*.jsonl"))
+        raise SystemExit(f"error: no {path.name} in {data_dir}" + (f" (there is only {', '.join(have)}; this task "
+                         f"cannot be fine-tuned from here)" if have else ""))
+    render, k, _ = TASKS.get(task, MSGS)
+    rows = read_jsonl(path)
+    if not rows:
+        raise SystemExit(f"error: {path} holds no examples")
+    seqs, labels, ids = [], [], []
+    for n, r in enumerate(rows, 1):
+        try:
+            texts, label = render(r), int(r["label"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise SystemExit(f"error: {path}:{n} lacks a field this task needs ({e!r})") from None
+        if not 0 <= label < k:
+            raise SystemExit(f"error: {path}:{n} has label {label}, outside 0..{k - 1}")
+        parts = tok.encode(list(texts))
+        while sum(map(len, parts)) > max_len - 1 - len(parts):
+            longest = max(parts, key=len)
+            longest.pop()
+        seqs.append([CLS] + [t for part in parts for t in part + [SEP]])
+        labels.append(label)
+        ids.append(json.dumps(r.get("idx", n)))
+    return seqs, np.array(labels), ids
+
+
+# ---------------------------------------------------------------------------------------------
 # Download of the official corpus (needs network; everything else works without it)
 
 def download(name: str) -> Path:

@@ -1,0 +1,612 @@
+"""Meta-learning the pretraining objective: a teacher network writes the student's pretraining
+examples and learns from how much they help the student on a labelled task.
+
+    python meta.py --task two_moons --labels mlm,hard,soft     # a few minutes on a CPU: the table
+    python meta.py --task two_moons --labels soft --sizes 10,160 --seeds 0,1,2,3,4
+    NANOMLM_RAW=../shared/data python meta.py --task glue --data babylm_10m --glue-tasks rte,mrpc,cola \\
+        --labels hard --size tiny --steps 2000
+    python evaluate.py finetune --ckpt runs/meta_glue_hard/ckpt.pt --task rte --data-dir ...
+
+Shen (2021), "Meta-learning a Language Modeling Objective" (Stanford CS330 report; code:
+jeffdshen/MetaLMO), which carries Meta Pseudo Labels (Pham et al. 2021) from image labels over to
+whole input-output text examples. Every example of every task has one shape: an input x whose
+first token names the task, and a target y of the same length, PAD meaning "no loss here":
+  MLM         x = [MLM] + the masked text, y = the original token at the masked positions;
+  a task      x = [TASK] + its input, y = the label's token at every position (predicted: the
+              label token with the largest logit averaged over the positions).
+The teacher, an encoder from model.py with a second, untied output head, reads an unlabelled x_u
+and writes a pseudo example per position: x^ from one head, y^ from the other. A meta step with
+the student at theta0 and a support and a query batch of one labelled task:
+  (1) theta1 = the student's own AdamW step on (x^, y^)      the only update the student keeps
+  (2) theta2 = theta1 - eta grad L_support(theta1)            "fine-tuning"; eta = --inner-lr
+  (3) L_query(theta2); the teacher learns to lower it:
+  hard labels  x^, y^ are sampled tokens; the teacher's gradient is h * grad_T CE((x^, y^), T(x_u))
+      with h = cos(grad L_query(theta2), theta0 - theta1): the first-order (MAML-like) MPL signal,
+      in which the parameter change of the adaptive optimiser stands in for the gradient (Shen,
+      eq. 8). h > 0: the pseudo example moved the student downhill on the query; make it likelier.
+  soft labels  x^, y^ are the teacher's distributions (the student embeds x^ as expected word
+      vectors, y^ is a soft cross-entropy target), so L_query(theta2) is a differentiable function
+      of the teacher and its gradient is exact. For that, step (1) is unrolled as the SGD step
+      theta0 - eta grad L_pseudo(theta0) (AdamW's first updates are close to sign(g), whose
+      derivative is useless), with torch.func.functional_call; the student still keeps AdamW.
+Auxiliary teacher losses (Shen, sec. 3.4), always on: given x_u, write an MLM task (x^ -> x_m,
+y^ -> x_u); given x_m, perform it (x^ -> x_m, y^ -> y_m). The meta term is weighted by
+--meta-weight. --labels mlm pretrains the same student with plain MLM on the same unlabelled
+batches; --labels none does not pretrain at all.
+"""
+import argparse
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
+
+from data.prepare import MASK, MSGS, PAD, TASKS, load_tokenizer, prepare, raw_root, read_task
+from model import PRESETS, Encoder, ModelConfig, config_help, save_checkpoint, small_init
+
+HERE = Path(__file__).resolve().parent
+N_SPECIAL = 5  # [PAD] [UNK] [CLS] [SEP] [MASK]: data/prepare.py's ids 0-4, kept by both tasks
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary: a base vocabulary (text pieces, or Two Moons' 64 coordinates) and, after it, the
+# tokens only meta-learning needs: [MLM], one [TASK] per labelled task, one token per label
+
+def extra_tokens(base: int, tasks: list[str], n_labels: int, size: int = 0) -> dict:
+    """Ids of the meta tokens after a base vocabulary of `base` ids; vocab >= size."""
+    label = list(range(base + 1 + len(tasks), base + 1 + len(tasks) + n_labels))
+    return {"base": base, "mlm": base, "task": {t: base + 1 + i for i, t in enumerate(tasks)},
+            "label": label, "vocab": max(size, label[-1] + 1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Two Moons (Shen's toy task): 16 points per sequence, each coordinate one token
+
+COORD, GRID = N_SPECIAL, 64  # coordinate c in [0, 64) is token COORD + c
+
+
+def make_moons(n: int, rng, noise: float = 0.1):
+    """n points on two interleaved half circles plus N(0, noise^2) (scikit-learn's make_moons, drawn
+    afresh): label 0 on (cos t, sin t), label 1 on (1 - cos t, 1/2 - sin t), t ~ U[0, pi]."""
+    label = rng.integers(0, 2, n)
+    t = rng.uniform(0, np.pi, n)
+    xy = np.where(label[:, None] == 0, np.stack([np.cos(t), np.sin(t)], 1), np.stack([1 - np.cos(t), 0.5 - np.sin(t)], 1))
+    return xy + rng.normal(0, noise, (n, 2)), label
+
+
+def to_grid(xy):
+    """Scale x from [-1.5, 2.5] and y from [-1, 1.5] to [0, 64), floor, clip: integer coordinates."""
+    lo, hi = np.array([-1.5, -1.0]), np.array([2.5, 1.5])
+    return np.clip(np.floor((xy - lo) / (hi - lo) * GRID), 0, GRID - 1).astype(np.int64)
+
+
+def two_moons(seed: int, n_unlabeled=32000, n_labeled=160, n_test=1000, points=16) -> dict:
+    """The toy data, a pure function of the seed. unlabeled (n, 1 + 2 points): [MLM] then the
+    points sorted by (x, y), coordinates flattened; labeled (160, 3) [MOON] x y and its labels,
+    alternating classes so that every even-sized prefix (the 10, 20, ... sets) is balanced;
+    test (n_test, 3) and labels."""
+    tok = extra_tokens(COORD + GRID, ["moon"], 2, size=512)
+    rng = np.random.default_rng(seed)
+    c = to_grid(make_moons(n_unlabeled * points, rng)[0]).reshape(n_unlabeled, points, 2)
+    order = np.lexsort((c[..., 1], c[..., 0]), axis=-1)               # (n, points): by x, then y
+    c = np.take_along_axis(c, order[..., None], 1).reshape(n_unlabeled, 2 * points)
+    unlabeled = np.concatenate([np.full((n_unlabeled, 1), tok["mlm"]), COORD + c], 1)
+    xy, label = make_moons(4 * n_labeled, rng)
+    pick = np.stack([np.flatnonzero(label == 0)[:n_labeled // 2], np.flatnonzero(label == 1)[:n_labeled // 2]], 1).ravel()
+    xy_t, label_t = make_moons(n_test, rng)
+
+    def examples(xy):
+        return np.concatenate([np.full((len(xy), 1), tok["task"]["moon"]), COORD + to_grid(xy)], 1)
+    return {"tokens": tok, "unlabeled": unlabeled, "labeled": (examples(xy[pick]), label[pick]),
+            "test": (examples(xy_t), label_t), "random": (COORD, COORD + GRID)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches in the one (x, y) format; all on the device, seeded by (seed, step) so a resumed run
+# draws the same batches
+
+def mask_tokens(x, gen, lo: int, hi: int, p: float = 0.15):
+    """BERT masking of x (B, T) long, position 0 (the task token) and PAD never: each other position
+    is chosen with probability p; a chosen one becomes [MASK] (80%), a random token from [lo, hi)
+    (10%) or stays (10%). -> x_m (B, T), y_m (B, T): the original token where chosen, else PAD."""
+    u = torch.rand(x.shape, generator=gen, device=x.device)
+    chosen = (u < p) & (x != PAD)
+    chosen[:, 0] = False
+    r = u / p                                                            # uniform again on chosen
+    x_m = torch.where(chosen & (r < 0.8), MASK, x)
+    rand = torch.randint(lo, hi, x.shape, generator=gen, device=x.device)
+    x_m = torch.where(chosen & (r >= 0.8) & (r < 0.9), rand, x_m)
+    return x_m, torch.where(chosen, x, PAD)
+
+
+def task_batch(x, labels, idx, label_ids):
+    """x (n, T) long examples, labels (n,) -> (x[idx], y) with y the label token at every real position."""
+    x = x[idx]
+    return x, torch.where(x != PAD, label_ids[labels[idx]][:, None], PAD)
+
+
+def padded(seqs: list[list[int]]) -> torch.Tensor:
+    out = torch.full((len(seqs), max(map(len, seqs))), PAD, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = torch.tensor(s)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+class Teacher(nn.Module):
+    """An encoder with two per-position output heads: x^ (the encoder's own MLM head, tied to its
+    word embeddings) and y^ (the same shape, untied: dense, GELU, LayerNorm, linear to V)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, V = cfg.d_model, cfg.vocab_size
+        self.encoder = Encoder(cfg)
+        self.y_head = nn.Sequential(nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Linear(D, D),
+                                    nn.GELU(), nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Linear(D, V))
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """encoder: Encoder.init_weights; y_head[1].weight (D, D), y_head[4].weight (V, D) N(0, s)
+        as every encoder matrix (s = sqrt(2 / (5 d_model))); their biases 0."""
+        normal = small_init(self.encoder.config.d_model)
+        for lin in (self.y_head[1], self.y_head[4]):
+            normal(lin.weight)
+            lin.bias.zero_()
+
+    def forward(self, x, mask):
+        """-> logits of x^ and of y^, (B, T, V) each. x^ never gets [PAD]: it would hide a position."""
+        h = self.encoder(x, mask)
+        lx = self.encoder.head(h)
+        return lx.index_fill(-1, torch.tensor([PAD], device=x.device), -torch.inf), self.y_head(h)
+
+
+def wide(t):
+    """Half-precision logits (bf16 autocast on GPU) to float32 for the softmax; float64 stays."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def seq_loss(model, params, x, y, mask):
+    """Mean cross-entropy of the student's per-position predictions against y. x: ids (B, T) or soft
+    tokens (B, T, V); y: ids (B, T), PAD = no loss, or distributions (B, T, V) scored at every real
+    position. params: the tensors to run with, so one function serves the stored student, its
+    unrolled copies (theta1, theta2 above) and plain training."""
+    scored = (mask > 0) & (y != PAD) if y.dim() == 2 else mask > 0
+    _, logits = functional_call(model, params, (x, mask), {"predict": scored})
+    logp = wide(logits).log_softmax(-1)                                  # (N, V), N scored positions
+    nll = -logp.gather(1, y[scored][:, None]).sum() if y.dim() == 2 else -(wide(y[scored]) * logp).sum()
+    return nll / scored.sum().clamp(min=1)                               # no scored position: 0, not NaN
+
+
+def token_ce(logits, target, mask):
+    """Mean cross-entropy of logits (B, T, V) against ids (B, T) at real positions whose target is
+    not PAD (ignore_index rather than boolean indexing: its backward would scatter into (B, T, V))."""
+    target = target.masked_fill(mask == 0, PAD)
+    total = F.cross_entropy(wide(logits).flatten(0, 1), target.flatten(), ignore_index=PAD, reduction="sum")
+    return total / (target != PAD).sum().clamp(min=1)
+
+
+def sample(logits, gen):
+    """One token per position from softmax(logits) (B, T, V), by inverting the CDF: a cumsum and a
+    searchsorted (torch.multinomial's exponential draws took 12 ms of a 100 ms Two Moons step)."""
+    cdf = wide(logits).softmax(-1).cumsum(-1)
+    u = torch.rand(*cdf.shape[:-1], 1, generator=gen, device=cdf.device) * cdf[..., -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)  # right: never a p = 0 token
+
+
+@torch.no_grad()
+def predict(model, x, label_ids) -> torch.Tensor:
+    """Classes of examples x (n, T): the label token with the largest logit averaged over positions."""
+    mask = (x != PAD).long()
+    logits = model.logits(x, mask)[..., label_ids]                       # (n, T, classes)
+    return ((logits * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)).argmax(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# One meta step. Each returns the teacher's meta loss (backward happens with its auxiliary losses)
+# and the student's figures; the student has taken its own step when it returns.
+
+def params_of(model, detach=False):
+    return {n: (p.detach().clone().requires_grad_() if detach else p) for n, p in model.named_parameters()}
+
+
+def outer_step(model, opt, loss, clip):
+    """The student's own update (AdamW): the only change to its stored weights."""
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def support_query(theta1, support_loss, query_loss, inner_lr, create_graph):
+    """Steps (2)-(3): theta2 = theta1 - eta grad L_support(theta1); -> (L_query(theta2), theta2, L_support).
+    The losses map a {name: tensor} of parameters to a scalar."""
+    ls = support_loss(theta1)
+    g = torch.autograd.grad(ls, list(theta1.values()), create_graph=create_graph)
+    theta2 = {n: p - inner_lr * gi for (n, p), gi in zip(theta1.items(), g)}
+    return query_loss(theta2), theta2, ls
+
+
+def cosine(a: list, b: list) -> torch.Tensor:
+    """cos between two parameter-shaped lists of tensors, flattened and concatenated."""
+    dot = sum((x * y).sum() for x, y in zip(a, b))
+    return dot / torch.sqrt(sum((x * x).sum() for x in a) * sum((y * y).sum() for y in b)).clamp(min=1e-30)
+
+
+def hard_h(student, opt, pseudo_loss, support_loss, query_loss, inner_lr, clip):
+    """Step (1), the student's own optimiser step on pseudo_loss, then (2)-(3) on a copy:
+    -> (h = cos(grad L_query(theta2), theta0 - theta1), L_query, L_pseudo, L_support)."""
+    theta0 = [p.detach().clone() for p in student.parameters()]
+    lp = pseudo_loss(params_of(student))
+    outer_step(student, opt, lp, clip)
+    delta = [a - p.detach() for a, p in zip(theta0, student.parameters())]   # theta0 - theta1
+    lq, theta2, ls = support_query(params_of(student, detach=True), support_loss, query_loss, inner_lr, create_graph=False)
+    g_q = torch.autograd.grad(lq, list(theta2.values()))
+    return cosine(g_q, delta), lq, lp, ls
+
+
+def task_losses(student, b):
+    """The support and the query loss of batch b, as functions of the student's parameters."""
+    return (lambda p: seq_loss(student, p, b["x_s"], b["y_s"], b["m_s"]),
+            lambda p: seq_loss(student, p, b["x_q"], b["y_q"], b["m_q"]))
+
+
+def hard_step(student, opt, b, lx, ly, args, gen):
+    """Hard labels: sample (x^, y^), step, h; the teacher's meta loss h * CE((x^, y^), T(x_u))."""
+    mask = b["m_u"]
+    with torch.no_grad():
+        x_hat = sample(lx, gen).masked_fill(mask == 0, PAD)
+        y_hat = sample(ly, gen).masked_fill(mask == 0, PAD)
+    h, lq, lp, ls = hard_h(student, opt, lambda p: seq_loss(student, p, x_hat, y_hat, mask), *task_losses(student, b),
+                           args.inner_lr, args.clip)
+    ce = 0.5 * (token_ce(lx, x_hat, mask) + token_ce(ly, y_hat, mask))
+    return h * ce, {"h": h, "query": lq, "pseudo": lp, "support": ls, "written": (x_hat, y_hat), "example": (x_hat, y_hat)}
+
+
+def soft_unroll(student, px, py, b, inner_lr):
+    """Steps (1)-(3) as one differentiable function of the teacher's distributions px, py (B, T, V),
+    step (1) as SGD: -> (L_query(theta2), L_pseudo, L_support, grad L_pseudo(theta0) (kept graph))."""
+    theta0 = params_of(student, detach=True)
+    with sdpa_kernel(SDPBackend.MATH):                                  # the fused kernels have no double backward
+        lp = seq_loss(student, theta0, px, py, b["m_u"])
+        g0 = torch.autograd.grad(lp, list(theta0.values()), create_graph=True)
+        theta1 = {n: p - inner_lr * g for (n, p), g in zip(theta0.items(), g0)}
+        lq, _, ls = support_query(theta1, *task_losses(student, b), inner_lr, create_graph=True)
+    return lq, lp, ls, g0
+
+
+def soft_step(student, opt, b, lx, ly, args, gen):
+    """Soft labels: the meta loss is L_query(theta2) itself; the student keeps its AdamW step on g0."""
+    px, py = wide(lx).softmax(-1), wide(ly).softmax(-1)             # (B, T, V) each
+    lq, lp, ls, g0 = soft_unroll(student, px, py, b, args.inner_lr)
+    for p, g in zip(student.parameters(), g0):
+        p.grad = g.detach().clone()
+    nn.utils.clip_grad_norm_(student.parameters(), args.clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return lq, {"query": lq, "pseudo": lp, "support": ls, "written": (px.argmax(-1), py.argmax(-1)),
+                "example": (px.detach(), py.detach())}
+
+
+def mlm_step(student, opt, b, args):
+    loss = seq_loss(student, params_of(student), b["x_m"], b["y_m"], b["m_u"])
+    outer_step(student, opt, loss, args.clip)
+    return {"pseudo": loss}
+
+
+def meta_step(student, teacher, opt_s, opt_t, b, args, gen) -> dict:
+    """One step of --labels hard|soft|mlm on batch b (see the docstring at the top)."""
+    if args.labels == "mlm":
+        return mlm_step(student, opt_s, b, args)
+    lx, ly = teacher(b["x_u"], b["m_u"])
+    meta, info = (hard_step if args.labels == "hard" else soft_step)(student, opt_s, b, lx, ly, args, gen)
+    write = 0.5 * (token_ce(lx, b["x_m"], b["m_u"]) + token_ce(ly, b["x_u"], b["m_u"]))     # write an MLM task
+    lx_m, ly_m = teacher(b["x_m"], b["m_u"])
+    perform = 0.5 * (token_ce(lx_m, b["x_m"], b["m_u"]) + token_ce(ly_m, b["y_m"], b["m_u"]))  # and do it
+    outer_step(teacher, opt_t, args.meta_weight * meta + write + perform, args.clip)
+    return {**info, "teacher_write": write, "teacher_mlm": perform}
+
+
+# ---------------------------------------------------------------------------------------------
+# Pretraining loop, shared by both tasks: unlabelled batches from `unlabeled(step, gen)`,
+# support/query batches from `labeled(step, gen)`
+
+def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=None, show=None, start=0, opts=None, save=None):
+    opt_s, opt_t = opts or (torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=args.weight_decay),
+                            torch.optim.AdamW(teacher.parameters(), lr=args.teacher_lr, weight_decay=args.weight_decay))
+    warm = max(1, args.steps // 20)
+    t0 = time.time()
+    for step in tqdm(range(start, args.steps), desc=desc, initial=start, total=args.steps, leave=False, disable=None):
+        for opt, base in ((opt_s, args.lr), (opt_t, args.teacher_lr)):   # linear warm-up, linear decay to 10%
+            for g in opt.param_groups:
+                g["lr"] = base * min(1.0, (step + 1) / warm) * (1 - 0.9 * step / args.steps)
+        gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + step)
+        b = {**unlabeled(step, gen), **labeled(step, gen)}
+        info = meta_step(student, teacher, opt_s, opt_t, b, args, gen)
+        if log is not None and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+            rec = {"step": step + 1, **{k: round(v.item(), 5) for k, v in info.items() if torch.is_tensor(v) and v.dim() == 0},
+                   "seconds": round(time.time() - t0, 1)}
+            log(rec)
+            if show is not None and "written" in info:
+                show(step + 1, b["x_u"], *info["written"])
+        if save is not None and (step + 1) % args.save_every == 0:
+            save(step + 1)
+    return opt_s, opt_t
+
+
+# ---------------------------------------------------------------------------------------------
+# Two Moons: pretrain, fine-tune on 10 ... 160 labelled points, test on 1000; per seed and size
+
+def finetune_accuracy(student, x, labels, test, label_ids, args, seed) -> float:
+    """Full-batch AdamW on the labelled examples for --ft-steps, then test accuracy."""
+    model = Encoder(student.config).to(x.device)
+    model.load_state_dict(student.state_dict())
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.ft_lr, weight_decay=args.weight_decay)
+    xs, ys = task_batch(x, labels, torch.arange(len(x), device=x.device), label_ids)
+    for _ in range(args.ft_steps):
+        outer_step(model, opt, seq_loss(model, params_of(model), xs, ys, (xs != PAD).long()), args.clip)
+    return (predict(model.eval(), test[0], label_ids) == test[1]).float().mean().item()
+
+
+def moons_cell(args, data, size, seed, device):
+    """One entry of the table: pretrain with --labels (its labelled task: the first `size` points),
+    fine-tune on the same points, -> test accuracy."""
+    tok = data["tokens"]
+    cfg = model_config(args, tok["vocab"])
+    torch.manual_seed(seed)
+    student, teacher = Encoder(cfg).to(device).train(), Teacher(cfg).to(device).train()
+    U = torch.as_tensor(data["unlabeled"], device=device)
+    X, Y = (torch.as_tensor(a, device=device) for a in data["labeled"])
+    X, Y = X[:size], Y[:size]
+    label_ids = torch.tensor(tok["label"], device=device)
+
+    def unlabeled(step, gen):
+        x = U[torch.randint(len(U), (args.batch_size,), generator=gen, device=device)]
+        x_m, y_m = mask_tokens(x, gen, *data["random"])
+        return {"x_u": x, "m_u": torch.ones_like(x), "x_m": x_m, "y_m": y_m}
+
+    def labeled(step, gen):
+        out = {}
+        for s in "sq":
+            x, y = task_batch(X, Y, torch.randint(size, (args.task_batch,), generator=gen, device=device), label_ids)
+            out.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": torch.ones_like(x)})
+        return out
+
+    run = replace_args(args, seed=seed)
+    if args.labels != "none":
+        pretrain(student, teacher, unlabeled, labeled, run, device, desc=f"{args.labels} n={size} seed={seed}")
+    test = tuple(torch.as_tensor(a, device=device) for a in data["test"])
+    return finetune_accuracy(student, X, Y, test, label_ids, args, seed)
+
+
+def replace_args(args, **kw):
+    return argparse.Namespace(**{**vars(args), **kw})
+
+
+def cell_worker(job):
+    """One table entry in a worker process (one thread each: the models are far too small to
+    share cores usefully, so --workers processes run side by side)."""
+    args, labels, size, seed = job
+    torch.set_num_threads(1)
+    t0 = time.time()
+    acc = moons_cell(replace_args(args, labels=labels), two_moons(args.data_seed), size, seed, torch.device("cpu"))
+    return f"{labels}/{size}/{seed}", acc, time.time() - t0
+
+
+def run_two_moons(args, device, out: Path):
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if args.resume and results_path.exists() else {}
+    jobs = [(args, labels, size, seed) for labels in args.labels_list for size in args.sizes
+            for seed in args.seeds if f"{labels}/{size}/{seed}" not in results]
+    if args.workers > 1 and device.type == "cpu":
+        pool = torch.multiprocessing.get_context("spawn").Pool(args.workers)
+        done = pool.imap_unordered(cell_worker, jobs)
+    else:
+        data = two_moons(args.data_seed)
+        done = ((f"{l}/{n}/{s}", moons_cell(replace_args(a, labels=l), data, n, s, device), time.time() - t0)
+                for a, l, n, s in jobs for t0 in [time.time()])
+    for key, acc, seconds in done:
+        results[key] = acc
+        print(f"{key}: test accuracy {100 * acc:.1f}% ({seconds:.0f}s)")
+        results_path.write_text(json.dumps(results, indent=1))
+    print_table(results, args.labels_list, args.sizes, args.seeds)
+
+
+def print_table(results, labels_list, sizes, seeds):
+    """Shen's Table 10 layout: one row per pretraining, one column per labelled-set size."""
+    print(f"\nTwo Moons test accuracy (%), mean ± std over seeds {','.join(map(str, seeds))}")
+    print("| pretraining | " + " | ".join(f"n={s}" for s in sizes) + " |")
+    print("|---" * (len(sizes) + 1) + "|")
+    for labels in labels_list:
+        cells = []
+        for size in sizes:
+            v = 100 * np.array([results[f"{labels}/{size}/{s}"] for s in seeds])
+            cells.append(f"{v.mean():.1f} ± {v.std(ddof=1) if len(v) > 1 else 0:.1f}")
+        print(f"| {labels} | " + " | ".join(cells) + " |")
+
+
+# ---------------------------------------------------------------------------------------------
+# NLP: unlabelled text from a prepared corpus, (Super)GLUE tasks as the labelled tasks
+
+def run_glue(args, device, out: Path):
+    data_dir = prepare(args.data, args.vocab_size)
+    tok = load_tokenizer(data_dir)
+    V = tok.get_piece_size()
+    tasks = args.glue_tasks
+    sets = {t: read_task(args.glue_dir, t, "train", tok, args.seq_len)[:2] for t in tasks}
+    n_labels = max(TASKS.get(t, MSGS)[1] for t in tasks)
+    ids = extra_tokens(V, tasks, n_labels)
+    cfg = model_config(args, ids["vocab"])
+    stream = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
+    label_ids = torch.tensor(ids["label"], device=device)
+
+    def unlabeled(step, gen):
+        starts = torch.randint(len(stream) - args.seq_len, (args.batch_size,), generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step))
+        x = torch.from_numpy(np.stack([stream[s:s + args.seq_len - 1] for s in starts.tolist()]).astype(np.int64))
+        x = torch.cat([torch.full((len(x), 1), ids["mlm"]), x], 1).to(device)
+        x_m, y_m = mask_tokens(x, gen, N_SPECIAL, V)
+        return {"x_u": x, "m_u": torch.ones_like(x), "x_m": x_m, "y_m": y_m}
+
+    def labeled(step, gen):
+        t = tasks[step % len(tasks)]                                      # tasks take turns
+        seqs, labels = sets[t]
+        out = {}
+        for s in "sq":
+            idx = torch.randint(len(seqs), (args.task_batch,), generator=torch.Generator().manual_seed(args.seed * 7919 + 2 * step + (s == "q"))).tolist()
+            x = padded([[ids["task"][t]] + seqs[i][1:] for i in idx]).to(device)  # [CLS] -> [TASK]
+            x, y = task_batch(x, torch.as_tensor(labels[idx], device=device), torch.arange(len(x), device=device), label_ids)
+            out.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": (x != PAD).long()})
+        return out
+
+    def name(i):
+        if i < V:
+            return tok.id_to_piece(i)
+        return {ids["mlm"]: "[MLM]", **{v: f"[{k.upper()}]" for k, v in ids["task"].items()},
+                **{v: f"[LABEL{j}]" for j, v in enumerate(ids["label"])}}.get(i, f"[{i}]")
+
+    samples = open(out / "samples.txt", "a")
+
+    def show(step, x_u, x_hat, y_hat):
+        """The first two sequences the teacher read and what it wrote (Shen's Tables 1 and 3)."""
+        text = "".join(f"step {step}, sequence {r}\n  read    {' '.join(name(i) for i in x_u[r].tolist())}\n"
+                       f"  x^      {' '.join(name(i) for i in x_hat[r].tolist())}\n  y^      {' '.join(name(i) for i in y_hat[r].tolist())}\n"
+                       for r in range(min(2, len(x_u))))
+        samples.write(text)
+        samples.flush()
+        tqdm.write(text)
+
+    torch.manual_seed(args.seed)
+    student, teacher = Encoder(cfg).to(device).train(), Teacher(cfg).to(device).train()
+    opts = (torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=args.weight_decay),
+            torch.optim.AdamW(teacher.parameters(), lr=args.teacher_lr, weight_decay=args.weight_decay))
+    start = 0
+    state_path = out / "meta.pt"
+    if args.resume and state_path.exists():
+        state = torch.load(state_path, map_location=device, weights_only=True)
+        student.load_state_dict(state["student"], strict=True)
+        teacher.load_state_dict(state["teacher"], strict=True)
+        for o, s in zip(opts, state["optimizers"]):
+            o.load_state_dict(s)
+        start = state["step"]
+        print(f"resuming at step {start}")
+    tokenizer = (data_dir / "tokenizer.model").read_bytes()
+
+    def save(step):
+        save_checkpoint({"student": student.state_dict(), "teacher": teacher.state_dict(), "step": step,
+                         "optimizers": [o.state_dict() for o in opts]}, state_path)
+        sd = student.state_dict()                                         # the student alone, for evaluate.py:
+        sd = {k: (v[:V] if k in ("word.weight", "head_bias") else v) for k, v in sd.items()}  # text pieces only
+        save_checkpoint({"model": sd, "config": asdict(replace(cfg, vocab_size=V)), "tokenizer": tokenizer, "step": step,
+                         "args": vars(args)}, out / "ckpt.pt")
+
+    log_file = open(out / "log.jsonl", "a")
+
+    def log(rec):
+        log_file.write(json.dumps(rec) + "\n")
+        log_file.flush()
+        tqdm.write(" | ".join(f"{k} {v}" for k, v in rec.items()))
+
+    pretrain(student, teacher, unlabeled, labeled, args, device, desc=f"meta {args.labels}", log=log, show=show, start=start, opts=opts, save=save)
+    save(args.steps)
+    print(f"wrote {out / 'ckpt.pt'} (the student; fine-tune it with evaluate.py finetune)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+MOONS_MODEL = dict(n_layer=2, n_head=2, d_model=8, d_ff=32)  # Shen's Two Moons models
+
+
+def model_config(args, vocab: int) -> ModelConfig:
+    preset = MOONS_MODEL if args.task == "two_moons" else PRESETS[args.size]
+    fields = {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model", "d_ff", "position") if getattr(args, k) is not None}
+    return ModelConfig(**{**preset, "vocab_size": vocab, "dropout": args.dropout, "max_position": max(64, args.seq_len),
+                          **fields})
+
+
+def main(argv=None):
+    helps = config_help()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=("two_moons", "glue"), default="two_moons", help="the toy task, or text + (Super)GLUE")
+    ap.add_argument("--labels", default="hard", help="comma-separated, of: hard, soft (the teacher's examples), mlm (plain "
+                    "MLM, the baseline), none (no pretraining); --task glue takes one")
+    ap.add_argument("--steps", type=int, default=1000, help="pretraining steps (default 1000: one pass over 32k sequences)")
+    ap.add_argument("--batch-size", type=int, default=32, help="unlabelled sequences per step")
+    ap.add_argument("--task-batch", type=int, default=8, help="labelled examples in each of the support and query batches")
+    ap.add_argument("--lr", type=float, default=3e-3, help="the student's AdamW learning rate (the MLM baseline's too)")
+    ap.add_argument("--teacher-lr", type=float, default=3e-3, help="the teacher's AdamW learning rate")
+    ap.add_argument("--inner-lr", type=float, default=0.1, help="SGD learning rate eta of the unrolled steps")
+    ap.add_argument("--meta-weight", type=float, default=1.0, help="weight of the meta term against the teacher's two MLM losses")
+    ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay, all optimisers")
+    ap.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip of every outer step")
+    ap.add_argument("--seed", type=int, default=0, help="model init and batches (--task glue)")
+    ap.add_argument("--seeds", default="0,1,2", help="two_moons: one pretraining + fine-tuning per seed")
+    ap.add_argument("--sizes", default="10,20,40,80,160", help="two_moons: labelled-set sizes (even, at most 160)")
+    ap.add_argument("--data-seed", type=int, default=0, help="two_moons: seed of the generated data")
+    ap.add_argument("--workers", type=int, default=2, help="two_moons on CPU: table entries computed in parallel processes")
+    ap.add_argument("--ft-steps", type=int, default=200, help="two_moons: full-batch fine-tuning steps")
+    ap.add_argument("--ft-lr", type=float, default=1e-2, help="two_moons: fine-tuning AdamW learning rate")
+    ap.add_argument("--data", default="babylm_10m", help="glue: unlabelled corpus (a name under $NANOMLM_RAW or a folder)")
+    ap.add_argument("--vocab-size", type=int, default=16384, help="glue: tokenizer size when the corpus is prepared first")
+    ap.add_argument("--glue-dir", default=None, help="glue: folder of TASK.train.jsonl files (default "
+                    "$NANOMLM_RAW/babylm_eval/full_eval/glue_filtered)")
+    ap.add_argument("--glue-tasks", default="rte,mrpc,cola", help="glue: labelled tasks (TASK.train.jsonl), taking turns step by step")
+    ap.add_argument("--seq-len", type=int, default=128, help="glue: sequence length (two_moons: 33, fixed)")
+    ap.add_argument("--size", choices=tuple(PRESETS), default="tiny", help="glue: model preset (two_moons: 2 layers, d_model 8)")
+    for f in ("n_layer", "n_head", "d_model", "d_ff"):
+        ap.add_argument(f"--{f.replace('_', '-')}", type=int, default=None, help=f"{helps[f]} (overrides the preset)")
+    ap.add_argument("--position", choices=("relative", "absolute"), default=None, help=helps["position"])
+    ap.add_argument("--dropout", type=float, default=0.0, help="dropout (0: small data, and exact unrolls)")
+    ap.add_argument("--log-every", type=int, default=50, help="glue: steps between log lines and teacher samples")
+    ap.add_argument("--save-every", type=int, default=500, help="glue: steps between checkpoints")
+    ap.add_argument("--out-dir", default=None, help="run folder (default runs/meta_<task>_<labels>)")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --out-dir (two_moons: skip finished cells)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to train")
+    args = ap.parse_args(argv)
+    args.labels_list = args.labels.split(",")
+    bad = [x for x in args.labels_list if x not in ("hard", "soft", "mlm", "none")]
+    if bad:
+        raise SystemExit(f"error: --labels {','.join(bad)}: each must be hard, soft, mlm or none")
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    if args.task == "two_moons":
+        if any(s < 2 or s > 160 or s % 2 for s in args.sizes):
+            raise SystemExit("error: --sizes must be even numbers from 2 to 160")
+        args.seq_len = 33
+    else:
+        if len(args.labels_list) != 1 or args.labels == "none":
+            raise SystemExit("error: --task glue pretrains one student: give one of --labels hard, soft or mlm")
+        args.glue_tasks = args.glue_tasks.split(",")
+        if args.glue_dir is None:
+            args.glue_dir = str(raw_root() / "babylm_eval" / "full_eval" / "glue_filtered")
+        args.glue_dir = str(args.glue_dir)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA device is visible")
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+    out = Path(args.out_dir or HERE / "runs" / f"meta_{args.task}_{args.labels.replace(',', '+')}")
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        raise SystemExit(f"error: {out} exists; pass --resume to continue it, or another --out-dir")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "args.json").write_text(json.dumps({k: v for k, v in vars(args).items()}, indent=1))
+    (out / "config.json").write_text(json.dumps(asdict(model_config(args, 0)), indent=1))
+    (out / "code").mkdir(exist_ok=True)
+    for f in ("meta.py", "model.py", "data/prepare.py"):
+        shutil.copy(HERE / f, out / "code" / Path(f).name)
+    print(f"meta.py {args.task} --labels {args.labels} on {device}; run folder {out}", file=sys.stderr)
+    (run_two_moons if args.task == "two_moons" else run_glue)(args, device, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""meta.py: the soft-label unroll against finite differences, the hard-label h against a hand
+computation, the student keeping only its own step, the Two Moons data, and the CLI."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import meta as M
+from conftest import shared_data
+from data.prepare import MASK, PAD
+from model import Encoder, ModelConfig, load_checkpoint
+
+V = 24  # 5 specials, ids 5..19 "words", 20 = [MLM], 21 = [TASK], 22-23 labels
+CFG = ModelConfig(vocab_size=V, n_layer=2, n_head=2, d_model=8, d_ff=16, dropout=0.0, max_position=16)
+
+
+def batch(seed=0, B=3, T=6):
+    """Unlabelled sequences (one padded) and a support and a query batch of a two-class task."""
+    g = torch.Generator().manual_seed(seed)
+    x_u = torch.randint(5, 20, (B, T), generator=g)
+    x_u[:, 0] = 20
+    x_u[1, -2:] = PAD
+    m_u = (x_u != PAD).long()
+    x_m, y_m = M.mask_tokens(x_u, g, 5, 20, p=0.5)
+    b = {"x_u": x_u, "m_u": m_u, "x_m": x_m, "y_m": y_m}
+    for s in "sq":
+        x = torch.randint(5, 20, (4, 4), generator=g)
+        x[:, 0] = 21
+        x, y = M.task_batch(x, torch.tensor([0, 1, 1, 0]), torch.arange(4), torch.tensor([22, 23]))
+        b.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": torch.ones_like(x)})
+    return b
+
+
+def models(seed=0):
+    torch.manual_seed(seed)
+    return Encoder(CFG).double().train(), M.Teacher(CFG).double().train()
+
+
+def args(**kw):
+    return M.replace_args(M.argparse.Namespace(labels="soft", inner_lr=0.3, clip=1e9, meta_weight=1.0), **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Soft labels: the exact meta-gradient
+
+def test_soft_teacher_gradient_matches_finite_differences():
+    """d L_query(theta2(teacher)) / d teacher, by autograd through the functional unroll, against
+    central differences in float64, on entries of three different teacher tensors."""
+    student, teacher = models()
+    b = batch()
+
+    def query_loss():
+        lx, ly = teacher(b["x_u"], b["m_u"])
+        return M.soft_unroll(student, lx.softmax(-1), ly.softmax(-1), b, inner_lr=0.3)[0]
+
+    query_loss().backward()
+    checked = 0
+    for name in ("y_head.4.weight", "encoder.layers.0.ffn.up.weight", "encoder.word.weight"):
+        p = dict(teacher.named_parameters())[name]
+        for flat in torch.randperm(p.numel(), generator=torch.Generator().manual_seed(1))[:4].tolist():
+            idx = np.unravel_index(flat, p.shape)
+            keep = p[idx].item()
+            p.data[idx] = keep + 1e-6
+            up = query_loss().item()
+            p.data[idx] = keep - 1e-6
+            down = query_loss().item()
+            p.data[idx] = keep
+            fd = (up - down) / 2e-6
+            assert p.grad[idx].item() == pytest.approx(fd, rel=1e-5, abs=1e-9), (name, idx)
+            checked += abs(fd) > 1e-7
+    assert checked >= 6  # most checked entries have a real gradient, not a trivial 0 = 0
+
+
+def test_soft_unroll_is_sgd_then_sgd():
+    """The unrolled query loss equals one computed by two explicit SGD steps on a model copy."""
+    student, teacher = models(1)
+    b = batch(1)
+    with torch.no_grad():
+        lx, ly = teacher(b["x_u"], b["m_u"])
+    px, py = lx.softmax(-1), ly.softmax(-1)
+    lq = M.soft_unroll(student, px, py, b, inner_lr=0.3)[0]
+    copy = Encoder(CFG).double()
+    copy.load_state_dict(student.state_dict())
+    sgd = torch.optim.SGD(copy.parameters(), lr=0.3)
+    for x, y, m in ((px, py, b["m_u"]), (b["x_s"], b["y_s"], b["m_s"])):
+        M.seq_loss(copy, M.params_of(copy), x, y, m).backward()
+        sgd.step()
+        sgd.zero_grad()
+    assert lq.item() == pytest.approx(M.seq_loss(copy, M.params_of(copy), b["x_q"], b["y_q"], b["m_q"]).item(), rel=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hard labels: h by hand
+
+class TwoParams(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
+
+
+def two_param_h(opt_class, lr):
+    """L_pseudo = (w1-3)^2/2 + (w2-1)^2/4, L_support = |w|^2/2, L_query = (w1-1)^2/2 + (w2-3)^2/2."""
+    model = TwoParams()
+    opt = opt_class(model.parameters(), lr=lr)
+    pseudo = lambda p: 0.5 * (p["w"][0] - 3) ** 2 + 0.25 * (p["w"][1] - 1) ** 2
+    support = lambda p: 0.5 * (p["w"] ** 2).sum()
+    query = lambda p: 0.5 * (p["w"][0] - 1) ** 2 + 0.5 * (p["w"][1] - 3) ** 2
+    h = M.hard_h(model, opt, pseudo, support, query, inner_lr=0.1, clip=1e9)[0]
+    return h.item(), model.w.detach().tolist()
+
+
+def test_hard_h_equals_hand_computed_cosine_sgd():
+    # grad L_pseudo(1, 2) = (-2, 0.5); SGD lr 0.5: theta1 = (2, 1.75), theta0 - theta1 = (-1, 0.25)
+    # support: theta2 = 0.9 theta1 = (1.8, 1.575); grad L_query(theta2) = (0.8, -1.425)
+    h, w = two_param_h(torch.optim.SGD, 0.5)
+    want = (0.8 * -1 + -1.425 * 0.25) / (math.hypot(0.8, 1.425) * math.hypot(1, 0.25))
+    assert w == pytest.approx([2.0, 1.75])              # the student keeps theta1, not theta2
+    assert h == pytest.approx(want, rel=1e-12)
+
+
+def test_hard_h_uses_the_adaptive_step_not_the_gradient():
+    # Adam's first step is lr * sign(g) (to eps): theta1 = (1.5, 1.5), theta0 - theta1 = (-0.5, 0.5);
+    # theta2 = (1.35, 1.35); grad L_query(theta2) = (0.35, -1.65)
+    h, w = two_param_h(torch.optim.Adam, 0.5)
+    want = (0.35 * -0.5 + -1.65 * 0.5) / (math.hypot(0.35, 1.65) * math.hypot(0.5, 0.5))
+    with_gradient = (0.35 * -2 + -1.65 * 0.5) / (math.hypot(0.35, 1.65) * math.hypot(2, 0.5))
+    assert w == pytest.approx([1.5, 1.5], rel=1e-6)
+    assert h == pytest.approx(want, rel=1e-6)
+    assert abs(h - with_gradient) > 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# The student keeps its own outer step only
+
+@pytest.mark.parametrize("labels", ["hard", "soft", "mlm"])
+def test_meta_step_leaves_the_student_with_its_outer_step_only(labels):
+    student, teacher = models(2)
+    b = batch(2)
+    reference = Encoder(CFG).double().train()
+    reference.load_state_dict(student.state_dict())
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    opt_s = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    opt_t = torch.optim.AdamW(teacher.parameters(), lr=1e-2)
+    teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    info = M.meta_step(student, teacher, opt_s, opt_t, b, args(labels=labels), torch.Generator().manual_seed(0))
+    # the same AdamW step on the same pseudo example, taken alone
+    x, y = info["example"] if labels != "mlm" else (b["x_m"], b["y_m"])
+    opt_r = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    M.outer_step(reference, opt_r, M.seq_loss(reference, M.params_of(reference), x, y, b["m_u"]), 1e9)
+    for k, v in student.state_dict().items():
+        torch.testing.assert_close(v, reference.state_dict()[k], rtol=1e-9, atol=1e-12)
+    assert any(not torch.equal(v, before[k]) for k, v in student.state_dict().items())
+    moved = any(not torch.equal(v, teacher_before[k]) for k, v in teacher.state_dict().items())
+    assert moved == (labels != "mlm")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces
+
+def test_seq_loss_matches_a_per_position_loop():
+    student, teacher = models(3)
+    b = batch(3)
+    with torch.no_grad():
+        lx, ly = teacher(b["x_u"], b["m_u"])
+    for x, y in ((b["x_m"], b["y_m"]), (lx.softmax(-1), ly.softmax(-1))):
+        got = M.seq_loss(student, M.params_of(student), x, y, b["m_u"]).item()
+        with torch.no_grad():
+            logp = student.logits(x, b["m_u"]).log_softmax(-1)
+        terms = []
+        for i in range(x.shape[0]):
+            for t in range(x.shape[1]):
+                if b["m_u"][i, t] == 0:
+                    continue
+                if y.dim() == 2:
+                    if y[i, t] != PAD:
+                        terms.append(-logp[i, t, y[i, t]].item())
+                else:
+                    terms.append(-(y[i, t] * logp[i, t]).sum().item())
+        assert got == pytest.approx(sum(terms) / len(terms), rel=1e-10)
+
+
+def test_mask_tokens_rates_and_never_the_task_token_or_padding():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(5, 69, (400, 33), generator=g)
+    x[:, 0] = 69
+    x[:50, -5:] = PAD
+    x_m, y_m = M.mask_tokens(x, g, 5, 69)
+    chosen = y_m != PAD
+    assert not chosen[:, 0].any() and not chosen[x == PAD].any()
+    assert torch.equal(y_m[chosen], x[chosen]) and torch.equal(x_m[~chosen], x[~chosen])
+    eligible = (x != PAD).sum() - 400
+    assert chosen.sum() / eligible == pytest.approx(0.15, abs=0.01)
+    assert (x_m[chosen] == MASK).float().mean() == pytest.approx(0.8, abs=0.03)
+    assert (x_m[chosen] == x[chosen]).float().mean() == pytest.approx(0.1 + 0.9 / 64, abs=0.03)
+
+
+def test_sampler_follows_the_distribution_and_never_draws_zero_probability():
+    logits = torch.log(torch.tensor([0.0, 0.1, 0.2, 0.0, 0.7])).expand(4, 50_000, 5)
+    s = M.sample(logits, torch.Generator().manual_seed(0))
+    freq = torch.bincount(s.flatten(), minlength=5) / s.numel()
+    assert freq[0] == 0 and freq[3] == 0
+    assert freq[1:3].tolist() == pytest.approx([0.1, 0.2], abs=0.005)
+
+
+def test_two_moons_is_deterministic_by_seed_and_shaped_as_described():
+    a, b, c = M.two_moons(5, n_unlabeled=300), M.two_moons(5, n_unlabeled=300), M.two_moons(6, n_unlabeled=300)
+    assert np.array_equal(a["unlabeled"], b["unlabeled"])
+    for k in ("labeled", "test"):
+        assert all(np.array_equal(x, y) for x, y in zip(a[k], b[k]))
+    assert not np.array_equal(a["unlabeled"], c["unlabeled"])
+    assert not np.array_equal(a["test"][0], c["test"][0])
+    tok = a["tokens"]
+    assert tok["vocab"] == 512
+    u = a["unlabeled"]
+    assert u.shape == (300, 33) and (u[:, 0] == tok["mlm"]).all()
+    pts = (u[:, 1:] - M.COORD).reshape(300, 16, 2)
+    assert pts.min() >= 0 and pts.max() < 64
+    key = pts[..., 0] * 64 + pts[..., 1]
+    assert (np.diff(key, axis=1) >= 0).all()                            # sorted by x, then y
+    x, y = a["labeled"]
+    assert x.shape == (160, 3) and (x[:, 0] == tok["task"]["moon"]).all()
+    assert all(y[:n].sum() == n // 2 for n in (10, 20, 40, 80, 160))   # every prefix balanced
+    assert a["test"][0].shape == (1000, 3)
+
+
+def test_moons_lie_on_their_half_circles():
+    xy, label = M.make_moons(20000, np.random.default_rng(0), noise=0.0)
+    upper, lower = xy[label == 0], xy[label == 1]
+    assert np.allclose(np.hypot(*upper.T), 1) and (upper[:, 1] >= 0).all()
+    assert np.allclose(np.hypot(lower[:, 0] - 1, lower[:, 1] - 0.5), 1) and (lower[:, 1] <= 0.5).all()
+    xy, _ = M.make_moons(20000, np.random.default_rng(0), noise=0.1)
+    grid = M.to_grid(xy)
+    assert grid.min() >= 0 and grid.max() <= 63 and np.unique(grid[:, 0]).size > 50          # the grid is used, not collapsed
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+def test_two_moons_cli_prints_the_table_and_resumes(tmp_path, capsys):
+    out = tmp_path / "run"
+    common = ["--sizes", "2,4", "--seeds", "0,1", "--steps", "3", "--ft-steps", "2", "--workers", "1",
+              "--device", "cpu", "--out-dir", str(out)]
+    M.main(["--labels", "hard,soft,mlm,none", *common])
+    text = capsys.readouterr().out
+    assert "| pretraining | n=2 | n=4 |" in text
+    for labels in ("hard", "soft", "mlm", "none"):
+        assert f"| {labels} |" in text
+    results = json.loads((out / "results.json").read_text())
+    assert len(results) == 16 and all(0 <= v <= 1 for v in results.values())
+    assert (out / "args.json").exists() and (out / "code" / "meta.py").exists()
+    with pytest.raises(SystemExit, match="exists"):
+        M.main(["--labels", "mlm", *common])
+    M.main(["--labels", "hard,soft,mlm,none", *common, "--resume"])
+    assert ": test accuracy" not in capsys.readouterr().out             # no entry recomputed
+    with pytest.raises(SystemExit, match="hard, soft, mlm or none"):
+        M.main(["--labels", "hrad", *common])
+
+
+def test_glue_cli_writes_a_student_evaluate_can_load(prepared, tmp_path, capsys):
+    glue = shared_data() / "babylm_eval" / "full_eval" / "glue_filtered"
+    out = tmp_path / "glue"
+    M.main(["--task", "glue", "--data", str(prepared), "--glue-dir", str(glue), "--glue-tasks", "rte,cola",
+            "--labels", "hard", "--steps", "4", "--log-every", "2", "--save-every", "2", "--seq-len", "24",
+            "--batch-size", "2", "--task-batch", "2", "--n-layer", "1", "--d-model", "16", "--n-head", "2",
+            "--d-ff", "32", "--device", "cpu", "--out-dir", str(out)])
+    samples = (out / "samples.txt").read_text()
+    assert "read    [MLM]" in samples and "x^" in samples and "y^" in samples
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4] and all(-1 <= r["h"] <= 1 for r in log)
+    model, tok = load_checkpoint(out / "ckpt.pt")
+    assert model.config.vocab_size == tok.get_piece_size()
+    M.main(["--task", "glue", "--data", str(prepared), "--glue-dir", str(glue), "--glue-tasks", "rte,cola",
+            "--labels", "hard", "--steps", "6", "--log-every", "2", "--seq-len", "24", "--batch-size", "2",
+            "--task-batch", "2", "--n-layer", "1", "--d-model", "16", "--n-head", "2", "--d-ff", "32",
+            "--device", "cpu", "--out-dir", str(out), "--resume"])
+    assert "resuming at step 4" in capsys.readouterr().out
