@@ -72,6 +72,7 @@ def extra_tokens(base: int, tasks: list[str], n_labels: int, size: int = 0) -> d
 # Two Moons (Shen's toy task): 16 points per sequence, each coordinate one token
 
 COORD, GRID = N_SPECIAL, 64  # coordinate c in [0, 64) is token COORD + c
+MOONS_TOKENS = extra_tokens(COORD + GRID, ["moon"], 2, size=512)  # Shen's 512-token vocabulary
 
 
 def make_moons(n: int, rng, noise: float = 0.1):
@@ -94,7 +95,7 @@ def two_moons(seed: int, n_unlabeled=32000, n_labeled=160, n_test=1000, points=1
     points sorted by (x, y), coordinates flattened; labeled (160, 3) [MOON] x y and its labels,
     alternating classes so that every even-sized prefix (the 10, 20, ... sets) is balanced;
     test (n_test, 3) and labels."""
-    tok = extra_tokens(COORD + GRID, ["moon"], 2, size=512)
+    tok = MOONS_TOKENS
     rng = np.random.default_rng(seed)
     c = to_grid(make_moons(n_unlabeled * points, rng)[0]).reshape(n_unlabeled, points, 2)
     order = np.lexsort((c[..., 1], c[..., 0]), axis=-1)               # (n, points): by x, then y
@@ -333,11 +334,12 @@ def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=No
                 g["lr"] = base * min(1.0, (step + 1) / warm) * (1 - 0.9 * step / args.steps)
         gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + step)
         b = {**unlabeled(step, gen), **labeled(step, gen)}
-        info = meta_step(student, teacher, opt_s, opt_t, b, args, gen)
-        if log is not None and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
-            rec = {"step": step + 1, **{k: round(v.item(), 5) for k, v in info.items() if torch.is_tensor(v) and v.dim() == 0},
-                   "seconds": round(time.time() - t0, 1)}
-            log(rec)
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+            info = meta_step(student, teacher, opt_s, opt_t, b, args, gen)
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:              # .item() only here
+            if log is not None:
+                log({"step": step + 1, **{k: round(v.item(), 5) for k, v in info.items() if torch.is_tensor(v) and v.dim() == 0},
+                     "seconds": round(time.time() - t0, 1)})
             if show is not None and "written" in info:
                 show(step + 1, b["x_u"], *info["written"])
         if save is not None and (step + 1) % args.save_every == 0:
@@ -384,11 +386,19 @@ def moons_cell(args, data, size, seed, device):
             out.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": torch.ones_like(x)})
         return out
 
-    run = replace_args(args, seed=seed)
+    names = {tok["mlm"]: "[MLM]", tok["task"]["moon"]: "[MOON]", tok["label"][0]: "[L0]", tok["label"][1]: "[L1]", MASK: "[MASK]"}
+    written = []
+
+    def show(step, x_u, x_hat, y_hat):  # keep the last thing the teacher wrote for its first sequence
+        name = lambda i: str(i - COORD) if COORD <= i < COORD + GRID else names.get(i, f"[{i}]")
+        written[:] = [f"  read {' '.join(map(name, x_u[0].tolist()))}\n  x^   {' '.join(map(name, x_hat[0].tolist()))}\n"
+                      f"  y^   {' '.join(map(name, y_hat[0].tolist()))}\n"]
+
     if args.labels != "none":
-        pretrain(student, teacher, unlabeled, labeled, run, device, desc=f"{args.labels} n={size} seed={seed}")
+        pretrain(student, teacher, unlabeled, labeled, replace_args(args, seed=seed), device,
+                 desc=f"{args.labels} n={size} seed={seed}", show=show)
     test = tuple(torch.as_tensor(a, device=device) for a in data["test"])
-    return finetune_accuracy(student, X, Y, test, label_ids, args, seed)
+    return finetune_accuracy(student, X, Y, test, label_ids, args, seed), "".join(written)
 
 
 def replace_args(args, **kw):
@@ -401,8 +411,8 @@ def cell_worker(job):
     args, labels, size, seed = job
     torch.set_num_threads(1)
     t0 = time.time()
-    acc = moons_cell(replace_args(args, labels=labels), two_moons(args.data_seed), size, seed, torch.device("cpu"))
-    return f"{labels}/{size}/{seed}", acc, time.time() - t0
+    acc, written = moons_cell(replace_args(args, labels=labels), two_moons(args.data_seed), size, seed, torch.device("cpu"))
+    return f"{labels}/{size}/{seed}", acc, written, time.time() - t0
 
 
 def run_two_moons(args, device, out: Path):
@@ -415,12 +425,17 @@ def run_two_moons(args, device, out: Path):
         done = pool.imap_unordered(cell_worker, jobs)
     else:
         data = two_moons(args.data_seed)
-        done = ((f"{l}/{n}/{s}", moons_cell(replace_args(a, labels=l), data, n, s, device), time.time() - t0)
+        done = ((f"{l}/{n}/{s}", *moons_cell(replace_args(a, labels=l), data, n, s, device), time.time() - t0)
                 for a, l, n, s in jobs for t0 in [time.time()])
-    for key, acc, seconds in done:
-        results[key] = acc
-        print(f"{key}: test accuracy {100 * acc:.1f}% ({seconds:.0f}s)")
-        results_path.write_text(json.dumps(results, indent=1))
+    (out / "config.json").write_text(json.dumps(asdict(model_config(args, MOONS_TOKENS["vocab"])), indent=1))
+    with open(out / "samples.txt", "a") as samples:
+        for key, acc, written, seconds in done:
+            results[key] = acc
+            print(f"{key}: test accuracy {100 * acc:.1f}% ({seconds:.0f}s)")
+            results_path.write_text(json.dumps(results, indent=1))
+            if written:  # what the teacher wrote last (Shen's Tables 1 and 3: does it degenerate?)
+                samples.write(f"{key}, last step, first sequence\n{written}")
+                samples.flush()
     print_table(results, args.labels_list, args.sizes, args.seeds)
 
 
@@ -449,6 +464,7 @@ def run_glue(args, device, out: Path):
     n_labels = max(TASKS.get(t, MSGS)[1] for t in tasks)
     ids = extra_tokens(V, tasks, n_labels)
     cfg = model_config(args, ids["vocab"])
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
     stream = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
     label_ids = torch.tensor(ids["label"], device=device)
 
@@ -600,7 +616,6 @@ def main(argv=None):
         raise SystemExit(f"error: {out} exists; pass --resume to continue it, or another --out-dir")
     out.mkdir(parents=True, exist_ok=True)
     (out / "args.json").write_text(json.dumps({k: v for k, v in vars(args).items()}, indent=1))
-    (out / "config.json").write_text(json.dumps(asdict(model_config(args, 0)), indent=1))
     (out / "code").mkdir(exist_ok=True)
     for f in ("meta.py", "model.py", "data/prepare.py"):
         shutil.copy(HERE / f, out / "code" / Path(f).name)

@@ -31,6 +31,7 @@ import hashlib
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -810,7 +811,9 @@ def main(argv=None):
                 values /= world
             elapsed = time.time() - t_log
             record = {"step": step, **dict(zip(names, values.tolist())), "lr": lr,
-                      "tok_per_s": since_log * global_batch * args.seq_len / elapsed}
+                      "tok_per_s": since_log * global_batch * args.seq_len / elapsed,
+                      "peak_mem_gb": (torch.cuda.max_memory_allocated(device) if want_cuda else   # process RSS on CPU
+                                      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30}
             if "stopwatch" in ctx:  # e.g. mlsm's sparse coding, as a share of the training time
                 record["code_share"] = ctx["stopwatch"].read() / elapsed
             log(record)

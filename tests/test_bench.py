@@ -1,0 +1,28 @@
+"""bench.py --quick: every bench produces rows of the documented shape, and the table and
+bench.json agree. Speeds are measured by bench.py, never asserted here."""
+import json
+
+import bench
+
+
+def test_quick_bench_writes_its_table(prepared, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rows = bench.main(["--quick", "--device", "cpu", "--data", str(prepared), "--objectives", "mlm,kd", "--out", str(out)])
+    text = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows)) and saved["device"] == "cpu"
+    benches = [r["bench"] for r in rows]
+    for name in ("step", "ema", "pll", "sparse", "sampler"):
+        assert name in benches
+    assert [r["case"].split()[0] for r in rows if r["bench"] == "step"] == ["mlm", "kd"]
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(rows)                                   # header + one line per row
+    for r, line in zip(rows, table[1:]):
+        assert line.count("|") == 9 and r["case"] in line
+        assert r["min"] <= r["ours"] <= r["max"] and r["ours"] > 0
+        if r["ref"] is not None:
+            assert r["ratio"] == r["ours"] / r["ref"]
+    kd = next(r for r in rows if r["case"].startswith("kd"))
+    assert kd["reference"] == "mlm" and kd["peak_mem_gb"] > 0
+    pll = next(r for r in rows if r["bench"] == "pll")
+    assert pll["max_abs_diff"] < 1e-3                                    # batched and naive agree
