@@ -70,13 +70,16 @@ def lamb_reference(w, grads, lr, b1, b2, eps, wd):
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_lamb_matches_reference(wd):
     rng = np.random.default_rng(0)
-    inits = [rng.normal(size=(5, 3)), np.zeros(4)]  # a zero tensor takes the trust-ratio-1 branch
+    # a zero tensor takes the trust-ratio-1 branch; the third has no gradient at the first step,
+    # so its bias correction counts one step fewer than the others'
+    inits = [rng.normal(size=(5, 3)), np.zeros(4), rng.normal(size=(2,))]
     grads = [[rng.normal(size=w.shape) for _ in range(4)] for w in inits]
+    grads[2] = grads[2][1:]
     params = [torch.tensor(w, requires_grad=True) for w in inits]
     opt = T.Lamb([{"params": params, "weight_decay": wd}], lr=0.05, betas=(0.9, 0.98), eps=1e-6)
     for t in range(4):
         for p, g in zip(params, grads):
-            p.grad = torch.tensor(g[t])
+            p.grad = torch.tensor(g[t - (4 - len(g))]) if t >= 4 - len(g) else None
         opt.step()
     for p, w, g in zip(params, inits, grads):
         np.testing.assert_allclose(p.detach().numpy(), lamb_reference(w, g, 0.05, 0.9, 0.98, 1e-6, wd), rtol=1e-12, atol=1e-12)
@@ -139,6 +142,13 @@ def test_each_epoch_visits_every_segment_once(tmp_path):
         assert len(set((starts % 10).tolist())) == 1 and sorted(starts // 10) == list(range(10))  # all once
     again = T.Segments(tmp_path / "t.bin", 10, seed=3, shuffle=True)
     assert torch.equal(seg.batch(7, 25), again.batch(7, 25))  # a function of (seed, position) alone
+    # one gather for the whole batch, across epoch boundaries, equals segment-by-segment reading
+    for first, size in ((7, 25), (19, 3), (0, 1)):
+        rows = []
+        for k in range(first, first + size):
+            s = seg.starts(k // seg.n)[k % seg.n]
+            rows.append([CLS, *stream[s:s + 10].tolist(), SEP])
+        assert seg.batch(first, size).tolist() == rows
 
 
 # --- the command line ----------------------------------------------------------------------------
