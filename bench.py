@@ -1,6 +1,7 @@
 """Side-by-side timings, one table, measured on the machine that runs them; writes bench.json.
 
-    python bench.py                        # everything on the CPU (a few minutes)
+    python bench.py                        # everything on the CPU, tiny model (about 4 minutes)
+    python bench.py --sizes tiny,small --sparse-all    # the README's table (20 minutes on 2 cores)
     python bench.py --device cuda          # on a GPU: adds MFU against the GPU's bf16 peak
     python bench.py --quick                # seconds: tiny shapes, few repetitions (the test suite runs this)
     python bench.py --only step,bert       # some of: step, bert, ema, pll, sparse, sampler
@@ -90,8 +91,8 @@ def bench_step(args, device, tmp):
                 D = torch.randn(d, args.mlsm_k, generator=torch.Generator().manual_seed(0))
                 save_checkpoint({"D": D / D.norm(dim=0), "layer": PRESETS[size]["n_layer"]}, Path(tmp) / f"dict_{size}.pt")
                 flags += ["--dict", str(Path(tmp) / f"dict_{size}.pt"), "--mlsm-k", str(args.mlsm_k)]
-            if args.compile:
-                flags.append("--compile")
+            if args.compile is not None:
+                flags.append("--compile" if args.compile else "--no-compile")
             r = subprocess.run([sys.executable, str(HERE / "train.py"), *flags], capture_output=True, text=True)
             if r.returncode:
                 raise SystemExit(f"error: train.py --objective {objective} --size {size} failed:\n{r.stderr[-2000:]}")
@@ -256,8 +257,9 @@ def sparse_problem(kind, d, k, n, seed=0):
 
 
 def bench_sparse(args, device, tmp):
-    """Ours codes a batch of vectors at once (as training does), scikit-learn the first sk of them
-    with its faster algorithm (lasso_cd; lasso_lars was 4-20x slower still, see README)."""
+    """Ours codes a batch of vectors at once (as training does); scikit-learn codes the first sk
+    of them in float64 (one call); the objectives are compared on those. --sparse-all adds
+    scikit-learn's default algorithm (lasso_lars) and our plain FISTA over all atoms (work=0)."""
     try:
         from sklearn.decomposition import sparse_encode
     except ImportError:
@@ -271,16 +273,22 @@ def bench_sparse(args, device, tmp):
         for kind in ("isotropic", "anisotropic"):
             H, D = sparse_problem(kind, d, k, n)
             H, D = H.to(device), D.to(device)
-            A = sparse_code(H, D, lam)
-            ours = rates(lambda: sparse_code(H, D, lam), n, device, 1, 1 if args.quick else 3)
-            extra, ref = {"objective": objective(H[:sk], D, A[:sk])}, None
+            refs = {}
             if sparse_encode is not None:
                 Hn, Dn = H[:sk].cpu().double().numpy(), D.T.cpu().double().numpy()
-                t = time.perf_counter()
-                As = sparse_encode(Hn, Dn, algorithm="lasso_cd", alpha=lam, positive=True, max_iter=1000)
-                ref = [sk / (time.perf_counter() - t)]
-                extra["sklearn_objective"] = objective(H[:sk].cpu().double(), D.cpu().double(), torch.tensor(As))
-            rows.append(row("sparse", f"{kind} d={d} k={k}", "vectors/s", ours, "sklearn lasso_cd" if ref else "-", ref, **extra))
+                for alg in ("lasso_cd", "lasso_lars") if args.sparse_all else ("lasso_cd",):
+                    t = time.perf_counter()
+                    As = sparse_encode(Hn, Dn, algorithm=alg, alpha=lam, positive=True, max_iter=1000)  # = our problem
+                    refs[alg] = ([sk / (time.perf_counter() - t)], objective(H[:sk].cpu().double(), D.cpu().double(), torch.tensor(As)))
+            variants = [("working set", 32)] + ([("plain FISTA, all atoms", 0)] if args.sparse_all else [])
+            for name, work in variants:
+                A = sparse_code(H, D, lam, work=work)
+                ours = rates(lambda: sparse_code(H, D, lam, work=work), n, device, 1, 1 if args.quick else 3)
+                obj = objective(H[:sk], D, A[:sk])
+                for alg in (list(refs) if work else list(refs)[:1]) or [None]:   # plain FISTA: against lasso_cd only
+                    ref, ref_obj = refs[alg] if alg else (None, None)
+                    rows.append(row("sparse", f"{kind} d={d} k={k}, {name}", "vectors/s", ours, f"sklearn {alg}" if alg else "-",
+                                    ref, objective=obj, **({"ref_objective": ref_obj} if alg else {})))
     return rows
 
 
@@ -317,19 +325,21 @@ def main(argv=None):
     ap.add_argument("--device", default=auto, choices=("cpu", "cuda"), help=f"(default {auto})")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions: seconds, for the tests")
     ap.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated benches (default all: {','.join(BENCHES)})")
-    ap.add_argument("--sizes", default=None, help="model presets (default tiny,small on CPU, tiny,small,base on CUDA; --quick: tiny)")
+    ap.add_argument("--sizes", default=None, help="model presets (default tiny on CPU, tiny,small,base on CUDA)")
     ap.add_argument("--objectives", default="mlm,boot,kd,mlsm", help="step: train.py objectives, mlm first (default mlm,boot,kd,mlsm)")
     ap.add_argument("--data", default="babylm_10m", help="step: train.py --data (default babylm_10m)")
     ap.add_argument("--batch-size", type=int, default=None, help="step, bert: sequences per step (default 32 on CPU, 128 on CUDA; --quick 4)")
     ap.add_argument("--seq-len", type=int, default=128, help="step, bert: tokens per sequence (default 128; --quick 32)")
     ap.add_argument("--mlsm-k", type=int, default=2500, help="step: mlsm dictionary atoms (default 2500)")
-    ap.add_argument("--compile", action="store_true", help="step: train.py --compile")
+    ap.add_argument("--sparse-all", action="store_true", help="sparse: also scikit-learn's lasso_lars and our plain FISTA (slow)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="step: train.py --compile / --no-compile (default: train.py's own, on with CUDA)")
     ap.add_argument("--out", default="bench.json", help="where to write the rows (default bench.json)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is visible")
-    args.sizes = (args.sizes or ("tiny" if args.quick else "tiny,small" if device.type == "cpu" else "tiny,small,base")).split(",")
+    args.sizes = (args.sizes or ("tiny" if args.quick or device.type == "cpu" else "tiny,small,base")).split(",")
     args.objectives = args.objectives.split(",")
     args.batch_size = args.batch_size or (4 if args.quick else 32 if device.type == "cpu" else 128)
     if args.quick:

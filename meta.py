@@ -35,6 +35,7 @@ y^ -> x_u); given x_m, perform it (x^ -> x_m, y^ -> y_m). The meta term is weigh
 batches; --labels none does not pretrain at all.
 """
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -420,15 +421,16 @@ def run_two_moons(args, device, out: Path):
     results = json.loads(results_path.read_text()) if args.resume and results_path.exists() else {}
     jobs = [(args, labels, size, seed) for labels in args.labels_list for size in args.sizes
             for seed in args.seeds if f"{labels}/{size}/{seed}" not in results]
-    if args.workers > 1 and device.type == "cpu":
-        pool = torch.multiprocessing.get_context("spawn").Pool(args.workers)
+    parallel = args.workers > 1 and device.type == "cpu" and len(jobs) > 1
+    pool = torch.multiprocessing.get_context("spawn").Pool(args.workers) if parallel else contextlib.nullcontext()
+    if parallel:
         done = pool.imap_unordered(cell_worker, jobs)
     else:
         data = two_moons(args.data_seed)
         done = ((f"{l}/{n}/{s}", *moons_cell(replace_args(a, labels=l), data, n, s, device), time.time() - t0)
                 for a, l, n, s in jobs for t0 in [time.time()])
     (out / "config.json").write_text(json.dumps(asdict(model_config(args, MOONS_TOKENS["vocab"])), indent=1))
-    with open(out / "samples.txt", "a") as samples:
+    with pool, open(out / "samples.txt", "a") as samples:
         for key, acc, written, seconds in done:
             results[key] = acc
             print(f"{key}: test accuracy {100 * acc:.1f}% ({seconds:.0f}s)")

@@ -73,6 +73,9 @@ def relative_buckets(n: int, buckets: int, max_position: int) -> torch.Tensor:
     mid = buckets // 2
     a = d.abs().clamp(min=mid, max=max_position - 1).double()  # clamp: log(a/mid) >= 0 below
     far = mid + torch.ceil(torch.log(a / mid) / math.log((max_position - 1) / mid) * (mid - 1)).long()
+    # at |d| = max_position - 1 the ratio is 1 only up to rounding, and torch.log's vectorised and
+    # scalar paths can round differently, so an unclamped ceil sometimes gave one bucket too many
+    far = far.clamp(max=2 * mid - 1)
     bucket = torch.where(d.abs() <= mid, d, d.sign() * far)
     return bucket + buckets - 1
 

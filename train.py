@@ -1,7 +1,7 @@
 """Pretrain the shared encoder with one objective: batch -> span masking -> LOSSES[objective] -> step.
 
     python train.py --objective mlm --data babylm_10m --size tiny --max-steps 2000   # CPU demo
-    python train.py --objective mlm --data babylm_10m --size small --compile         # one GPU
+    python train.py --objective mlm --data babylm_10m --size small                   # one GPU, compiled
     torchrun --nproc_per_node 4 train.py --objective mlm --data babylm_10m            # DDP
     python train.py --out-dir runs/mlm_babylm_10m_small --resume                      # continue
     python train.py --objective boot --data babylm_10m                                # BootBERT
