@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from data.prepare import raw_root
 from model import PRESETS, Encoder, ModelConfig, ema_update, save_checkpoint, sparse_code
 
 HERE = Path(__file__).resolve().parent
@@ -293,7 +294,7 @@ def bench_sparse(args, device, tmp):
 
 
 def bench_sampler(args, device, tmp):
-    ud = Path(os.environ.get("NANOMLM_RAW", HERE / "data" / "raw")) / "ud"
+    ud = raw_root() / "ud"
     if not ud.is_dir():
         print(f"note: no UD treebanks at {ud}; the sampler row is skipped")
         return []

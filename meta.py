@@ -550,8 +550,8 @@ MOONS_MODEL = dict(n_layer=2, n_head=2, d_model=8, d_ff=32)  # Shen's Two Moons 
 def model_config(args, vocab: int) -> ModelConfig:
     preset = MOONS_MODEL if args.task == "two_moons" else PRESETS[args.size]
     fields = {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model", "d_ff", "position") if getattr(args, k) is not None}
-    return ModelConfig(**{**preset, "vocab_size": vocab, "dropout": args.dropout, "max_position": max(64, args.seq_len),
-                          **fields})
+    longest = 64 if args.task == "two_moons" else max(512, args.seq_len)  # glue: as train.py, so evaluate.py's --max-len fits
+    return ModelConfig(**{**preset, "vocab_size": vocab, "dropout": args.dropout, "max_position": longest, **fields})
 
 
 def main(argv=None):

@@ -3,9 +3,11 @@ bench.json agree. Speeds are measured by bench.py, never asserted here."""
 import json
 
 import bench
+from conftest import shared_data
 
 
-def test_quick_bench_writes_its_table(prepared, tmp_path, capsys):
+def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NANOMLM_RAW", str(shared_data()))                # the sampler reads UD treebanks there
     out = tmp_path / "bench.json"
     rows = bench.main(["--quick", "--device", "cpu", "--data", str(prepared), "--objectives", "mlm,kd", "--out", str(out)])
     text = capsys.readouterr().out
