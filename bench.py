@@ -1,6 +1,6 @@
 """Side-by-side timings, one table, measured on the machine that runs them; writes bench.json.
 
-    python bench.py                        # everything on the CPU, tiny model (about 4 minutes)
+    python bench.py                        # everything on the CPU, tiny model (3 minutes on 2 cores)
     python bench.py --sizes tiny,small --sparse-all    # the README's table (20 minutes on 2 cores)
     python bench.py --device cuda          # on a GPU: adds MFU against the GPU's bf16 peak
     python bench.py --quick                # seconds: tiny shapes, few repetitions (the test suite runs this)
@@ -127,6 +127,9 @@ def mfu(cfg, seq_len, tokens_per_s, device):
 
 
 def bench_bert(args, device, tmp):
+    """Our MLM step against BertForMaskedLM's at the same shape, the two timed alternately (so a
+    slow spell of the machine hits both). --variants adds, per size, ours with absolute positions
+    and both models without dropout: what the relative positions and dropout cost."""
     try:
         from transformers import BertConfig, BertForMaskedLM
     except ImportError:
@@ -136,39 +139,46 @@ def bench_bert(args, device, tmp):
     B, T = args.batch_size, args.seq_len
     warmup, repeat = (1, 3) if args.quick else (3, 10)
     amp = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    fused = {"fused": True} if device.type == "cuda" else {}
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, V, (B, T), generator=g)
+    masked = torch.rand(B, T, generator=g) < 0.15
+    inp, att = ids.masked_fill(masked, MASK).to(device), torch.ones(B, T, dtype=torch.long, device=device)
+    masked, targets = masked.to(device), ids.to(device)[masked.to(device)]
+    labels = torch.where(masked, ids.to(device), -100)
+    variants = [("", {})] + ([(", absolute positions", {"position": "absolute"}), (", dropout 0 (both)", {"dropout": 0.0})]
+                             if args.variants else [])
     for size in args.sizes:
-        cfg = ModelConfig(**PRESETS[size], vocab_size=V)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(5, V, (B, T), generator=g)
-        masked = torch.rand(B, T, generator=g) < 0.15
-        inp, att = ids.masked_fill(masked, MASK).to(device), torch.ones(B, T, dtype=torch.long, device=device)
-        masked, targets = masked.to(device), ids.to(device)[masked.to(device)]
-        labels = torch.where(masked, ids.to(device), -100)
-        ours = Encoder(cfg).to(device).train()
-        theirs = BertForMaskedLM(BertConfig(vocab_size=V, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
-                                            num_attention_heads=cfg.n_head, intermediate_size=cfg.d_ff,
-                                            max_position_embeddings=cfg.max_position)).to(device).train()
-        fused = {"fused": True} if device.type == "cuda" else {}
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-4, **fused) for m in (ours, theirs)]
+        for name, change in variants:
+            cfg = ModelConfig(**{**PRESETS[size], "vocab_size": V, **change})
+            ours = Encoder(cfg).to(device).train()
+            p = cfg.dropout
+            theirs = BertForMaskedLM(BertConfig(vocab_size=V, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
+                                                num_attention_heads=cfg.n_head, intermediate_size=cfg.d_ff,
+                                                max_position_embeddings=cfg.max_position, hidden_dropout_prob=p,
+                                                attention_probs_dropout_prob=p)).to(device).train()
+            opts = [torch.optim.AdamW(m.parameters(), lr=1e-4, **fused) for m in (ours, theirs)]
 
-        def step_ours():
-            with amp:
-                _, logits = ours(inp, att, predict=masked)        # the MLM head on masked positions only
-            F.cross_entropy(logits.float(), targets).backward()
-            opts[0].step()
-            opts[0].zero_grad(set_to_none=True)
+            def step_ours():
+                with amp:
+                    _, logits = ours(inp, att, predict=masked)        # the MLM head on masked positions only
+                F.cross_entropy(logits.float(), targets).backward()
+                opts[0].step()
+                opts[0].zero_grad(set_to_none=True)
 
-        def step_theirs():
-            with amp:
-                loss = theirs(input_ids=inp, attention_mask=att, labels=labels).loss
-            loss.backward()
-            opts[1].step()
-            opts[1].zero_grad(set_to_none=True)
+            def step_theirs():
+                with amp:
+                    loss = theirs(input_ids=inp, attention_mask=att, labels=labels).loss
+                loss.backward()
+                opts[1].step()
+                opts[1].zero_grad(set_to_none=True)
 
-        a = rates(step_ours, B * T, device, warmup, repeat)
-        b = rates(step_theirs, B * T, device, warmup, repeat)
-        rows.append(row("bert", f"mlm step {size} {B}x{T} ({ours.num_params() / 1e6:.1f}M vs {theirs.num_parameters() / 1e6:.1f}M params)",
-                        "tokens/s", a, "BertForMaskedLM", b))
+            a, b = [], []
+            for i in range(warmup + repeat):
+                a += rates(step_ours, B * T, device, int(i < warmup), int(i >= warmup))
+                b += rates(step_theirs, B * T, device, int(i < warmup), int(i >= warmup))
+            rows.append(row("bert", f"mlm step {size} {B}x{T}{name} ({ours.num_params() / 1e6:.1f}M vs "
+                            f"{theirs.num_parameters() / 1e6:.1f}M params)", "tokens/s", a, "BertForMaskedLM", b))
     return rows
 
 
@@ -332,6 +342,7 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=None, help="step, bert: sequences per step (default 32 on CPU, 128 on CUDA; --quick 4)")
     ap.add_argument("--seq-len", type=int, default=128, help="step, bert: tokens per sequence (default 128; --quick 32)")
     ap.add_argument("--mlsm-k", type=int, default=2500, help="step: mlsm dictionary atoms (default 2500)")
+    ap.add_argument("--variants", action="store_true", help="bert: also ours with absolute positions, and both without dropout")
     ap.add_argument("--sparse-all", action="store_true", help="sparse: also scikit-learn's lasso_lars and our plain FISTA (slow)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="step: train.py --compile / --no-compile (default: train.py's own, on with CUDA)")
