@@ -1,7 +1,7 @@
 """Meta-learning the pretraining objective: a teacher network writes the student's pretraining
 examples and learns from how much they help the student on a labelled task.
 
-    python meta.py --task two_moons --labels hard              # 15 entries: ~9 min on 2 cores (mlm ~2, soft ~16)
+    python meta.py --task two_moons --labels hard              # 15 entries of ~72 s on one core: ~9 min with 2 workers
     python meta.py --task two_moons --labels none,mlm,hard,soft   # the README's table (32 min)
     python meta.py --task two_moons --labels soft --sizes 10,160 --seeds 0,1,2,3,4
     NANOMLM_RAW=../shared/data python meta.py --task glue --data babylm_10m --glue-tasks rte,mrpc,cola \\
