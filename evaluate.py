@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from data.prepare import CLS, MASK, MSGS, PAD, SEP, TASKS, read_jsonl, read_task
+from data.prepare import CLS, MASK, MSGS, PAD, SEP, TASKS, pad, read_jsonl, read_task
 from model import load_checkpoint
 
 
@@ -138,9 +138,7 @@ def token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progre
     per token. With l2r, a copy also masks the target's later pieces in the same word.
     """
     L = np.array([len(s) for s in seqs])
-    ids = np.full((len(seqs), L.max()), PAD, dtype=np.int64)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = s
+    ids = pad(seqs)
     words = starts[torch.from_numpy(ids)].cumsum(1).numpy()      # (S, Lmax) word index per position
     n = L - 2
     sent = np.repeat(np.arange(len(seqs)), n)                    # copy -> its sentence
@@ -281,10 +279,7 @@ class Classifier(nn.Module):
 
 
 def padded(seqs, idx, device):
-    batch = [seqs[i] for i in idx]
-    ids = torch.full((len(batch), max(map(len, batch))), PAD, dtype=torch.long)
-    for row, s in enumerate(batch):
-        ids[row, :len(s)] = torch.tensor(s)
+    ids = torch.from_numpy(pad([seqs[i] for i in idx]))
     return ids.to(device), (ids != PAD).long().to(device)
 
 

@@ -52,7 +52,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from data.prepare import MASK, MSGS, PAD, TASKS, load_tokenizer, prepare, raw_root, read_task
+from data.prepare import MASK, MSGS, PAD, TASKS, load_tokenizer, pad, prepare, raw_root, read_task
 from model import PRESETS, Encoder, ModelConfig, config_help, save_checkpoint, small_init
 
 HERE = Path(__file__).resolve().parent
@@ -135,13 +135,6 @@ def task_batch(x, labels, idx, label_ids):
     """x (n, T) long examples, labels (n,) -> (x[idx], y) with y the label token at every real position."""
     x = x[idx]
     return x, torch.where(x != PAD, label_ids[labels[idx]][:, None], PAD)
-
-
-def padded(seqs: list[list[int]]) -> torch.Tensor:
-    out = torch.full((len(seqs), max(map(len, seqs))), PAD, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        out[i, :len(s)] = torch.tensor(s)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,9 +318,13 @@ def meta_step(student, teacher, opt_s, opt_t, b, args, gen) -> dict:
 # Pretraining loop, shared by both tasks: unlabelled batches from `unlabeled(step, gen)`,
 # support/query batches from `labeled(step, gen)`
 
+def optimizers(student, teacher, args):
+    return (torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=args.weight_decay),
+            torch.optim.AdamW(teacher.parameters(), lr=args.teacher_lr, weight_decay=args.weight_decay))
+
+
 def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=None, show=None, start=0, opts=None, save=None):
-    opt_s, opt_t = opts or (torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=args.weight_decay),
-                            torch.optim.AdamW(teacher.parameters(), lr=args.teacher_lr, weight_decay=args.weight_decay))
+    opt_s, opt_t = opts or optimizers(student, teacher, args)
     warm = max(1, args.steps // 20)
     t0 = time.time()
     for step in tqdm(range(start, args.steps), desc=desc, initial=start, total=args.steps, leave=False, disable=None):
@@ -484,7 +481,7 @@ def run_glue(args, device, out: Path):
         out = {}
         for s in "sq":
             idx = torch.randint(len(seqs), (args.task_batch,), generator=torch.Generator().manual_seed(args.seed * 7919 + 2 * step + (s == "q"))).tolist()
-            x = padded([[ids["task"][t]] + seqs[i][1:] for i in idx]).to(device)  # [CLS] -> [TASK]
+            x = torch.from_numpy(pad([[ids["task"][t]] + seqs[i][1:] for i in idx])).to(device)  # [CLS] -> [TASK]
             x, y = task_batch(x, torch.as_tensor(labels[idx], device=device), torch.arange(len(x), device=device), label_ids)
             out.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": (x != PAD).long()})
         return out
@@ -508,8 +505,7 @@ def run_glue(args, device, out: Path):
 
     torch.manual_seed(args.seed)
     student, teacher = Encoder(cfg).to(device).train(), Teacher(cfg).to(device).train()
-    opts = (torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=args.weight_decay),
-            torch.optim.AdamW(teacher.parameters(), lr=args.teacher_lr, weight_decay=args.weight_decay))
+    opts = optimizers(student, teacher, args)
     start = 0
     state_path = out / "meta.pt"
     if args.resume and state_path.exists():

@@ -30,14 +30,14 @@ their own word; sentences longer than --max-len are dropped and drawn again.
 import argparse
 import json
 import math
-import os
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+from data.prepare import raw_root
+
 TREEBANKS = ["UD_French-GSD", "UD_French-Sequoia", "UD_French-ParTUT"]
 OTHER = "other"
 
@@ -289,7 +289,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="(default 0)")
     ap.add_argument("--out", required=True, help="corpus folder to write: synth.train, synth.dev (every 20th sentence), grammar.json, stats.json")
     args = ap.parse_args(argv)
-    ud = Path(args.ud or Path(os.environ.get("NANOMLM_RAW", HERE / "data" / "raw")) / "ud")
+    ud = Path(args.ud or raw_root() / "ud")
     t0 = time.time()
     sentences = [s for f in treebank_files(ud, args.treebanks) for s in read_conllu(f)]
     g = grammar(sentences, args.n_rels)

@@ -439,6 +439,7 @@ class Segments:
             raise SystemExit(f"error: {path} holds {len(self.tokens)} tokens, fewer than one "
                              f"segment of {length} (--seq-len minus 2); use a bigger corpus or a shorter --seq-len")
         self._epoch = None
+        self.on_device = None  # the stream as a device tensor, after .to(cuda)
 
     def starts(self, epoch):
         if not self.shuffle:
@@ -464,7 +465,7 @@ class Segments:
         for e in np.unique(k // self.n):                      # a batch spans at most two epochs
             at = k // self.n == e
             starts[at] = self.starts(int(e))[k[at] % self.n]
-        if getattr(self, "on_device", None) is not None:
+        if self.on_device is not None:
             idx = torch.from_numpy(starts).to(self.on_device.device)[:, None] + torch.arange(self.length, device=self.on_device.device)
             body = self.on_device[idx].long()
         else:

@@ -278,6 +278,14 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def pad(seqs: list[list[int]]) -> np.ndarray:
+    """Token-id lists -> (len(seqs), longest) int64, [PAD] after each list's end."""
+    out = np.full((len(seqs), max(map(len, seqs))), PAD, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = s
+    return out
+
+
 # task -> (its text(s) from a row, number of classes, metrics; the first one drives early stopping)
 TASKS = {
     "cola": (lambda r: (r["sentence"],), 2, ("mcc", "accuracy")),
