@@ -12,7 +12,8 @@ machine: rates (higher is better), median over repetitions after warm-up, with m
            after the first (start-up, allocator warm-up); reference: mlm at the same size
   bert     our MLM training step in-process against transformers' BertForMaskedLM at the same
            shape (layers, hidden, heads, FFN width, vocabulary, sequence, batch), only if
-           transformers is installed (never a requirement)
+           transformers is installed (never a requirement); flops_ratio is ours / theirs in
+           matrix FLOPs per token (flops_per_token, bert_flops_per_token)
   ema      fused EMA (one torch._foreach_lerp_) against a per-tensor loop
   pll      batched pseudo-log-likelihood (every masked copy of equal-length sentences in one
            forward) against one forward per masked copy, on the same sentences
@@ -92,8 +93,9 @@ def bench_step(args, device, tmp):
                 D = torch.randn(d, args.mlsm_k, generator=torch.Generator().manual_seed(0))
                 save_checkpoint({"D": D / D.norm(dim=0), "layer": PRESETS[size]["n_layer"]}, Path(tmp) / f"dict_{size}.pt")
                 flags += ["--dict", str(Path(tmp) / f"dict_{size}.pt"), "--mlsm-k", str(args.mlsm_k)]
-            if args.compile is not None:
-                flags.append("--compile" if args.compile else "--no-compile")
+            for flag in ("compile", "bf16"):
+                if getattr(args, flag) is not None:
+                    flags.append(f"--{flag}" if getattr(args, flag) else f"--no-{flag}")
             r = subprocess.run([sys.executable, str(HERE / "train.py"), *flags], capture_output=True, text=True)
             if r.returncode:
                 raise SystemExit(f"error: train.py --objective {objective} --size {size} failed:\n{r.stderr[-2000:]}")
@@ -114,10 +116,19 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, masked=0.15) -> float:
     """Training FLOPs per token (3x forward, 2 per multiply-add): the layers' matrices, attention
     scores and values (2 T D each), the relative-position scores (2 R D each way), and the MLM
     head on the masked share of tokens only."""
-    D, L, Ff, R = cfg.d_model, cfg.n_layer, cfg.d_ff, 2 * cfg.position_buckets - 1
+    D, L, Ff = cfg.d_model, cfg.n_layer, cfg.d_ff
+    R = 2 * cfg.position_buckets - 1 if cfg.position == "relative" else 0
     layer = 2 * (3 * D * D + D * D + 2 * D * Ff + Ff * D) + 2 * 2 * seq_len * D + 2 * 2 * R * D
     head = masked * 2 * (D * D + D * cfg.vocab_size)
     return 3 * (L * layer + head)
+
+
+def bert_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The same count for BertForMaskedLM at cfg's shape: a plain d_ff-wide FFN, no position
+    scores, and the head on every position (it computes logits everywhere, then ignores -100)."""
+    D, L, Ff = cfg.d_model, cfg.n_layer, cfg.d_ff
+    layer = 2 * (4 * D * D + 2 * D * Ff) + 2 * 2 * seq_len * D
+    return 3 * (L * layer + 2 * (D * D + D * cfg.vocab_size))
 
 
 def mfu(cfg, seq_len, tokens_per_s, device):
@@ -138,7 +149,7 @@ def bench_bert(args, device, tmp):
     rows = []
     B, T = args.batch_size, args.seq_len
     warmup, repeat = (1, 3) if args.quick else (3, 10)
-    amp = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    bf16 = args.bf16 if args.bf16 is not None else device.type == "cuda"
     fused = {"fused": True} if device.type == "cuda" else {}
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, V, (B, T), generator=g)
@@ -146,10 +157,13 @@ def bench_bert(args, device, tmp):
     inp, att = ids.masked_fill(masked, MASK).to(device), torch.ones(B, T, dtype=torch.long, device=device)
     masked, targets = masked.to(device), ids.to(device)[masked.to(device)]
     labels = torch.where(masked, ids.to(device), -100)
-    variants = [("", {})] + ([(", absolute positions", {"position": "absolute"}), (", dropout 0 (both)", {"dropout": 0.0})]
-                             if args.variants else [])
+    variants = [("", {}, bf16)] + ([(", absolute positions", {"position": "absolute"}, bf16),
+                                    (", dropout 0 (both)", {"dropout": 0.0}, bf16)] if args.variants else [])
+    if args.variants and not bf16:
+        variants.append((", bf16 autocast (both)", {}, True))
     for size in args.sizes:
-        for name, change in variants:
+        for name, change, half in variants:
+            amp = torch.autocast(device.type, torch.bfloat16, enabled=half)
             cfg = ModelConfig(**{**PRESETS[size], "vocab_size": V, **change})
             ours = Encoder(cfg).to(device).train()
             p = cfg.dropout
@@ -178,7 +192,8 @@ def bench_bert(args, device, tmp):
                 a += rates(step_ours, B * T, device, int(i < warmup), int(i >= warmup))
                 b += rates(step_theirs, B * T, device, int(i < warmup), int(i >= warmup))
             rows.append(row("bert", f"mlm step {size} {B}x{T}{name} ({ours.num_params() / 1e6:.1f}M vs "
-                            f"{theirs.num_parameters() / 1e6:.1f}M params)", "tokens/s", a, "BertForMaskedLM", b))
+                            f"{theirs.num_parameters() / 1e6:.1f}M params)", "tokens/s", a, "BertForMaskedLM", b,
+                            flops_ratio=flops_per_token(cfg, T) / bert_flops_per_token(cfg, T)))
     return rows
 
 
@@ -342,10 +357,12 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=None, help="step, bert: sequences per step (default 32 on CPU, 128 on CUDA; --quick 4)")
     ap.add_argument("--seq-len", type=int, default=128, help="step, bert: tokens per sequence (default 128; --quick 32)")
     ap.add_argument("--mlsm-k", type=int, default=2500, help="step: mlsm dictionary atoms (default 2500)")
-    ap.add_argument("--variants", action="store_true", help="bert: also ours with absolute positions, and both without dropout")
+    ap.add_argument("--variants", action="store_true", help="bert: also ours with absolute positions, both without dropout, and both in bf16")
     ap.add_argument("--sparse-all", action="store_true", help="sparse: also scikit-learn's lasso_lars and our plain FISTA (slow)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="step: train.py --compile / --no-compile (default: train.py's own, on with CUDA)")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                    help="step, bert: bfloat16 autocast (default on with CUDA, off on the CPU; --variants adds a bf16 row on the CPU)")
     ap.add_argument("--out", default="bench.json", help="where to write the rows (default bench.json)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)

@@ -487,7 +487,7 @@ def make_batch(ids, args, vocab_size, gen):
 # ---------------------------------------------------------------------------------------------
 # Arguments
 
-RESUMABLE = {"resume", "out_dir", "device", "compile", "log_every", "eval_every", "save_every", "stop_at"}
+RESUMABLE = {"resume", "out_dir", "device", "compile", "bf16", "log_every", "eval_every", "save_every", "stop_at"}
 
 
 def build_parser():
@@ -512,6 +512,9 @@ def build_parser():
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda if available (default auto)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on with CUDA, off on the CPU)")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bfloat16 autocast of the forward pass; weights, optimizer and losses stay float32 (default: on with "
+                        "CUDA, off on the CPU, where it pays only with AMX or AVX512-BF16: see the README's Performance)")
     p.add_argument("--out-dir", default=None, help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its ckpt.pt, with its saved settings")
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights (fresh optimizer, step 0)")
@@ -645,7 +648,8 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     master = rank == 0
     say = tqdm.write if master else (lambda *a, **k: None)  # tqdm.write keeps the progress bar intact
-    autocast = torch.autocast("cuda", torch.bfloat16) if want_cuda else contextlib.nullcontext()
+    bf16 = args.bf16 if args.bf16 is not None else want_cuda
+    autocast = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     # --- run folder, and the settings of a resumed run ----------------------------------------
     out = Path(args.out_dir)

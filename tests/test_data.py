@@ -1,6 +1,5 @@
 """data/prepare.py: tokenizer, token streams, meta.json, reuse/staleness and the errors a user can cause."""
 import gzip
-import json
 import math
 import unicodedata
 import urllib.error

@@ -252,6 +252,19 @@ def keyword_task(folder: Path, n: int, seed: int):
             f.write(json.dumps({"sentence": " ".join(s), "label": label}) + "\n")
 
 
+def test_length_grouped_batches_cover_every_example_once_with_little_padding():
+    lengths = np.random.default_rng(0).integers(5, 120, 3000)
+    useful = lambda batches: lengths.sum() / sum(lengths[b].max() * len(b) for b in batches)  # tokens / padded tokens
+    epochs = [E.length_grouped(lengths, 32, np.random.default_rng(seed)) for seed in (1, 2)]
+    for batches in epochs:
+        assert sorted(np.concatenate(batches)) == list(range(3000))
+        assert len(batches) == math.ceil(3000 / 32) and max(map(len, batches)) == 32  # the schedule's step count holds
+        assert useful(batches) > 0.95
+    order = np.random.default_rng(1).permutation(3000)
+    assert useful([order[i:i + 32] for i in range(0, 3000, 32)]) < 0.6  # what plain shuffled batches waste
+    assert [list(b) for b in epochs[0]] != [list(b) for b in epochs[1]]
+
+
 def test_finetune_learns_and_reports_every_seed(ckpt, tmp_path, capsys):
     keyword_task(tmp_path, 400, 0)
     keyword_task(tmp_path, 100, 1)

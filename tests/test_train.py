@@ -224,6 +224,21 @@ def test_ddp_two_gloo_processes_equal_one_process_accumulating(prepared, tmp_pat
     np.testing.assert_allclose(la, lb, rtol=1e-5)
 
 
+def test_bf16_autocast_on_the_cpu_tracks_float32(prepared, tmp_path):
+    """--bf16 runs the forward in bfloat16 on the CPU too: it must change the arithmetic (else the
+    flag did nothing) yet follow the float32 run closely, and leave the weights in float32."""
+    common = ["--data", prepared, "--max-steps", 10, "--log-every", 2, "--dropout", 0.0, *TINY]
+    for flag in ("--bf16", "--no-bf16"):
+        r = run_train(*common, flag, "--out-dir", tmp_path / flag)
+        assert r.returncode == 0, r.stderr
+    (a, la), (b, lb) = ((torch.load(tmp_path / f / "ckpt.pt", weights_only=True)["model"],
+                         [e["loss"] for e in read_log(tmp_path / f) if "loss" in e]) for f in ("--bf16", "--no-bf16"))
+    assert all(v.dtype == torch.float32 for v in a.values() if v.is_floating_point())
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+    np.testing.assert_allclose(la, lb, rtol=5e-3)
+    assert la[-1] < la[0]
+
+
 # --- bad input: one clear line, exit code 1, nothing already written is lost ---------------------
 
 def assert_clean_error(r, pattern):
