@@ -1,6 +1,6 @@
 """Side-by-side timings, one table, measured on the machine that runs them; writes bench.json.
 
-    python bench.py                        # everything on the CPU, tiny model (3 minutes on 2 cores)
+    python bench.py                        # everything on the CPU, tiny model (under 3 minutes on 2 cores)
     python bench.py --sizes tiny,small --sparse-all    # the README's table (20 minutes on 2 cores)
     python bench.py --device cuda          # on a GPU: adds MFU against the GPU's bf16 peak
     python bench.py --quick                # seconds: tiny shapes, few repetitions (the test suite runs this)
@@ -76,7 +76,7 @@ def bench_step(args, device, tmp):
     """One train.py run per (size, objective); mlm first, whose checkpoint kd and mlsm distil from
     (mlsm: a dictionary of random unit atoms, which codes faster than a learned one, see sparse)."""
     rows = []
-    k, reps = (2, 2) if args.quick else (3, 4)
+    k, reps = (2, 2) if args.quick else (2, 4)  # steps per log interval, intervals timed
     for size in args.sizes:
         base = None
         for objective in args.objectives:
@@ -172,6 +172,9 @@ def bench_bert(args, device, tmp):
                                                 max_position_embeddings=cfg.max_position, hidden_dropout_prob=p,
                                                 attention_probs_dropout_prob=p)).to(device).train()
             opts = [torch.optim.AdamW(m.parameters(), lr=1e-4, **fused) for m in (ours, theirs)]
+            if args.compile:  # both or neither; compiling happens in the warm-up steps
+                ours.compile()
+                theirs.compile()
 
             def step_ours():
                 with amp:
@@ -191,7 +194,7 @@ def bench_bert(args, device, tmp):
             for i in range(warmup + repeat):
                 a += rates(step_ours, B * T, device, int(i < warmup), int(i >= warmup))
                 b += rates(step_theirs, B * T, device, int(i < warmup), int(i >= warmup))
-            rows.append(row("bert", f"mlm step {size} {B}x{T}{name} ({ours.num_params() / 1e6:.1f}M vs "
+            rows.append(row("bert", f"mlm step {size} {B}x{T}{name}{', compiled (both)' if args.compile else ''} ({ours.num_params() / 1e6:.1f}M vs "
                             f"{theirs.num_parameters() / 1e6:.1f}M params)", "tokens/s", a, "BertForMaskedLM", b,
                             flops_ratio=flops_per_token(cfg, T) / bert_flops_per_token(cfg, T)))
     return rows
@@ -360,7 +363,7 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true", help="bert: also ours with absolute positions, both without dropout, and both in bf16")
     ap.add_argument("--sparse-all", action="store_true", help="sparse: also scikit-learn's lasso_lars and our plain FISTA (slow)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="step: train.py --compile / --no-compile (default: train.py's own, on with CUDA)")
+                    help="step: train.py --compile / --no-compile (default: train.py's own, on with CUDA); bert: --compile compiles both models")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                     help="step, bert: bfloat16 autocast (default on with CUDA, off on the CPU; --variants adds a bf16 row on the CPU)")
     ap.add_argument("--out", default="bench.json", help="where to write the rows (default bench.json)")
