@@ -1,7 +1,7 @@
 """Side-by-side timings, one table, measured on the machine that runs them; writes bench.json.
 
     python bench.py                        # everything on the CPU, tiny model (under 3 minutes on 2 cores)
-    python bench.py --sizes tiny,small --sparse-all    # the README's table (20 minutes on 2 cores)
+    python bench.py --sizes tiny,small --sparse-all    # the README's table (18 minutes on 2 cores)
     python bench.py --device cuda          # on a GPU: adds MFU against the GPU's bf16 peak
     python bench.py --quick                # seconds: tiny shapes, few repetitions (the test suite runs this)
     python bench.py --only step,bert       # some of: step, bert, ema, pll, sparse, sampler
@@ -194,7 +194,8 @@ def bench_bert(args, device, tmp):
             for i in range(warmup + repeat):
                 a += rates(step_ours, B * T, device, int(i < warmup), int(i >= warmup))
                 b += rates(step_theirs, B * T, device, int(i < warmup), int(i >= warmup))
-            rows.append(row("bert", f"mlm step {size} {B}x{T}{name}{', compiled (both)' if args.compile else ''} ({ours.num_params() / 1e6:.1f}M vs "
+            name += ", compiled (both)" if args.compile else ""
+            rows.append(row("bert", f"mlm step {size} {B}x{T}{name} ({ours.num_params() / 1e6:.1f}M vs "
                             f"{theirs.num_parameters() / 1e6:.1f}M params)", "tokens/s", a, "BertForMaskedLM", b,
                             flops_ratio=flops_per_token(cfg, T) / bert_flops_per_token(cfg, T)))
     return rows
