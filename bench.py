@@ -17,7 +17,7 @@ machine: rates (higher is better), median over repetitions after warm-up, with m
   ema      fused EMA (one torch._foreach_lerp_) against a per-tensor loop
   pll      batched pseudo-log-likelihood (every masked copy of equal-length sentences in one
            forward) against one forward per masked copy, on the same sentences
-  sparse   model.sparse_code against scikit-learn's sparse_encode(positive=True), if installed,
+  sparse   sparse.sparse_code against scikit-learn's sparse_encode(positive=True), if installed,
            at matched objective (the gap is printed)
   sampler  synth.py's PCFG sampler, sentences/s (no reference)
 """
@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from data.prepare import raw_root
-from model import PRESETS, Encoder, ModelConfig, ema_update, save_checkpoint, sparse_code
+from model import PRESETS, Encoder, ModelConfig, ema_update, save_checkpoint
+from sparse import sparse_code
 
 HERE = Path(__file__).resolve().parent
 MASK, V = 4, 16384  # data/prepare.py's [MASK] id and default vocabulary

@@ -46,9 +46,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from data.prepare import CLS, MASK, SEP, SPECIALS, load_meta, prepare
+from data.prepare import MASK, SPECIALS, Segments, load_meta, prepare
 from model import (PARTS, PRESETS, Decoder, Encoder, ModelConfig, check_config, config_help, ema_update,
-                   load_checkpoint, read_checkpoint, save_checkpoint, small_init, sparse_code)
+                   load_checkpoint, read_checkpoint, save_checkpoint, small_init)
+from sparse import sparse_code
 
 HERE = Path(__file__).resolve().parent
 
@@ -421,58 +422,7 @@ def ema_decay_at(step, args, start, end):
 
 
 # ---------------------------------------------------------------------------------------------
-# Data: a token stream cut into segments, wrapped in [CLS] ... [SEP]
-
-class Segments:
-    """Segments of `length` tokens of a uint16 stream (np.memmap: nothing is read until used).
-
-    Position k of the endless sequence of training segments is segment perm_e[k mod n] of epoch
-    e = k // n, where each epoch draws its own permutation and shifts all segment boundaries by a
-    random offset (so the same windows do not recur epoch after epoch). Validation uses neither.
-    """
-
-    def __init__(self, path, length, seed, shuffle):
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
-        self.length, self.seed, self.shuffle = length, seed, shuffle
-        self.n = (len(self.tokens) - 1) // length if shuffle else len(self.tokens) // length
-        if self.n < 1:
-            raise SystemExit(f"error: {path} holds {len(self.tokens)} tokens, fewer than one "
-                             f"segment of {length} (--seq-len minus 2); use a bigger corpus or a shorter --seq-len")
-        self._epoch = None
-        self.on_device = None  # the stream as a device tensor, after .to(cuda)
-
-    def starts(self, epoch):
-        if not self.shuffle:
-            return np.arange(self.n) * self.length
-        if self._epoch != epoch:  # one permutation per epoch, drawn once
-            rng = np.random.default_rng([self.seed, epoch])
-            shift = rng.integers(len(self.tokens) - self.n * self.length + 1)
-            self._starts, self._epoch = shift + rng.permutation(self.n) * self.length, epoch
-        return self._starts
-
-    def to(self, device):
-        """Keep the whole stream on `device` (a GPU: 2 bytes a token, 20 MB for 10M words), so
-        that batches are gathered there and only their start offsets cross the bus."""
-        if device.type == "cuda":
-            self.on_device = torch.from_numpy(self.tokens.astype(np.int32)).to(device)
-        return self
-
-    def batch(self, first, size) -> torch.Tensor:
-        """(size, length + 2) long: segments first .. first+size-1, each as [CLS] tokens [SEP],
-        gathered in one indexing operation (on the device after .to(cuda), else from the memmap)."""
-        k = np.arange(first, first + size)
-        starts = np.empty(size, dtype=np.int64)
-        for e in np.unique(k // self.n):                      # a batch spans at most two epochs
-            at = k // self.n == e
-            starts[at] = self.starts(int(e))[k[at] % self.n]
-        if self.on_device is not None:
-            idx = torch.from_numpy(starts).to(self.on_device.device)[:, None] + torch.arange(self.length, device=self.on_device.device)
-            body = self.on_device[idx].long()
-        else:
-            body = torch.from_numpy(self.tokens[starts[:, None] + np.arange(self.length)].astype(np.int64))
-        ends = lambda v: torch.full((size, 1), v, dtype=torch.long, device=body.device)
-        return torch.cat([ends(CLS), body, ends(SEP)], 1)
-
+# Data: the token stream's segments (data/prepare.py) as masked batches
 
 def seed_of(*parts) -> int:
     """A well-mixed 63-bit seed from integers (seed, step, micro-batch...)."""

@@ -14,8 +14,8 @@ every 20th line of the training text is held out for validation instead.
 
 The tokenizer is a sentencepiece unigram model trained on the training split only (the BabyLM rule),
 with byte fallback (no [UNK] in practice) and fixed special ids [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3
-[MASK]=4. Lines are tokenized independently and concatenated into one stream per split; train.py
-cuts that stream into `seq_len - 2` token segments and wraps them in [CLS] ... [SEP].
+[MASK]=4. Lines are tokenized independently and concatenated into one stream per split; Segments
+reads that stream back as `seq_len - 2` token segments wrapped in [CLS] ... [SEP].
 
 A raw folder with a `tokenizer.json` saying {"model_type": "word"} (synth.py writes one) gets a
 word-level vocabulary instead: every distinct training word is one token, --vocab-size is not
@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
+import torch
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
@@ -259,6 +260,60 @@ def prepare(data: str, vocab_size: int = 16384, force: bool = False, quiet: bool
         f"unigram entropy {meta['unigram_entropy']:.3f} nats ({time.time() - t0:.0f}s: "
         f"tokenizer {t2 - t1:.0f}s, tokenize {t3 - t2:.1f}s)")
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The token stream, read back as segments wrapped in [CLS] ... [SEP]
+
+class Segments:
+    """Segments of `length` tokens of a uint16 stream (np.memmap: nothing is read until used).
+
+    Position k of the endless sequence of training segments is segment perm_e[k mod n] of epoch
+    e = k // n, where each epoch draws its own permutation and shifts all segment boundaries by a
+    random offset (so the same windows do not recur epoch after epoch). Validation uses neither.
+    """
+
+    def __init__(self, path, length, seed, shuffle):
+        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        self.length, self.seed, self.shuffle = length, seed, shuffle
+        self.n = (len(self.tokens) - 1) // length if shuffle else len(self.tokens) // length
+        if self.n < 1:
+            raise SystemExit(f"error: {path} holds {len(self.tokens)} tokens, fewer than one "
+                             f"segment of {length} (--seq-len minus 2); use a bigger corpus or a shorter --seq-len")
+        self._epoch = None
+        self.on_device = None  # the stream as a device tensor, after .to(cuda)
+
+    def starts(self, epoch):
+        if not self.shuffle:
+            return np.arange(self.n) * self.length
+        if self._epoch != epoch:  # one permutation per epoch, drawn once
+            rng = np.random.default_rng([self.seed, epoch])
+            shift = rng.integers(len(self.tokens) - self.n * self.length + 1)
+            self._starts, self._epoch = shift + rng.permutation(self.n) * self.length, epoch
+        return self._starts
+
+    def to(self, device):
+        """Keep the whole stream on `device` (a GPU: 2 bytes a token, 20 MB for 10M words), so
+        that batches are gathered there and only their start offsets cross the bus."""
+        if device.type == "cuda":
+            self.on_device = torch.from_numpy(self.tokens.astype(np.int32)).to(device)
+        return self
+
+    def batch(self, first, size) -> torch.Tensor:
+        """(size, length + 2) long: segments first .. first+size-1, each as [CLS] tokens [SEP],
+        gathered in one indexing operation (on the device after .to(cuda), else from the memmap)."""
+        k = np.arange(first, first + size)
+        starts = np.empty(size, dtype=np.int64)
+        for e in np.unique(k // self.n):                      # a batch spans at most two epochs
+            at = k // self.n == e
+            starts[at] = self.starts(int(e))[k[at] % self.n]
+        if self.on_device is not None:
+            idx = torch.from_numpy(starts).to(self.on_device.device)[:, None] + torch.arange(self.length, device=self.on_device.device)
+            body = self.on_device[idx].long()
+        else:
+            body = torch.from_numpy(self.tokens[starts[:, None] + np.arange(self.length)].astype(np.int64))
+        ends = lambda v: torch.full((size, 1), v, dtype=torch.long, device=body.device)
+        return torch.cat([ends(CLS), body, ends(SEP)], 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import REPO, shared_data
 from data import prepare as P
@@ -169,3 +170,28 @@ def test_breton_corpus_split_is_fixed_and_disjoint(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "br" / "breton.dev").read_text(encoding="utf-8").splitlines() == dev
+
+
+# --- data order ----------------------------------------------------------------------------------
+
+def test_each_epoch_visits_every_segment_once(tmp_path):
+    stream = np.arange(5, 5 + 103, dtype=np.uint16)
+    stream.tofile(tmp_path / "t.bin")
+    seg = P.Segments(tmp_path / "t.bin", 10, seed=3, shuffle=True)
+    assert seg.n == 10
+    for epoch in range(3):
+        batch = seg.batch(epoch * seg.n, seg.n)
+        assert (batch[:, 0] == P.CLS).all() and (batch[:, -1] == P.SEP).all()
+        body = batch[:, 1:-1].numpy()
+        starts = body[:, 0] - 5
+        assert (np.diff(body, axis=1) == 1).all()  # each row is one contiguous window of the stream
+        assert len(set((starts % 10).tolist())) == 1 and sorted(starts // 10) == list(range(10))  # all once
+    again = P.Segments(tmp_path / "t.bin", 10, seed=3, shuffle=True)
+    assert torch.equal(seg.batch(7, 25), again.batch(7, 25))  # a function of (seed, position) alone
+    # one gather for the whole batch, across epoch boundaries, equals segment-by-segment reading
+    for first, size in ((7, 25), (19, 3), (0, 1)):
+        rows = []
+        for k in range(first, first + size):
+            s = seg.starts(k // seg.n)[k % seg.n]
+            rows.append([P.CLS, *stream[s:s + 10].tolist(), P.SEP])
+        assert seg.batch(first, size).tolist() == rows

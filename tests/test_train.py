@@ -126,31 +126,6 @@ def test_phases():
     assert T.phase_of(0, args) == ("boot", 0, 40)
 
 
-# --- data order ----------------------------------------------------------------------------------
-
-def test_each_epoch_visits_every_segment_once(tmp_path):
-    stream = np.arange(5, 5 + 103, dtype=np.uint16)
-    stream.tofile(tmp_path / "t.bin")
-    seg = T.Segments(tmp_path / "t.bin", 10, seed=3, shuffle=True)
-    assert seg.n == 10
-    for epoch in range(3):
-        batch = seg.batch(epoch * seg.n, seg.n)
-        assert (batch[:, 0] == CLS).all() and (batch[:, -1] == SEP).all()
-        body = batch[:, 1:-1].numpy()
-        starts = body[:, 0] - 5
-        assert (np.diff(body, axis=1) == 1).all()  # each row is one contiguous window of the stream
-        assert len(set((starts % 10).tolist())) == 1 and sorted(starts // 10) == list(range(10))  # all once
-    again = T.Segments(tmp_path / "t.bin", 10, seed=3, shuffle=True)
-    assert torch.equal(seg.batch(7, 25), again.batch(7, 25))  # a function of (seed, position) alone
-    # one gather for the whole batch, across epoch boundaries, equals segment-by-segment reading
-    for first, size in ((7, 25), (19, 3), (0, 1)):
-        rows = []
-        for k in range(first, first + size):
-            s = seg.starts(k // seg.n)[k % seg.n]
-            rows.append([CLS, *stream[s:s + 10].tolist(), SEP])
-        assert seg.batch(first, size).tolist() == rows
-
-
 # --- the command line ----------------------------------------------------------------------------
 
 def read_log(out: Path) -> list[dict]:
