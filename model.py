@@ -282,6 +282,24 @@ class Decoder(nn.Module):
         return x
 
 
+class BootHeads(nn.Module):
+    """What a BootBERT student has beyond the encoder (Samuel 2023, section 3): the vector that
+    stands in for the hidden tokens (MAE student only), a light decoder without dropout, and the
+    head that regresses the teacher's states (dense, GELU, LayerNorm, dense; LTG-BERT init)."""
+
+    def __init__(self, cfg: ModelConfig, n_layer: int, mae: bool):
+        super().__init__()
+        normal, D = small_init(cfg.d_model), cfg.d_model
+        with torch.no_grad():
+            self.mask = nn.Parameter(normal(torch.empty(D))) if mae else None
+            self.decoder = Decoder(cfg, n_layer)
+            self.regress = nn.Sequential(nn.Linear(D, D), nn.GELU(),
+                                         nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Linear(D, D))
+            for lin in (self.regress[0], self.regress[3]):
+                normal(lin.weight)
+                lin.bias.zero_()
+
+
 @torch.no_grad()
 def ema_update(teacher: nn.Module, student: nn.Module, decay: float, fused: bool = True) -> None:
     """teacher <- decay * teacher + (1 - decay) * student, for every parameter. Fused: one
@@ -294,6 +312,47 @@ def ema_update(teacher: nn.Module, student: nn.Module, decay: float, fused: bool
     else:
         for a, b in zip(t, s):
             a.lerp_(b, 1.0 - decay)
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2): the
+    bias-corrected Adam direction r = m/(sqrt(v)+eps) plus decoupled weight decay, rescaled per
+    tensor by the trust ratio ||w|| / ||r + wd*w|| (1 where either norm is 0). torch has none."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        """Each group in a handful of multi-tensor (torch._foreach_*) kernels: no Python loop
+        over tensors, and no host sync (the trust ratios stay on the device)."""
+        for group in self.param_groups:
+            (b1, b2), eps, wd, lr = group["betas"], group["eps"], group["weight_decay"], group["lr"]
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if not self.state[p]:
+                    self.state[p].update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                self.state[p]["step"] += 1
+            steps = [self.state[p]["step"] for p in params]  # per tensor: one may have missed a step
+            grads = [p.grad for p in params]
+            m, v = [self.state[p]["m"] for p in params], [self.state[p]["v"] for p in params]
+            torch._foreach_lerp_(m, grads, 1 - b1)
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+            denom = torch._foreach_div(v, [1 - b2 ** s for s in steps])
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+            r = torch._foreach_div(m, [1 - b1 ** s for s in steps])
+            torch._foreach_div_(r, denom)
+            if wd:
+                torch._foreach_add_(r, params, alpha=wd)
+            w_norm, r_norm = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(r))
+            trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)     # (tensors,)
+            torch._foreach_mul_(r, list((-lr * trust).unbind()))
+            torch._foreach_add_(params, r)
+
 
 
 # ---------------------------------------------------------------------------------------------

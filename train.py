@@ -46,37 +46,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from data.prepare import MASK, SPECIALS, Segments, load_meta, prepare
-from model import (PARTS, PRESETS, Decoder, Encoder, ModelConfig, check_config, config_help, ema_update,
+from data.prepare import Segments, load_meta, prepare, span_mask
+from model import (PARTS, PRESETS, BootHeads, Encoder, Lamb, ModelConfig, check_config, config_help, ema_update,
                    load_checkpoint, read_checkpoint, save_checkpoint, small_init)
 from sparse import sparse_code
 
 HERE = Path(__file__).resolve().parent
-
-
-# ---------------------------------------------------------------------------------------------
-# Span masking (LTG-BERT), vectorised over the batch on the training device
-
-def span_mask(ids, p, vocab_size, gen, mean_span=3.0):
-    """ids (B, T) -> (inputs (B, T), labels (B, T) with -100 where nothing is predicted).
-
-    Each position starts a new span with probability 1/mean_span, so span lengths are geometric
-    with mean `mean_span`. One uniform u per span decides everything: the span is chosen iff u < p
-    (so every token is chosen with probability exactly p), and, given it is chosen, u/p is uniform
-    on [0, 1) and picks LTG-BERT's per-span replacement: [MASK] below 0.8, a random token below
-    0.9, else the token itself. Special tokens ([CLS], [SEP], [PAD], ...) are never chosen.
-    """
-    B, T = ids.shape
-    start = torch.rand(B, T, generator=gen, device=ids.device) < 1.0 / mean_span
-    span = start.cumsum(1)                                                   # (B, T) span index
-    u = torch.rand(B, T + 1, generator=gen, device=ids.device).gather(1, span)  # per-span uniform
-    chosen = (u < p) & (ids >= len(SPECIALS))
-    r = u / p
-    noise = torch.randint(len(SPECIALS), vocab_size, (B, T), generator=gen, device=ids.device)
-    inputs = torch.where(chosen & (r < 0.8), MASK, ids)
-    inputs = torch.where(chosen & (r >= 0.8) & (r < 0.9), noise, inputs)
-    labels = torch.where(chosen, ids, -100)
-    return inputs, labels
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,24 +83,6 @@ def mlm(model, batch, ctx):
     _, logits = model.encoder(batch["inputs"], batch["attention_mask"], predict=predict)   # (N, V)
     target = batch["labels"][predict]
     return F.cross_entropy(logits.float(), target), {"acc": accuracy(logits, target)}
-
-
-class BootHeads(nn.Module):
-    """What a BootBERT student has beyond the encoder (Samuel 2023, section 3): the vector that
-    stands in for the hidden tokens (MAE student only), a light decoder without dropout, and the
-    head that regresses the teacher's states (dense, GELU, LayerNorm, dense; LTG-BERT init)."""
-
-    def __init__(self, cfg: ModelConfig, n_layer: int, mae: bool):
-        super().__init__()
-        normal, D = small_init(cfg.d_model), cfg.d_model
-        with torch.no_grad():
-            self.mask = nn.Parameter(normal(torch.empty(D))) if mae else None
-            self.decoder = Decoder(cfg, n_layer)
-            self.regress = nn.Sequential(nn.Linear(D, D), nn.GELU(),
-                                         nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Linear(D, D))
-            for lin in (self.regress[0], self.regress[3]):
-                normal(lin.weight)
-                lin.bias.zero_()
 
 
 def boot(model, batch, ctx):
@@ -339,47 +296,7 @@ def phase_of(step, args):
 
 
 # ---------------------------------------------------------------------------------------------
-# Optimisers and schedule
-
-class Lamb(torch.optim.Optimizer):
-    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2): the
-    bias-corrected Adam direction r = m/(sqrt(v)+eps) plus decoupled weight decay, rescaled per
-    tensor by the trust ratio ||w|| / ||r + wd*w|| (1 where either norm is 0). torch has none."""
-
-    def __init__(self, params, lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        """Each group in a handful of multi-tensor (torch._foreach_*) kernels: no Python loop
-        over tensors, and no host sync (the trust ratios stay on the device)."""
-        for group in self.param_groups:
-            (b1, b2), eps, wd, lr = group["betas"], group["eps"], group["weight_decay"], group["lr"]
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            for p in params:
-                if not self.state[p]:
-                    self.state[p].update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
-                self.state[p]["step"] += 1
-            steps = [self.state[p]["step"] for p in params]  # per tensor: one may have missed a step
-            grads = [p.grad for p in params]
-            m, v = [self.state[p]["m"] for p in params], [self.state[p]["v"] for p in params]
-            torch._foreach_lerp_(m, grads, 1 - b1)
-            torch._foreach_mul_(v, b2)
-            torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-            denom = torch._foreach_div(v, [1 - b2 ** s for s in steps])
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, eps)
-            r = torch._foreach_div(m, [1 - b1 ** s for s in steps])
-            torch._foreach_div_(r, denom)
-            if wd:
-                torch._foreach_add_(r, params, alpha=wd)
-            w_norm, r_norm = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(r))
-            trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)     # (tensors,)
-            torch._foreach_mul_(r, list((-lr * trust).unbind()))
-            torch._foreach_add_(params, r)
-
+# Optimisers (LAMB: model.py) and schedules
 
 def make_optimizer(model, args):
     """Group 0 decays (the weight matrices), group 1 does not (biases, LayerNorm gains, embedding

@@ -317,6 +317,31 @@ class Segments:
 
 
 # ---------------------------------------------------------------------------------------------
+# Span masking (LTG-BERT, whose dataset code masks too), vectorised over a batch on its device
+
+def span_mask(ids, p, vocab_size, gen, mean_span=3.0):
+    """ids (B, T) -> (inputs (B, T), labels (B, T) with -100 where nothing is predicted).
+
+    Each position starts a new span with probability 1/mean_span, so span lengths are geometric
+    with mean `mean_span`. One uniform u per span decides everything: the span is chosen iff u < p
+    (so every token is chosen with probability exactly p), and, given it is chosen, u/p is uniform
+    on [0, 1) and picks LTG-BERT's per-span replacement: [MASK] below 0.8, a random token below
+    0.9, else the token itself. Special tokens ([CLS], [SEP], [PAD], ...) are never chosen.
+    """
+    B, T = ids.shape
+    start = torch.rand(B, T, generator=gen, device=ids.device) < 1.0 / mean_span
+    span = start.cumsum(1)                                                   # (B, T) span index
+    u = torch.rand(B, T + 1, generator=gen, device=ids.device).gather(1, span)  # per-span uniform
+    chosen = (u < p) & (ids >= len(SPECIALS))
+    r = u / p
+    noise = torch.randint(len(SPECIALS), vocab_size, (B, T), generator=gen, device=ids.device)
+    inputs = torch.where(chosen & (r < 0.8), MASK, ids)
+    inputs = torch.where(chosen & (r >= 0.8) & (r < 0.9), noise, inputs)
+    labels = torch.where(chosen, ids, -100)
+    return inputs, labels
+
+
+# ---------------------------------------------------------------------------------------------
 # Labelled tasks ((Super)GLUE, MSGS jsonl files): evaluate.py fine-tunes on them, meta.py meta-learns
 # with them
 

@@ -195,3 +195,39 @@ def test_each_epoch_visits_every_segment_once(tmp_path):
             s = seg.starts(k // seg.n)[k % seg.n]
             rows.append([P.CLS, *stream[s:s + 10].tolist(), P.SEP])
         assert seg.batch(first, size).tolist() == rows
+
+
+# --- span masking --------------------------------------------------------------------------------
+
+def test_span_masking_statistics():
+    V, B, L = 5000, 1024, 128
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, V, (B, L), generator=gen)
+    ids[:, 0], ids[:, -1] = P.CLS, P.SEP
+    ids[: B // 4, 100:] = P.PAD  # some padding too
+    inputs, labels = P.span_mask(ids, 0.15, V, gen)
+    real = ids >= 5
+    chosen = labels != -100
+    assert not chosen[~real].any()                                  # specials are never chosen
+    assert torch.equal(labels[chosen], ids[chosen]) and torch.equal(inputs[~chosen], ids[~chosen])
+    assert chosen[real].float().mean().item() == pytest.approx(0.15, abs=0.01)
+    masked = (inputs == P.MASK) & chosen
+    kept = (inputs == ids) & chosen
+    randomised = chosen & ~masked & ~kept
+    n = chosen.sum().item()
+    assert masked.sum().item() / n == pytest.approx(0.8, abs=0.01)
+    assert kept.sum().item() / n == pytest.approx(0.1, abs=0.01)  # (+1/V: a random draw may hit itself)
+    assert randomised.sum().item() / n == pytest.approx(0.1, abs=0.01)
+    assert inputs[randomised].min() >= 5                             # random tokens are never specials
+    # spans: a chosen token's right neighbour is chosen if it is in the same span (prob 2/3 for
+    # geometric lengths of mean 3) or starts a new span that is chosen (1/3 * 0.15); i.i.d.
+    # token masking would give 0.15
+    both = chosen[:, 1:90] & chosen[:, 2:91]
+    assert both.sum().item() / chosen[:, 1:90].sum().item() == pytest.approx(2 / 3 + 0.15 / 3, abs=0.02)
+
+
+def test_span_masking_is_a_function_of_the_generator():
+    ids = torch.randint(5, 100, (4, 32))
+    a = P.span_mask(ids, 0.15, 100, torch.Generator().manual_seed(7))
+    b = P.span_mask(ids, 0.15, 100, torch.Generator().manual_seed(7))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -4,13 +4,14 @@ import copy
 import math
 from dataclasses import asdict
 
+import numpy as np
 import pytest
 import scipy.stats
 import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
-from model import (PRESETS, Decoder, Encoder, ModelConfig, check_config, ema_update, load_checkpoint, read_checkpoint,
+from model import (PRESETS, Decoder, Encoder, Lamb, ModelConfig, check_config, ema_update, load_checkpoint, read_checkpoint,
                    relative_buckets, save_checkpoint)
 
 V = 300
@@ -279,3 +280,36 @@ def test_decoder_is_initialised_like_encoder_layers():
     s = math.sqrt(2 / (5 * 256)) * scipy.stats.truncnorm(-2, 2).std()
     assert dec.layers[3].ffn.down.weight.std().item() == pytest.approx(s * math.sqrt(1 / 8), rel=0.05)
     assert all(layer.attn.p == 0.0 for layer in dec.layers)  # no dropout
+
+
+# --- LAMB ----------------------------------------------------------------------------------------
+
+def lamb_reference(w, grads, lr, b1, b2, eps, wd):
+    """You et al. (2020), Algorithm 2, for one tensor, in float64 numpy."""
+    m = np.zeros_like(w)
+    v = np.zeros_like(w)
+    for t, g in enumerate(grads, start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        r = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps) + wd * w
+        wn, rn = np.linalg.norm(w), np.linalg.norm(r)
+        w = w - lr * (wn / rn if wn > 0 and rn > 0 else 1.0) * r
+    return w
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_lamb_matches_reference(wd):
+    rng = np.random.default_rng(0)
+    # a zero tensor takes the trust-ratio-1 branch; the third has no gradient at the first step,
+    # so its bias correction counts one step fewer than the others'
+    inits = [rng.normal(size=(5, 3)), np.zeros(4), rng.normal(size=(2,))]
+    grads = [[rng.normal(size=w.shape) for _ in range(4)] for w in inits]
+    grads[2] = grads[2][1:]
+    params = [torch.tensor(w, requires_grad=True) for w in inits]
+    opt = Lamb([{"params": params, "weight_decay": wd}], lr=0.05, betas=(0.9, 0.98), eps=1e-6)
+    for t in range(4):
+        for p, g in zip(params, grads):
+            p.grad = torch.tensor(g[t - (4 - len(g))]) if t >= 4 - len(g) else None
+        opt.step()
+    for p, w, g in zip(params, inits, grads):
+        np.testing.assert_allclose(p.detach().numpy(), lamb_reference(w, g, 0.05, 0.9, 0.98, 1e-6, wd), rtol=1e-12, atol=1e-12)

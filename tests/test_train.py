@@ -13,77 +13,10 @@ import torch
 
 import train as T
 from conftest import TINY, run_train
-from data.prepare import CLS, MASK, PAD, SEP, prepare
-
-
-# --- span masking --------------------------------------------------------------------------------
-
-def test_span_masking_statistics():
-    V, B, L = 5000, 1024, 128
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, V, (B, L), generator=gen)
-    ids[:, 0], ids[:, -1] = CLS, SEP
-    ids[: B // 4, 100:] = PAD  # some padding too
-    inputs, labels = T.span_mask(ids, 0.15, V, gen)
-    real = ids >= 5
-    chosen = labels != -100
-    assert not chosen[~real].any()                                  # specials are never chosen
-    assert torch.equal(labels[chosen], ids[chosen]) and torch.equal(inputs[~chosen], ids[~chosen])
-    assert chosen[real].float().mean().item() == pytest.approx(0.15, abs=0.01)
-    masked = (inputs == MASK) & chosen
-    kept = (inputs == ids) & chosen
-    randomised = chosen & ~masked & ~kept
-    n = chosen.sum().item()
-    assert masked.sum().item() / n == pytest.approx(0.8, abs=0.01)
-    assert kept.sum().item() / n == pytest.approx(0.1, abs=0.01)  # (+1/V: a random draw may hit itself)
-    assert randomised.sum().item() / n == pytest.approx(0.1, abs=0.01)
-    assert inputs[randomised].min() >= 5                             # random tokens are never specials
-    # spans: a chosen token's right neighbour is chosen if it is in the same span (prob 2/3 for
-    # geometric lengths of mean 3) or starts a new span that is chosen (1/3 * 0.15); i.i.d.
-    # token masking would give 0.15
-    both = chosen[:, 1:90] & chosen[:, 2:91]
-    assert both.sum().item() / chosen[:, 1:90].sum().item() == pytest.approx(2 / 3 + 0.15 / 3, abs=0.02)
-
-
-def test_span_masking_is_a_function_of_the_generator():
-    ids = torch.randint(5, 100, (4, 32))
-    a = T.span_mask(ids, 0.15, 100, torch.Generator().manual_seed(7))
-    b = T.span_mask(ids, 0.15, 100, torch.Generator().manual_seed(7))
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+from data.prepare import CLS, SEP, prepare
 
 
 # --- optimizer and schedule ----------------------------------------------------------------------
-
-def lamb_reference(w, grads, lr, b1, b2, eps, wd):
-    """You et al. (2020), Algorithm 2, for one tensor, in float64 numpy."""
-    m = np.zeros_like(w)
-    v = np.zeros_like(w)
-    for t, g in enumerate(grads, start=1):
-        m = b1 * m + (1 - b1) * g
-        v = b2 * v + (1 - b2) * g * g
-        r = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps) + wd * w
-        wn, rn = np.linalg.norm(w), np.linalg.norm(r)
-        w = w - lr * (wn / rn if wn > 0 and rn > 0 else 1.0) * r
-    return w
-
-
-@pytest.mark.parametrize("wd", [0.0, 0.1])
-def test_lamb_matches_reference(wd):
-    rng = np.random.default_rng(0)
-    # a zero tensor takes the trust-ratio-1 branch; the third has no gradient at the first step,
-    # so its bias correction counts one step fewer than the others'
-    inits = [rng.normal(size=(5, 3)), np.zeros(4), rng.normal(size=(2,))]
-    grads = [[rng.normal(size=w.shape) for _ in range(4)] for w in inits]
-    grads[2] = grads[2][1:]
-    params = [torch.tensor(w, requires_grad=True) for w in inits]
-    opt = T.Lamb([{"params": params, "weight_decay": wd}], lr=0.05, betas=(0.9, 0.98), eps=1e-6)
-    for t in range(4):
-        for p, g in zip(params, grads):
-            p.grad = torch.tensor(g[t - (4 - len(g))]) if t >= 4 - len(g) else None
-        opt.step()
-    for p, w, g in zip(params, inits, grads):
-        np.testing.assert_allclose(p.detach().numpy(), lamb_reference(w, g, 0.05, 0.9, 0.98, 1e-6, wd), rtol=1e-12, atol=1e-12)
-
 
 def test_schedule_hand_computed():
     args = argparse.Namespace(lr=1.0, warmup=10, max_steps=110, min_lr=0.1, schedule="cosine")
