@@ -1,10 +1,11 @@
 """Side-by-side timings, one table, measured on the machine that runs them; writes bench.json.
 
-    python bench.py                        # everything on the CPU, tiny model (under 3 minutes on 2 cores)
-    python bench.py --sizes tiny,small --sparse-all    # the README's table (18 minutes on 2 cores)
-    python bench.py --device cuda          # on a GPU: adds MFU against the GPU's bf16 peak
-    python bench.py --quick                # seconds: tiny shapes, few repetitions (the test suite runs this)
-    python bench.py --only step,bert       # some of: step, bert, ema, pll, sparse, sampler
+    python bench.py                   # everything on the CPU, tiny model (~3 minutes on 2 cores)
+    python bench.py --sizes tiny,small --sparse-all    # docs/bench.md's table (~18 min, 2 cores)
+    python bench.py --device cuda     # on a GPU: adds MFU against the GPU's bf16 peak
+    python bench.py --quick           # seconds: tiny shapes, few repetitions (the tests run this)
+    python bench.py --only step,bert  # some of: step, bert, ema, pll, sparse, sampler
+    python bench.py --table bench.json > docs/bench.md   # the table again, from a saved run
 
 Every row is ours against a reference measured in the same run, so the ratio holds on a noisy
 machine: rates (higher is better), median over repetitions after warm-up, with min and max.
@@ -15,11 +16,13 @@ machine: rates (higher is better), median over repetitions after warm-up, with m
            transformers is installed (never a requirement); flops_ratio is ours / theirs in
            matrix FLOPs per token (flops_per_token, bert_flops_per_token)
   ema      fused EMA (one torch._foreach_lerp_) against a per-tensor loop
-  pll      batched pseudo-log-likelihood (every masked copy of equal-length sentences in one
-           forward) against one forward per masked copy, on the same sentences
-  sparse   sparse.sparse_code against scikit-learn's sparse_encode(positive=True), if installed,
-           at matched objective (the gap is printed)
+  pll      evaluate.py's batched pseudo-log-likelihood (every masked copy of equal-length
+           sentences in one forward) against one forward per masked copy, on the same sentences
+  sparse   sparse.sparse_code against scikit-learn's sparse_encode(positive=True), if
+           installed, at matched objective (the gap is printed)
   sampler  synth.py's PCFG sampler, sentences/s (no reference)
+The step and sampler rows run train.py and synth.py as the commands users run, on purpose: what
+they time is those commands.
 """
 import argparse
 import copy
@@ -37,12 +40,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from data.prepare import raw_root
-from model import PRESETS, Encoder, ModelConfig, ema_update, save_checkpoint
-from sparse import sparse_code
+import evaluate
+import sparse
+from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
+from model import (PRESETS, REPO, Encoder, ModelConfig, autocast, ema_update, pick_device,
+                   use_bf16)
 
-HERE = Path(__file__).resolve().parent
-MASK, V = 4, 16384  # data/prepare.py's [MASK] id and default vocabulary
+V = VOCAB_SIZE
 # dense bf16 peak FLOP/s, for MFU (vendor datasheets; SXM parts)
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
@@ -64,8 +68,9 @@ def rates(fn, work, device, warmup, repeat) -> list[float]:
 
 def row(bench, case, unit, ours, ref_name="-", ref=None, **extra):
     """One table row: medians with min/max, and ours/reference."""
-    r = {"bench": bench, "case": case, "unit": unit, "ours": statistics.median(ours), "min": min(ours), "max": max(ours),
-         "reference": ref_name, "ref": statistics.median(ref) if ref else None, **extra}
+    r = {"bench": bench, "case": case, "unit": unit, "ours": statistics.median(ours),
+         "min": min(ours), "max": max(ours), "reference": ref_name,
+         "ref": statistics.median(ref) if ref else None, **extra}
     r["ratio"] = r["ours"] / r["ref"] if r["ref"] else None
     return r
 
@@ -74,40 +79,50 @@ def row(bench, case, unit, ours, ref_name="-", ref=None, **extra):
 # Training steps: train.py for every objective; ours against BertForMaskedLM
 
 def bench_step(args, device, tmp):
-    """One train.py run per (size, objective); mlm first, whose checkpoint kd and mlsm distil from
-    (mlsm: a dictionary of random unit atoms, which codes faster than a learned one, see sparse)."""
+    """One train.py run per (size, objective); mlm first, whose checkpoint kd and mlsm distil
+    from (mlsm: a dictionary of random unit atoms, which codes faster than a learned one, see
+    sparse)."""
     rows = []
     k, reps = (2, 2) if args.quick else (2, 4)  # steps per log interval, intervals timed
     for size in args.sizes:
         base = None
         for objective in args.objectives:
             run = Path(tmp) / f"{objective}_{size}"
-            flags = ["--objective", objective, "--data", args.data, "--size", size, "--batch-size", str(args.batch_size),
-                     "--seq-len", str(args.seq_len), "--max-steps", str(k * (reps + 1)), "--log-every", str(k),
-                     "--eval-every", "100000", "--save-every", "100000", "--device", device.type, "--out-dir", str(run)]
+            flags = ["--objective", objective, "--data", args.data, "--size", size,
+                     "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+                     "--max-steps", str(k * (reps + 1)), "--log-every", str(k),
+                     "--eval-every", "100000", "--save-every", "100000",
+                     "--device", device.type, "--out-dir", str(run)]
             if objective != "mlm":
                 if base is None:
-                    raise SystemExit("error: bench step needs mlm first in --objectives (it is the reference and the teacher)")
-                flags += ["--teacher", str(Path(tmp) / f"mlm_{size}" / "ckpt.pt")] if objective in ("kd", "mlsm") else []
+                    raise SystemExit("error: bench step needs mlm first in --objectives (it is "
+                                     "the reference and the teacher)")
+                if objective in ("kd", "mlsm"):
+                    flags += ["--teacher", str(Path(tmp) / f"mlm_{size}" / "ckpt.pt")]
             if objective == "mlsm":
-                d = ModelConfig(**PRESETS[size]).d_model
-                D = torch.randn(d, args.mlsm_k, generator=torch.Generator().manual_seed(0))
-                save_checkpoint({"D": D / D.norm(dim=0), "layer": PRESETS[size]["n_layer"]}, Path(tmp) / f"dict_{size}.pt")
-                flags += ["--dict", str(Path(tmp) / f"dict_{size}.pt"), "--mlsm-k", str(args.mlsm_k)]
+                cfg = ModelConfig(**PRESETS[size])
+                g = torch.Generator().manual_seed(0)
+                D = torch.randn(cfg.d_model, args.mlsm_k, generator=g)
+                path = Path(tmp) / f"dict_{size}.pt"
+                sparse.save_dictionary(path, D / D.norm(dim=0), layer=cfg.n_layer)
+                flags += ["--dict", str(path), "--mlsm-k", str(args.mlsm_k)]
             for flag in ("compile", "bf16"):
                 if getattr(args, flag) is not None:
                     flags.append(f"--{flag}" if getattr(args, flag) else f"--no-{flag}")
-            r = subprocess.run([sys.executable, str(HERE / "train.py"), *flags], capture_output=True, text=True)
+            r = subprocess.run([sys.executable, str(REPO / "train.py"), *flags],
+                               capture_output=True, text=True)
             if r.returncode:
-                raise SystemExit(f"error: train.py --objective {objective} --size {size} failed:\n{r.stderr[-2000:]}")
+                raise SystemExit(f"error: train.py --objective {objective} --size {size} "
+                                 f"failed:\n{r.stderr[-2000:]}")
             log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-            tps = [e["tok_per_s"] for e in log if "tok_per_s" in e][1:]          # the first interval warms up
-            peak = max((e.get("peak_mem_gb", 0) for e in log), default=0)
-            extra = {"peak_mem_gb": peak}
+            tps = [e["tok_per_s"] for e in log if "tok_per_s" in e][1:]  # the first warms up
+            extra = {"peak_mem_gb": max((e.get("peak_mem_gb", 0) for e in log), default=0)}
             if device.type == "cuda" and objective == "mlm":
-                extra["mfu"] = mfu(ModelConfig(**PRESETS[size], vocab_size=V), args.seq_len, statistics.median(tps), device)
-            rows.append(row("step", f"{objective} {size} {args.batch_size}x{args.seq_len}", "tokens/s", tps,
-                            *(("mlm", base) if objective != "mlm" else ("-", None)), **extra))
+                cfg = ModelConfig(**PRESETS[size], vocab_size=V)
+                extra["mfu"] = mfu(cfg, args.seq_len, statistics.median(tps), device)
+            reference = ("mlm", base) if objective != "mlm" else ("-", None)
+            case = f"{objective} {size} {args.batch_size}x{args.seq_len}"
+            rows.append(row("step", case, "tokens/s", tps, *reference, **extra))
             if objective == "mlm":
                 base = tps
     return rows
@@ -145,33 +160,38 @@ def bench_bert(args, device, tmp):
     try:
         from transformers import BertConfig, BertForMaskedLM
     except ImportError:
-        print("note: transformers is not installed; the BertForMaskedLM rows are skipped (it is never a requirement)")
+        print("note: transformers is not installed; the BertForMaskedLM rows are skipped (it is "
+              "never a requirement)")
         return []
     rows = []
     B, T = args.batch_size, args.seq_len
     warmup, repeat = (1, 3) if args.quick else (3, 10)
-    bf16 = args.bf16 if args.bf16 is not None else device.type == "cuda"
+    bf16 = use_bf16(device, args.bf16)
     fused = {"fused": True} if device.type == "cuda" else {}
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, V, (B, T), generator=g)
+    ids = torch.randint(len(SPECIALS), V, (B, T), generator=g)
     masked = torch.rand(B, T, generator=g) < 0.15
-    inp, att = ids.masked_fill(masked, MASK).to(device), torch.ones(B, T, dtype=torch.long, device=device)
+    inp = ids.masked_fill(masked, MASK).to(device)
+    att = torch.ones(B, T, dtype=torch.long, device=device)
     masked, targets = masked.to(device), ids.to(device)[masked.to(device)]
     labels = torch.where(masked, ids.to(device), -100)
-    variants = [("", {}, bf16)] + ([(", absolute positions", {"position": "absolute"}, bf16),
-                                    (", dropout 0 (both)", {"dropout": 0.0}, bf16)] if args.variants else [])
-    if args.variants and not bf16:
-        variants.append((", bf16 autocast (both)", {}, True))
+    variants = [("", {}, bf16)]
+    if args.variants:
+        variants += [(", absolute positions", {"position": "absolute"}, bf16),
+                     (", dropout 0 (both)", {"dropout": 0.0}, bf16)]
+        if not bf16:
+            variants.append((", bf16 autocast (both)", {}, True))
     for size in args.sizes:
         for name, change, half in variants:
-            amp = torch.autocast(device.type, torch.bfloat16, enabled=half)
+            amp = autocast(device, half)
             cfg = ModelConfig(**{**PRESETS[size], "vocab_size": V, **change})
             ours = Encoder(cfg).to(device).train()
             p = cfg.dropout
-            theirs = BertForMaskedLM(BertConfig(vocab_size=V, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
-                                                num_attention_heads=cfg.n_head, intermediate_size=cfg.d_ff,
-                                                max_position_embeddings=cfg.max_position, hidden_dropout_prob=p,
-                                                attention_probs_dropout_prob=p)).to(device).train()
+            bert = BertConfig(vocab_size=V, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
+                              num_attention_heads=cfg.n_head, intermediate_size=cfg.d_ff,
+                              max_position_embeddings=cfg.max_position, hidden_dropout_prob=p,
+                              attention_probs_dropout_prob=p)
+            theirs = BertForMaskedLM(bert).to(device).train()
             opts = [torch.optim.AdamW(m.parameters(), lr=1e-4, **fused) for m in (ours, theirs)]
             if args.compile:  # both or neither; compiling happens in the warm-up steps
                 ours.compile()
@@ -179,7 +199,7 @@ def bench_bert(args, device, tmp):
 
             def step_ours():
                 with amp:
-                    _, logits = ours(inp, att, predict=masked)        # the MLM head on masked positions only
+                    _, logits = ours(inp, att, predict=masked)  # the MLM head on masked positions
                 F.cross_entropy(logits.float(), targets).backward()
                 opts[0].step()
                 opts[0].zero_grad(set_to_none=True)
@@ -196,8 +216,9 @@ def bench_bert(args, device, tmp):
                 a += rates(step_ours, B * T, device, int(i < warmup), int(i >= warmup))
                 b += rates(step_theirs, B * T, device, int(i < warmup), int(i >= warmup))
             name += ", compiled (both)" if args.compile else ""
-            rows.append(row("bert", f"mlm step {size} {B}x{T}{name} ({ours.num_params() / 1e6:.1f}M vs "
-                            f"{theirs.num_parameters() / 1e6:.1f}M params)", "tokens/s", a, "BertForMaskedLM", b,
+            params = f"{ours.num_params() / 1e6:.1f}M vs {theirs.num_parameters() / 1e6:.1f}M"
+            rows.append(row("bert", f"mlm step {size} {B}x{T}{name} ({params} params)",
+                            "tokens/s", a, "BertForMaskedLM", b,
                             flops_ratio=flops_per_token(cfg, T) / bert_flops_per_token(cfg, T)))
     return rows
 
@@ -213,61 +234,54 @@ def bench_ema(args, device, tmp):
         reps = (2, 5) if args.quick else (5, 30)
         fused = rates(lambda: ema_update(teacher, student, 0.999, fused=True), 1, device, *reps)
         loop = rates(lambda: ema_update(teacher, student, 0.999, fused=False), 1, device, *reps)
-        rows.append(row("ema", f"{size} ({sum(1 for _ in student.parameters())} tensors)", "updates/s", fused, "per-tensor loop", loop))
+        tensors = sum(1 for _ in student.parameters())
+        rows.append(row("ema", f"{size} ({tensors} tensors)", "updates/s", fused,
+                        "per-tensor loop", loop))
     return rows
 
 
 @torch.no_grad()
-def pll_batched(model, sents, device, batch_tokens=4096):
-    """Log-probs of every token of every sentence, each masked in turn: the masked copies of all
-    equal-length sentences go through the model together, batch_tokens tokens at a time."""
-    out = {}
-    for T in sorted({len(s) for s in sents}):
-        idx = [i for i, s in enumerate(sents) if len(s) == T]
-        ids = torch.tensor([sents[i] for i in idx], device=device)         # (n, T)
-        copies = ids.repeat_interleave(T, 0)                                 # (n T, T): copy j masks position j
-        target = torch.eye(T, dtype=torch.bool, device=device).repeat(len(idx), 1)
-        lp = []
-        for c in range(0, len(copies), max(1, batch_tokens // T)):
-            sl = slice(c, c + max(1, batch_tokens // T))
-            _, logits = model(copies[sl].masked_fill(target[sl], MASK), predict=target[sl])
-            lp.append(logits.float().log_softmax(-1).gather(1, copies[sl][target[sl]][:, None]).squeeze(1))
-        lp = torch.cat(lp).view(len(idx), T)
-        out.update({i: lp[r] for r, i in enumerate(idx)})
-    return [out[i] for i in range(len(sents))]
-
-
-@torch.no_grad()
-def pll_naive(model, sents, device):
-    """The same log-probs, one forward per masked copy."""
+def pll_naive(model, seqs, device):
+    """Log-probabilities of every token but [CLS] and [SEP], each masked in turn: one forward
+    per masked copy, in sentence and position order (evaluate.token_logprobs' order)."""
     out = []
-    for s in sents:
+    for s in seqs:
         ids = torch.tensor([s], device=device)
-        lp = []
-        for j in range(len(s)):
+        for j in range(1, len(s) - 1):
             target = torch.zeros_like(ids, dtype=torch.bool)
             target[0, j] = True
-            _, logits = model(ids.masked_fill(target, MASK), predict=target)
-            lp.append(logits.float().log_softmax(-1)[0, s[j]])
-        out.append(torch.stack(lp))
+            with autocast(device):
+                _, logits = model(ids.masked_fill(target, MASK), predict=target)
+            out.append(logits.float().log_softmax(-1)[0, s[j]].item())
     return out
 
 
 def bench_pll(args, device, tmp):
+    """evaluate.py's scorer as `evaluate.py blimp` runs it (its batch size for the device,
+    temperature 1), against one forward per masked copy."""
     rows = []
     g = torch.Generator().manual_seed(0)
     n = 8 if args.quick else 64
-    sents = [torch.randint(5, V, (int(torch.randint(8, 25, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    lengths = torch.randint(8, 25, (n,), generator=g).tolist()
+    seqs = [[CLS, *torch.randint(len(SPECIALS), V, (L,), generator=g).tolist(), SEP]
+            for L in lengths]
+    starts = torch.ones(V, dtype=torch.bool)  # word starts: unused by the plain PLL scorer
+    batched = lambda: evaluate.pll(model, seqs, [1.0], False, evaluate.BATCH_TOKENS[device.type],
+                                   device, starts, progress=False)
     for size in args.sizes:
         model = Encoder(ModelConfig(**PRESETS[size], vocab_size=V)).to(device).eval()
-        a, b = pll_batched(model, sents, device), pll_naive(model, sents, device)
-        err = max((x - y).abs().max().item() for x, y in zip(a, b))
-        assert err < 1e-3, f"batched and naive PLL differ by {err}"
+        _, _, lp = evaluate.token_logprobs(model, seqs, [1.0], False,
+                                           evaluate.BATCH_TOKENS[device.type], device, starts,
+                                           progress=False)
+        err = float(abs(lp[:, 0] - pll_naive(model, seqs, device)).max())
+        if not use_bf16(device):  # float32: the two must agree (in bf16 only roughly)
+            assert err < 1e-3, f"batched and naive PLL differ by {err}"
         reps = (1, 2) if args.quick else (1, 5)
-        batched = rates(lambda: pll_batched(model, sents, device), n, device, *reps)
-        naive = rates(lambda: pll_naive(model, sents, device), n, device, *((0, 1) if args.quick else (1, 2)))
-        rows.append(row("pll", f"{size}, {n} sentences of 8-24 tokens", "sentences/s", batched, "one forward per copy", naive,
-                        max_abs_diff=err))
+        ours = rates(batched, n, device, *reps)
+        naive = rates(lambda: pll_naive(model, seqs, device), n, device,
+                      *((0, 1) if args.quick else (1, 2)))
+        rows.append(row("pll", f"{size}, {n} sentences of 8-24 tokens", "sentences/s", ours,
+                        "one forward per copy", naive, max_abs_diff=err))
     return rows
 
 
@@ -295,10 +309,11 @@ def bench_sparse(args, device, tmp):
         from sklearn.decomposition import sparse_encode
     except ImportError:
         sparse_encode = None
-        print("note: scikit-learn is not installed; the sparse rows have no reference (it is never a requirement)")
+        print("note: scikit-learn is not installed; the sparse rows have no reference (it is "
+              "never a requirement)")
     lam, k = 0.05, (500 if args.quick else 2500)
     n, sk = (128, 16) if args.quick else (1024, 128)
-    objective = lambda H, D, A: (0.5 * ((H - A @ D.T) ** 2).sum(1) + lam * A.sum(1)).double().mean().item()
+    objective = lambda H, D, A: sparse.objective(H, D, A, lam).double().mean().item()
     rows = []
     for d in ([128] if args.quick else [384, 768]):
         for kind in ("isotropic", "anisotropic"):
@@ -308,18 +323,25 @@ def bench_sparse(args, device, tmp):
             if sparse_encode is not None:
                 Hn, Dn = H[:sk].cpu().double().numpy(), D.T.cpu().double().numpy()
                 for alg in ("lasso_cd", "lasso_lars") if args.sparse_all else ("lasso_cd",):
-                    t = time.perf_counter()
-                    As = sparse_encode(Hn, Dn, algorithm=alg, alpha=lam, positive=True, max_iter=1000)  # = our problem
-                    refs[alg] = ([sk / (time.perf_counter() - t)], objective(H[:sk].cpu().double(), D.cpu().double(), torch.tensor(As)))
-            variants = [("working set", 32)] + ([("plain FISTA, all atoms", 0)] if args.sparse_all else [])
+                    t = time.perf_counter()  # positive=True: our problem
+                    As = sparse_encode(Hn, Dn, algorithm=alg, alpha=lam, positive=True,
+                                       max_iter=1000)
+                    seconds = time.perf_counter() - t
+                    refs[alg] = ([sk / seconds], objective(H[:sk].cpu().double(),
+                                                           D.cpu().double(), torch.tensor(As)))
+            variants = [("working set", 32)] + ([("plain FISTA, all atoms", 0)]
+                                                if args.sparse_all else [])
             for name, work in variants:
-                A = sparse_code(H, D, lam, work=work)
-                ours = rates(lambda: sparse_code(H, D, lam, work=work), n, device, 1, 1 if args.quick else 3)
+                A = sparse.sparse_code(H, D, lam, work=work)
+                code = lambda: sparse.sparse_code(H, D, lam, work=work)
+                ours = rates(code, n, device, 1, 1 if args.quick else 3)
                 obj = objective(H[:sk], D, A[:sk])
-                for alg in (list(refs) if work else list(refs)[:1]) or [None]:   # plain FISTA: against lasso_cd only
+                algs = list(refs) if work else list(refs)[:1]  # plain FISTA: against lasso_cd
+                for alg in algs or [None]:
                     ref, ref_obj = refs[alg] if alg else (None, None)
-                    rows.append(row("sparse", f"{kind} d={d} k={k}, {name}", "vectors/s", ours, f"sklearn {alg}" if alg else "-",
-                                    ref, objective=obj, **({"ref_objective": ref_obj} if alg else {})))
+                    rows.append(row("sparse", f"{kind} d={d} k={k}, {name}", "vectors/s", ours,
+                                    f"sklearn {alg}" if alg else "-", ref, objective=obj,
+                                    **({"ref_objective": ref_obj} if alg else {})))
     return rows
 
 
@@ -332,72 +354,104 @@ def bench_sampler(args, device, tmp):
     speeds = []
     for rep in range(1 if args.quick else 3):
         out = Path(tmp) / f"synth{rep}"
-        r = subprocess.run([sys.executable, str(HERE / "synth.py"), "--ud", str(ud), "--sentences", str(n), "--seed", str(rep),
-                            "--out", str(out)], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, str(REPO / "synth.py"), "--ud", str(ud), "--sentences",
+                            str(n), "--seed", str(rep), "--out", str(out)],
+                           capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"error: synth.py failed:\n{r.stderr[-2000:]}")
         speeds.append(json.loads((out / "stats.json").read_text())["sentences_per_s"])
     return [row("sampler", f"PCFG from French UD, {n} sentences, zipf", "sentences/s", speeds)]
 
 
-BENCHES = {"step": bench_step, "bert": bench_bert, "ema": bench_ema, "pll": bench_pll, "sparse": bench_sparse, "sampler": bench_sampler}
+BENCHES = {"step": bench_step, "bert": bench_bert, "ema": bench_ema, "pll": bench_pll,
+           "sparse": bench_sparse, "sampler": bench_sampler}
 
 
-MAIN = ("bench", "case", "unit", "ours", "min", "max", "reference", "ref", "ratio")  # the table's columns
+# ---------------------------------------------------------------------------------------------
+# The table
+
+MAIN = ("bench", "case", "unit", "ours", "min", "max", "reference", "ref", "ratio")  # columns
 
 
 def fmt(x):
     return "-" if x is None else f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
+def table(saved: dict) -> str:
+    """The markdown table of a bench.json: a heading line and one row per measurement."""
+    lines = [f"bench.py on {saved['machine']}, torch {saved['torch']}, {saved['date']}; "
+             f"median [min, max] of repetitions", "",
+             "| bench | case | ours | unit | reference | reference's | ours / ref | other |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in saved["rows"]:
+        other = ", ".join(f"{k} {fmt(v) if isinstance(v, float) else v}" for k, v in r.items()
+                          if k not in MAIN and v is not None)
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        lines.append(f"| {r['bench']} | {r['case']} | {fmt(r['ours'])} [{fmt(r['min'])}, "
+                     f"{fmt(r['max'])}] | {r['unit']} | {r['reference']} | {fmt(r['ref'])} | "
+                     f"{ratio} | {other} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    ap.add_argument("--device", default=auto, choices=("cpu", "cuda"), help=f"(default {auto})")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions: seconds, for the tests")
-    ap.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated benches (default all: {','.join(BENCHES)})")
-    ap.add_argument("--sizes", default=None, help="model presets (default tiny on CPU, tiny,small,base on CUDA)")
-    ap.add_argument("--objectives", default="mlm,boot,kd,mlsm", help="step: train.py objectives, mlm first (default mlm,boot,kd,mlsm)")
-    ap.add_argument("--data", default="babylm_10m", help="step: train.py --data (default babylm_10m)")
-    ap.add_argument("--batch-size", type=int, default=None, help="step, bert: sequences per step (default 32 on CPU, 128 on CUDA; --quick 4)")
-    ap.add_argument("--seq-len", type=int, default=128, help="step, bert: tokens per sequence (default 128; --quick 32)")
-    ap.add_argument("--mlsm-k", type=int, default=2500, help="step: mlsm dictionary atoms (default 2500)")
-    ap.add_argument("--variants", action="store_true", help="bert: also ours with absolute positions, both without dropout, and both in bf16")
-    ap.add_argument("--sparse-all", action="store_true", help="sparse: also scikit-learn's lasso_lars and our plain FISTA (slow)")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="step: train.py --compile / --no-compile (default: train.py's own, on with CUDA); bert: --compile compiles both models")
-    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                    help="step, bert: bfloat16 autocast (default on with CUDA, off on the CPU; --variants adds a bf16 row on the CPU)")
-    ap.add_argument("--out", default="bench.json", help="where to write the rows (default bench.json)")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = ap.add_argument
+    add("--device", default="auto", choices=("auto", "cpu", "cuda"),
+        help="auto = cuda if available (default auto)")
+    add("--quick", action="store_true",
+        help="tiny shapes and few repetitions: seconds, for the tests")
+    add("--only", default=",".join(BENCHES),
+        help=f"comma-separated benches (default all: {','.join(BENCHES)})")
+    add("--sizes", default=None,
+        help="model presets (default tiny on CPU, tiny,small,base on CUDA)")
+    add("--objectives", default="mlm,boot,kd,mlsm",
+        help="step: train.py objectives, mlm first (default mlm,boot,kd,mlsm)")
+    add("--data", default="babylm_10m", help="step: train.py --data (default babylm_10m)")
+    add("--batch-size", type=int, default=None,
+        help="step, bert: sequences per step (default 32 on CPU, 128 on CUDA; --quick 4)")
+    add("--seq-len", type=int, default=128,
+        help="step, bert: tokens per sequence (default 128; --quick 32)")
+    add("--mlsm-k", type=int, default=2500, help="step: mlsm dictionary atoms (default 2500)")
+    add("--variants", action="store_true", help="bert: also ours with absolute positions, both "
+        "without dropout, and both in bf16")
+    add("--sparse-all", action="store_true",
+        help="sparse: also scikit-learn's lasso_lars and our plain FISTA (slow)")
+    add("--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="step: train.py --compile / --no-compile (default: train.py's own, on with CUDA); "
+        "bert: --compile compiles both models")
+    add("--bf16", action=argparse.BooleanOptionalAction, default=None,
+        help="step, bert: bfloat16 autocast (default on with CUDA, off on the CPU; --variants "
+        "adds a bf16 row on the CPU)")
+    add("--out", default="bench.json", help="where to write the rows (default bench.json)")
+    add("--table", default=None, help="print the table of this bench.json and stop")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but no CUDA device is visible")
-    args.sizes = (args.sizes or ("tiny" if args.quick or device.type == "cpu" else "tiny,small,base")).split(",")
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return json.loads(Path(args.table).read_text())["rows"]
+    device = pick_device(args.device)
+    cpu = device.type == "cpu"
+    args.sizes = (args.sizes or ("tiny" if args.quick or cpu else "tiny,small,base")).split(",")
     args.objectives = args.objectives.split(",")
-    args.batch_size = args.batch_size or (4 if args.quick else 32 if device.type == "cpu" else 128)
+    args.batch_size = args.batch_size or (4 if args.quick else 32 if cpu else 128)
     if args.quick:
         args.seq_len = min(args.seq_len, 32)
     unknown = set(args.only.split(",")) - set(BENCHES)
     if unknown:
-        raise SystemExit(f"error: --only {','.join(sorted(unknown))}: not one of {','.join(BENCHES)}")
+        raise SystemExit(f"error: --only {','.join(sorted(unknown))}: not one of "
+                         f"{','.join(BENCHES)}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only.split(","):
             t = time.time()
             rows += BENCHES[name](args, device, tmp)
             print(f"{name}: {time.time() - t:.0f}s", file=sys.stderr)
-    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    print(f"\nbench.py on {machine}, torch {torch.__version__}, {datetime.date.today()}; median [min, max] of repetitions")
-    print("| bench | case | ours | unit | reference | reference's | ours / ref | other |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        other = ", ".join(f"{k} {fmt(v) if isinstance(v, float) else v}" for k, v in r.items() if k not in MAIN and v is not None)
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        print(f"| {r['bench']} | {r['case']} | {fmt(r['ours'])} [{fmt(r['min'])}, {fmt(r['max'])}] | {r['unit']} | "
-              f"{r['reference']} | {fmt(r['ref'])} | {ratio} | {other} |")
-    Path(args.out).write_text(json.dumps({"machine": machine, "device": device.type, "torch": torch.__version__,
-                                          "date": str(datetime.date.today()), "args": vars(args), "rows": rows}, indent=1))
+    machine = (torch.cuda.get_device_name(device) if not cpu
+               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    saved = {"machine": machine, "device": device.type, "torch": torch.__version__,
+             "date": str(datetime.date.today()), "args": vars(args), "rows": rows}
+    print("\n" + table(saved))
+    Path(args.out).write_text(json.dumps(saved, indent=1))
     print(f"wrote {args.out}")
     return rows
 

@@ -2,8 +2,10 @@
 (Super)GLUE/MSGS fine-tuning, and the Multi-Bootstrap to compare two pretraining procedures.
 
     E=../shared/data/babylm_eval
-    python evaluate.py blimp --ckpt runs/X/ckpt.pt --blimp-dir $E/fast_eval/blimp_fast $E/fast_eval/supplement_fast
-    python evaluate.py finetune --ckpt runs/X/ckpt.pt --task rte --data-dir $E/full_eval/glue_filtered --seeds 1,2,3
+    python evaluate.py blimp --ckpt runs/X/ckpt.pt \
+        --blimp-dir $E/fast_eval/blimp_fast $E/fast_eval/supplement_fast
+    python evaluate.py finetune --ckpt runs/X/ckpt.pt --task rte \
+        --data-dir $E/full_eval/glue_filtered --seeds 1,2,3
     python evaluate.py compare "runs/mlm_s*/eval/blimp.json" "runs/boot_s*/eval/blimp.json"
     python evaluate.py weights --ckpt runs/X/ckpt.pt
 
@@ -31,22 +33,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from data.prepare import CLS, MASK, MSGS, PAD, SEP, TASKS, pad, read_jsonl, read_task
-from model import load_checkpoint
+from data.prepare import (CLS, MASK, MSGS, PAD, SEP, TASKS, Examples, pad, read_jsonl,
+                          read_task)
+from model import autocast, load_checkpoint, pick_device
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared: files, devices, output
-
-def pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but no CUDA device is visible")
-    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
-
-
-def autocast(device):
-    return torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-
+# Output: RUN/eval/NAME.json next to the checkpoint
 
 def write_result(result: dict, out, ckpt, name: str) -> Path:
     path = Path(out) if out else Path(ckpt).parent / "eval" / f"{name}.json"
@@ -60,7 +53,8 @@ def write_result(result: dict, out, ckpt, name: str) -> Path:
 # bootstrap can score thousands of resamples at once
 
 def confusion(labels, preds, k: int) -> np.ndarray:
-    return np.bincount(np.asarray(labels) * k + np.asarray(preds), minlength=k * k).reshape(k, k).astype(float)
+    cells = np.asarray(labels) * k + np.asarray(preds)
+    return np.bincount(cells, minlength=k * k).reshape(k, k).astype(float)
 
 
 def accuracy(cm):
@@ -88,6 +82,9 @@ METRICS = {"accuracy": accuracy, "f1": f1, "mcc": mcc}
 # ---------------------------------------------------------------------------------------------
 # BLiMP: pseudo-log-likelihood
 
+# tokens per PLL batch: on the CPU the fastest of 2k/4k/16k, measured on 3,000 sentences
+BATCH_TOKENS = {"cpu": 4096, "cuda": 32768}
+
 # BLiMP's 12 phenomena (Warstadt et al. 2020, Table 4), the grouping the BabyLM pipeline reports.
 # The jsonl files label the two animate_subject paradigms "s-selection"; the paper counts them
 # under argument structure.
@@ -112,20 +109,23 @@ def read_blimp(dirs) -> list[dict]:
             if None in ids or len(set(ids)) < len(ids):
                 ids = list(range(len(rows)))  # the supplement has no unique pair id: use the line
             for n, (r, pid) in enumerate(zip(rows, ids), 1):
-                if not isinstance(r.get("sentence_good"), str) or not isinstance(r.get("sentence_bad"), str):
+                good, bad = r.get("sentence_good"), r.get("sentence_bad")
+                if not isinstance(good, str) or not isinstance(bad, str):
                     raise SystemExit(f"error: {f}:{n} has no sentence_good/sentence_bad strings")
                 uid = r.get("UID", f.stem)
                 term = r.get("linguistics_term", f.stem)
-                pairs.append({"id": f"{uid}/{pid}", "uid": uid, "group": d.name, "field": r.get("field", "supplement"),
-                              "phenomenon": PHENOMENON.get(term, term), "good": r["sentence_good"], "bad": r["sentence_bad"]})
+                pairs.append({"id": f"{uid}/{pid}", "uid": uid, "group": d.name,
+                              "field": r.get("field", "supplement"),
+                              "phenomenon": PHENOMENON.get(term, term), "good": good, "bad": bad})
     return pairs
 
 
 def word_starts(tok) -> torch.Tensor:
     """(V,) bool: does this piece begin a word? Sentencepiece marks word starts with U+2581;
     specials are words of their own; byte pieces continue the word they are in."""
-    return torch.tensor([tok.is_control(i) or tok.is_unknown(i) or tok.id_to_piece(i).startswith("\u2581")
-                         for i in range(tok.get_piece_size())])
+    special = lambda i: tok.is_control(i) or tok.is_unknown(i)
+    starts = lambda i: special(i) or tok.id_to_piece(i).startswith("\u2581")
+    return torch.tensor([starts(i) for i in range(tok.get_piece_size())])
 
 
 @torch.no_grad()
@@ -147,7 +147,8 @@ def token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progre
     batches = []
     for length in np.unique(L):
         copies = np.flatnonzero(L[sent] == length)
-        batches += [(length, c) for c in np.array_split(copies, math.ceil(len(copies) * length / batch_tokens))]
+        parts = math.ceil(len(copies) * length / batch_tokens)
+        batches += [(length, c) for c in np.array_split(copies, parts)]
     for length, c in tqdm(batches, desc="PLL", unit="batch", disable=None if progress else True):
         rows = torch.from_numpy(ids[sent[c], :length]).to(device)
         w = torch.from_numpy(words[sent[c], :length]).to(device)
@@ -159,7 +160,7 @@ def token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progre
             _, logits = model(rows.masked_fill(hide, MASK), predict=target)  # (n, V), row order
         z = logits.float()
         z_target = z.gather(1, rows.gather(1, p))                      # (n, 1)
-        lp = [z_target[:, 0] / t - (z / t).logsumexp(-1) for t in temps]  # log softmax(z / t)[target]
+        lp = [z_target[:, 0] / t - (z / t).logsumexp(-1) for t in temps]  # log softmax(z/t)[target]
         out[c] = torch.stack(lp, 1).double().cpu().numpy()
     return sent, pos, out
 
@@ -191,7 +192,8 @@ def choose_temperature(correct, uids, halves, temps) -> int:
     if not sel.any():  # too few pairs for a selection half: no choice to make, T = 1
         return min(range(len(temps)), key=lambda t: abs(math.log(temps[t])))
     acc = macro(correct[sel], np.asarray(uids)[sel])
-    return max(range(len(temps)), key=lambda t: (round(float(acc[t]), 12), -abs(math.log(temps[t]))))
+    return max(range(len(temps)),
+               key=lambda t: (round(float(acc[t]), 12), -abs(math.log(temps[t]))))
 
 
 def blimp(args):
@@ -203,10 +205,12 @@ def blimp(args):
     sentences = [p["good"] for p in pairs] + [p["bad"] for p in pairs]
     seqs = [[CLS] + s + [SEP] for s in tok.encode(sentences)]
     if max(map(len, seqs)) > model.config.max_position:
-        raise SystemExit(f"error: a sentence has {max(map(len, seqs))} tokens, more than the model's {model.config.max_position}")
+        raise SystemExit(f"error: a sentence has {max(map(len, seqs))} tokens, more than the "
+                         f"model's {model.config.max_position}")
     t0 = time.time()
-    batch_tokens = args.batch_tokens or (32768 if device.type == "cuda" else 4096)
-    scores = pll(model, seqs, temps, args.scorer == "word-l2r", batch_tokens, device, word_starts(tok))
+    batch_tokens = args.batch_tokens or BATCH_TOKENS[device.type]
+    l2r = args.scorer == "word-l2r"
+    scores = pll(model, seqs, temps, l2r, batch_tokens, device, word_starts(tok))
     seconds = time.time() - t0
     good, bad = scores[:len(pairs)], scores[len(pairs):]
     correct = good > bad                                             # (P, T); ties are wrong
@@ -216,47 +220,57 @@ def blimp(args):
     report = halves == 1
 
     groups = np.array([p["group"] for p in pairs])
-    acc = lambda m, t: float(correct[m, t].mean()) if m.any() else float("nan")  # nan: no pair in that half
+    # nan where no pair is in that half
+    acc = lambda m, t: float(correct[m, t].mean()) if m.any() else float("nan")
 
-    def table(key):  # {group: {value: [acc T=1, acc T=1 report half, acc best T report half, pairs]}}
+    def table(key):  # {group: {value: [acc T=1, acc T=1 and T* on the report half, pairs]}}
         values = np.array([p[key] for p in pairs])
         out = {}
         for g, v in sorted(set(zip(groups, values))):
             m = (groups == g) & (values == v)
-            out.setdefault(str(g), {})[str(v)] = [acc(m, t1), acc(m & report, t1), acc(m & report, best), int(m.sum())]
+            row = [acc(m, t1), acc(m & report, t1), acc(m & report, best), int(m.sum())]
+            out.setdefault(str(g), {})[str(v)] = row
         return out
 
     paradigms, phenomena = table("uid"), table("phenomenon")
     summary = {g: {"macro_paradigms": np.mean([r[:3] for r in rows.values()], 0).tolist(),
                    "macro_phenomena": np.mean([r[:3] for r in phenomena[g].values()], 0).tolist()}
                for g, rows in paradigms.items()}
-    line = lambda name, r: f"  {name:<42} {100 * r[0]:6.1f} {100 * r[1]:8.1f} {100 * r[2]:8.1f}" + (f" {r[3]:6d}" if len(r) > 3 else "")
+    line = lambda name, r: (f"  {name:<42} {100 * r[0]:6.1f} {100 * r[1]:8.1f} {100 * r[2]:8.1f}"
+                            + (f" {r[3]:6d}" if len(r) > 3 else ""))
     head = f"  {'':<42} {'T=1':>6} {'T=1 rep':>8} {f'T*={temps[best]:g} rep':>8}"
     for name, tab in (("paradigm", paradigms), ("phenomenon", phenomena)):
         for g, rows in tab.items():
             if name == "phenomenon" and rows.keys() == paradigms[g].keys():
                 continue  # one paradigm per phenomenon (the supplement): the table above again
-            print(f"\n{g}, per {name} (accuracy %; 'rep' = the reporting half of the pairs)\n{head}  pairs")
+            print(f"\n{g}, per {name} (accuracy %; 'rep' = the reporting half of the pairs)\n"
+                  f"{head}  pairs")
             for k, r in rows.items():
                 print(line(k, r))
     print(f"\nmacro averages (T*={temps[best]:g} chosen on the other half of the pairs)\n{head}")
     for g, s in summary.items():
         print(line(f"{g}: over paradigms", s["macro_paradigms"]))
         print(line(f"{g}: over phenomena", s["macro_phenomena"]))
-    print(f"\n{len(seqs)} sentences in {seconds:.1f}s: {len(seqs) / seconds:.0f} sentences/s on {device}")
+    print(f"\n{len(seqs)} sentences in {seconds:.1f}s: {len(seqs) / seconds:.0f} sentences/s "
+          f"on {device}")
 
     name = "blimp" + ("_l2r" if args.scorer == "word-l2r" else "")
     result = {
-        "kind": "blimp", "ckpt": str(args.ckpt), "pretrain_seed": model.train_args.get("seed"), "scorer": args.scorer,
-        "dirs": [str(d) for d in args.blimp_dir], "temperatures": temps, "best_temperature": temps[best],
-        "sentences_per_s": len(seqs) / seconds, "summary": summary, "paradigms": paradigms, "phenomena": phenomena,
-        "pairs": [{"id": p["id"], "uid": p["uid"], "group": p["group"], "phenomenon": p["phenomenon"], "half": int(h),
-                   "good": g.tolist(), "bad": b.tolist()} for p, h, g, b in zip(pairs, halves, good, bad)],
+        "kind": "blimp", "ckpt": str(args.ckpt), "pretrain_seed": model.train_args.get("seed"),
+        "scorer": args.scorer, "dirs": [str(d) for d in args.blimp_dir], "temperatures": temps,
+        "best_temperature": temps[best], "sentences_per_s": len(seqs) / seconds,
+        "summary": summary, "paradigms": paradigms, "phenomena": phenomena,
+        "pairs": [{"id": p["id"], "uid": p["uid"], "group": p["group"],
+                   "phenomenon": p["phenomenon"], "half": int(h), "good": g.tolist(),
+                   "bad": b.tolist()} for p, h, g, b in zip(pairs, halves, good, bad)],
         # for `compare`: one row per pair, label 1 = "good wins", prediction = did it win
-        "examples": {"id": [p["id"] for p in pairs], "label": [1] * len(pairs), "pred": [correct[:, t1].astype(int).tolist()],
+        "examples": {"id": [p["id"] for p in pairs], "label": [1] * len(pairs),
+                     "pred": [correct[:, t1].astype(int).tolist()],
                      "metric": "accuracy", "k": 2},
-        "examples_best_t": {"id": [p["id"] for p, r in zip(pairs, report) if r], "label": [1] * int(report.sum()),
-                            "pred": [correct[report, best].astype(int).tolist()], "metric": "accuracy", "k": 2},
+        "examples_best_t": {"id": [p["id"] for p, r in zip(pairs, report) if r],
+                            "label": [1] * int(report.sum()),
+                            "pred": [correct[report, best].astype(int).tolist()],
+                            "metric": "accuracy", "k": 2},
     }
     print(f"wrote {write_result(result, args.out, args.ckpt, name)}")
 
@@ -272,7 +286,8 @@ class Classifier(nn.Module):
         super().__init__()
         d, p = encoder.config.d_model, encoder.config.dropout
         self.encoder = encoder
-        self.head = nn.Sequential(nn.Dropout(p), nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d), nn.Dropout(p), nn.Linear(d, k))
+        self.head = nn.Sequential(nn.Dropout(p), nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d),
+                                  nn.Dropout(p), nn.Linear(d, k))
 
     def forward(self, ids, mask):
         return self.head(self.encoder(ids, mask)[:, 0])
@@ -312,7 +327,8 @@ def predict(model, seqs, batch_size, device) -> np.ndarray:
     return preds
 
 
-def finetune_once(args, encoder, task, train, valid, dev, seed, device) -> dict:
+def finetune_once(args, encoder, task, train: Examples, valid: Examples, dev: Examples | None,
+                  seed, device) -> dict:
     """One fine-tuning run: AdamW, linear warmup (10%) and decay, early stopping with --patience
     epochs on the first metric of `dev` (the validation set itself when dev is None, as the
     BabyLM pipeline does); returns the chosen epoch's validation predictions and metrics."""
@@ -320,34 +336,41 @@ def finetune_once(args, encoder, task, train, valid, dev, seed, device) -> dict:
     torch.manual_seed(seed)
     model = Classifier(copy.deepcopy(encoder), k).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    steps = args.epochs * math.ceil(len(train[0]) / args.batch_size)
+    steps = args.epochs * math.ceil(len(train.seqs) / args.batch_size)
     warmup = max(1, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / (steps - warmup))))
+    rate = lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / (steps - warmup)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
     rng = np.random.default_rng(seed)
-    lengths = np.array([len(s) for s in train[0]])
+    lengths = np.array([len(s) for s in train.seqs])
+    score = lambda data, preds, metric: float(METRICS[metric](confusion(data.labels, preds, k)))
     best, waited, t0 = None, 0, time.time()
     for epoch in range(1, args.epochs + 1):
         if args.group_by_length:
             batches = length_grouped(lengths, args.batch_size, rng)
         else:
-            order = rng.permutation(len(train[0]))
+            order = rng.permutation(len(train.seqs))
             batches = [order[i:i + args.batch_size] for i in range(0, len(order), args.batch_size)]
         for idx in tqdm(batches, desc=f"seed {seed} epoch {epoch}", leave=False, disable=None):
             with autocast(device):
-                loss = F.cross_entropy(model(*padded(train[0], idx, device)).float(), torch.from_numpy(train[1][idx]).to(device))
+                logits = model(*padded(train.seqs, idx, device)).float()
+                loss = F.cross_entropy(logits, torch.from_numpy(train.labels[idx]).to(device))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-        preds = predict(model, valid[0], args.batch_size * 2, device)
-        scores = {m: float(METRICS[m](confusion(valid[1], preds, k))) for m in metrics}
-        judge = scores[metrics[0]] if dev is None else \
-            float(METRICS[metrics[0]](confusion(dev[1], predict(model, dev[0], args.batch_size * 2, device), k)))
-        print(f"  seed {seed} epoch {epoch}: " + ", ".join(f"{m} {v:.4f}" for m, v in scores.items()) +
-              ("" if dev is None else f" | held-out train {metrics[0]} {judge:.4f}"))
+        preds = predict(model, valid.seqs, args.batch_size * 2, device)
+        scores = {m: score(valid, preds, m) for m in metrics}
+        if dev is None:
+            judge = scores[metrics[0]]
+        else:
+            judge = score(dev, predict(model, dev.seqs, args.batch_size * 2, device), metrics[0])
+        held_out = "" if dev is None else f" | held-out train {metrics[0]} {judge:.4f}"
+        print(f"  seed {seed} epoch {epoch}: "
+              + ", ".join(f"{m} {v:.4f}" for m, v in scores.items()) + held_out)
         if best is None or judge > best["selected_by"]:
-            best, waited = {"metrics": scores, "epoch": epoch, "pred": preds.tolist(), "selected_by": judge}, 0
+            best = {"metrics": scores, "epoch": epoch, "pred": preds.tolist(), "selected_by": judge}
+            waited = 0
         else:
             waited += 1
             if waited >= args.patience:
@@ -360,27 +383,34 @@ def finetune(args):
     encoder, tok = load_checkpoint(args.ckpt, "cpu")
     if not Path(args.data_dir).is_dir():
         raise SystemExit(f"error: no task folder at {args.data_dir}")
-    train = read_task(args.data_dir, args.task, "train", tok, args.max_len)[:2]
+    train = read_task(args.data_dir, args.task, "train", tok, args.max_len)
     valid = read_task(args.data_dir, args.task, "valid", tok, args.max_len)
     dev = None
     if args.holdout > 0:  # choose the epoch on held-out training examples: validation stays unseen
-        perm = np.random.default_rng(0).permutation(len(train[1]))
+        perm = np.random.default_rng(0).permutation(len(train.labels))
         cut = int(len(perm) * args.holdout)
-        dev = ([train[0][i] for i in perm[:cut]], train[1][perm[:cut]])
-        train = ([train[0][i] for i in perm[cut:]], train[1][perm[cut:]])
+        dev, train = train.take(perm[:cut]), train.take(perm[cut:])
     _, k, metrics = TASKS.get(args.task, MSGS)
-    print(f"{args.task}: {len(train[0])} train, {len(valid[0])} validation examples, {k} classes, seeds {args.seeds}; "
-          f"epochs chosen on {'the validation set (optimistic)' if dev is None else f'{len(dev[0])} held-out training examples'}")
-    runs = {seed: finetune_once(args, encoder, args.task, train, valid[:2], dev, seed, device) for seed in args.seeds}
-    aggregate = {m: {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0, "values": v}
-                 for m in metrics for v in [[r["metrics"][m] for r in runs.values()]]}
-    print(f"{args.task} validation over {len(runs)} seeds: " +
-          ", ".join(f"{m} {100 * a['mean']:.2f} ± {100 * a['std']:.2f}" for m, a in aggregate.items()))
-    result = {"kind": "finetune", "task": args.task, "ckpt": str(args.ckpt), "pretrain_seed": encoder.train_args.get("seed"),
+    chosen = ("the validation set (optimistic)" if dev is None
+              else f"{len(dev.seqs)} held-out training examples")
+    print(f"{args.task}: {len(train.seqs)} train, {len(valid.seqs)} validation examples, {k} "
+          f"classes, seeds {args.seeds}; epochs chosen on {chosen}")
+    runs = {seed: finetune_once(args, encoder, args.task, train, valid, dev, seed, device)
+            for seed in args.seeds}
+    aggregate = {}
+    for m in metrics:
+        v = [r["metrics"][m] for r in runs.values()]
+        std = float(np.std(v, ddof=1)) if len(v) > 1 else 0.0
+        aggregate[m] = {"mean": float(np.mean(v)), "std": std, "values": v}
+    print(f"{args.task} validation over {len(runs)} seeds: " + ", ".join(
+        f"{m} {100 * a['mean']:.2f} ± {100 * a['std']:.2f}" for m, a in aggregate.items()))
+    result = {"kind": "finetune", "task": args.task, "ckpt": str(args.ckpt),
+              "pretrain_seed": encoder.train_args.get("seed"),
               "settings": {k_: v for k_, v in vars(args).items() if k_ not in ("func",)},
               "aggregate": aggregate, "runs": {str(s): r for s, r in runs.items()},
-              "examples": {"id": valid[2], "label": valid[1].tolist(), "pred": [r["pred"] for r in runs.values()],
-                           "metric": metrics[0], "k": k}}
+              "examples": {"id": valid.ids, "label": valid.labels.tolist(),
+                           "pred": [r["pred"] for r in runs.values()], "metric": metrics[0],
+                           "k": k}}
     print(f"wrote {write_result(result, args.out, args.ckpt, args.task)}")
 
 
@@ -397,7 +427,8 @@ def load_examples(path: Path, key: str) -> dict:
 
 
 def bootstrap_counts(rng, n, size) -> np.ndarray:
-    """(size, n): how often each of n items is drawn in each of `size` resamples of n with replacement."""
+    """(size, n): how often each of n items is drawn in each of `size` resamples of n with
+    replacement."""
     draws = rng.integers(0, n, (size, n)) + n * np.arange(size)[:, None]
     return np.bincount(draws.ravel(), minlength=size * n).reshape(size, n).astype(np.float32)
 
@@ -412,24 +443,28 @@ def multibootstrap(A: list[dict], B: list[dict], nboot=1000, seed=0, block=100) 
         raise SystemExit("error: the results to compare use different metrics or label sets")
     for side in (A, B):
         if any(r["id"] != side[0]["id"] for r in side):
-            raise SystemExit(f"error: {side[0]['path']} and its siblings were scored on different examples")
+            raise SystemExit(f"error: {side[0]['path']} and its siblings were scored on "
+                             f"different examples")
     paired_examples = sorted(A[0]["id"]) == sorted(B[0]["id"])
     if paired_examples:  # put B's examples in A's order
         where = {e: i for i, e in enumerate(B[0]["id"])}
         order = np.array([where[e] for e in A[0]["id"]])
         B = [{**r, "label": r["label"][order], "pred": r["pred"][:, order]} for r in B]
     seeds_a, seeds_b = [r["seed"] for r in A], [r["seed"] for r in B]
-    paired_seeds = None not in seeds_a and sorted(seeds_a) == sorted(seeds_b) and len(set(seeds_a)) == len(seeds_a)
+    distinct = None not in seeds_a and len(set(seeds_a)) == len(seeds_a)
+    paired_seeds = distinct and sorted(seeds_a) == sorted(seeds_b)
     if paired_seeds:
         B = sorted(B, key=lambda r: seeds_a.index(r["seed"]))
     fn = METRICS[metric]
 
     def indicators(r):  # (F * k*k, N): one row per (fine-tuning seed, confusion cell)
         cells = r["label"][None, :] * k + r["pred"]                               # (F, N)
-        return (cells[:, None, :] == np.arange(k * k)[None, :, None]).reshape(-1, cells.shape[1]).astype(np.float32)
+        hits = cells[:, None, :] == np.arange(k * k)[None, :, None]               # (F, k*k, N)
+        return hits.reshape(-1, cells.shape[1]).astype(np.float32)
 
     def stat(side, rows, U, W):  # U (N, b) example counts, W (S, b) seed counts -> (b,)
-        per_seed = [fn(np.moveaxis((R @ U).reshape(-1, k, k, U.shape[1]), -1, 0)).mean(1) for R in rows]  # S x (b,)
+        cms = [np.moveaxis((R @ U).reshape(-1, k, k, U.shape[1]), -1, 0) for R in rows]
+        per_seed = [fn(cm).mean(1) for cm in cms]                      # S x (b,): mean over F
         return (W * np.stack(per_seed)).sum(0) / len(side)
 
     rows_a, rows_b = [indicators(r) for r in A], [indicators(r) for r in B]
@@ -448,11 +483,13 @@ def multibootstrap(A: list[dict], B: list[dict], nboot=1000, seed=0, block=100) 
         diffs.append(stat(B, rows_b, U_b, W_b) - stat(A, rows_a, U_a, W_a))
     diffs = np.concatenate(diffs)
     lo, hi = np.percentile(diffs, [2.5, 97.5])
-    return {"metric": metric, "mean_a": mean_a, "mean_b": mean_b, "diff": mean_b - mean_a, "ci95": [float(lo), float(hi)],
-            # one-sided: how often B is not better than A; exact ties count half (mid-p), so identical
-            # inputs give 0.5 rather than 1
+    return {"metric": metric, "mean_a": mean_a, "mean_b": mean_b, "diff": mean_b - mean_a,
+            "ci95": [float(lo), float(hi)],
+            # one-sided: how often B is not better than A; exact ties count half (mid-p), so
+            # identical inputs give 0.5 rather than 1
             "p": float((diffs < 0).mean() + 0.5 * (diffs == 0).mean()), "nboot": nboot,
-            "paired_seeds": paired_seeds, "paired_examples": paired_examples, "seeds_a": seeds_a, "seeds_b": seeds_b}
+            "paired_seeds": paired_seeds, "paired_examples": paired_examples,
+            "seeds_a": seeds_a, "seeds_b": seeds_b}
 
 
 def expand(patterns) -> list[list[Path]]:
@@ -470,7 +507,8 @@ def expand(patterns) -> list[list[Path]]:
     for p in patterns:
         groups.setdefault(Path(p).parent, []).append(Path(p))
     if len(groups) != 2:
-        raise SystemExit("error: give two groups of results: `compare 'A/*.json' 'B/*.json'` (quoted globs) or two folders")
+        raise SystemExit("error: give two groups of results: `compare 'A/*.json' 'B/*.json'` "
+                         "(quoted globs) or two folders")
     return list(groups.values())
 
 
@@ -479,12 +517,16 @@ def compare(args):
     A = [load_examples(f, args.examples) for f in a_files]
     B = [load_examples(f, args.examples) for f in b_files]
     r = multibootstrap(A, B, args.nboot, args.seed)
+    paired = lambda key: "paired" if r[key] else "unpaired"
     print(f"A: {len(A)} seeds {r['seeds_a']}, B: {len(B)} seeds {r['seeds_b']}; {r['metric']}; "
-          f"seeds {'paired' if r['paired_seeds'] else 'unpaired'}, examples {'paired' if r['paired_examples'] else 'unpaired'}")
-    print(f"mean A {100 * r['mean_a']:.2f} | mean B {100 * r['mean_b']:.2f} | B - A {100 * r['diff']:+.2f} "
-          f"(95% CI {100 * r['ci95'][0]:+.2f} .. {100 * r['ci95'][1]:+.2f}) | p = P(B - A <= 0) = {r['p']:.4f}  [{r['nboot']} resamples]")
+          f"seeds {paired('paired_seeds')}, examples {paired('paired_examples')}")
+    lo, hi = (100 * x for x in r["ci95"])
+    print(f"mean A {100 * r['mean_a']:.2f} | mean B {100 * r['mean_b']:.2f} | B - A "
+          f"{100 * r['diff']:+.2f} (95% CI {lo:+.2f} .. {hi:+.2f}) | p = P(B - A <= 0) = "
+          f"{r['p']:.4f}  [{r['nboot']} resamples]")
     if args.out:
-        Path(args.out).write_text(json.dumps({**r, "a": list(map(str, a_files)), "b": list(map(str, b_files))}, indent=1))
+        files = {"a": list(map(str, a_files)), "b": list(map(str, b_files))}
+        Path(args.out).write_text(json.dumps({**r, **files}, indent=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,7 +544,8 @@ def weight_stats(model) -> list[dict]:
     rows = []
     for key, ts in groups.items():
         w = torch.cat(ts)
-        rows.append(dict(module=key, params=w.numel(), mean=w.mean().item(), std=w.std().item() if w.numel() > 1 else 0.0,
+        std = w.std().item() if w.numel() > 1 else 0.0
+        rows.append(dict(module=key, params=w.numel(), mean=w.mean().item(), std=std,
                          max_abs=w.abs().max().item()))
     return rows
 
@@ -512,60 +555,80 @@ def weights(args):
     rows = weight_stats(model)
     print(f"{'module':<22} {'params':>9} {'mean':>10} {'std':>9} {'max |w|':>9}")
     for r in rows:
-        print(f"{r['module']:<22} {r['params']:9d} {r['mean']:10.5f} {r['std']:9.5f} {r['max_abs']:9.4f}")
-    out = Path(args.out) if args.out else Path(args.ckpt).parent / "eval" / "weights.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"ckpt": str(args.ckpt), "modules": rows}, indent=1))
+        print(f"{r['module']:<22} {r['params']:9d} {r['mean']:10.5f} {r['std']:9.5f} "
+              f"{r['max_abs']:9.4f}")
+    write_result({"ckpt": str(args.ckpt), "modules": rows}, args.out, args.ckpt, "weights")
 
 
 # ---------------------------------------------------------------------------------------------
 # Command line
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     floats = lambda s: [float(x) for x in s.split(",")]
     ints = lambda s: [int(x) for x in s.split(",")]
+    common = lambda p, out: (
+        p.add_argument("--ckpt", required=True, help="checkpoint written by train.py"),
+        p.add_argument("--out", default=None, help=f"result JSON (default RUN/eval/{out}.json)"))
+    device = lambda p: p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                                      help="(default auto)")
 
     b = sub.add_parser("blimp", help="zero-shot BLiMP by pseudo-log-likelihood")
-    b.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
-    b.add_argument("--blimp-dir", required=True, nargs="+", help="folder(s) of BLiMP-style *.jsonl, one paradigm per file")
-    b.add_argument("--scorer", default="pll", choices=["pll", "word-l2r"], help="PLL (Salazar et al.) or PLL-word-l2r (Kauf & Ivanova) (default pll)")
-    b.add_argument("--temperatures", type=floats, default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0], help="comma-separated grid; 1 is always added (default 0.5,0.75,1,1.5,2,3)")
-    b.add_argument("--batch-tokens", type=int, default=None, help="tokens per scoring batch (default 4096 on CPU, the fastest of 2k/4k/16k measured; 32768 on CUDA)")
-    b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default auto)")
-    b.add_argument("--out", default=None, help="result JSON (default RUN/eval/blimp.json)")
+    common(b, "blimp")
+    add = b.add_argument
+    add("--blimp-dir", required=True, nargs="+",
+        help="folder(s) of BLiMP-style *.jsonl, one paradigm per file")
+    add("--scorer", default="pll", choices=["pll", "word-l2r"],
+        help="PLL (Salazar et al.) or PLL-word-l2r (Kauf & Ivanova) (default pll)")
+    add("--temperatures", type=floats, default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0],
+        help="comma-separated grid; 1 is always added (default 0.5,0.75,1,1.5,2,3)")
+    add("--batch-tokens", type=int, default=None, help="tokens per scoring batch (default 4096 "
+        "on CPU, the fastest of 2k/4k/16k measured; 32768 on CUDA)")
+    device(b)
     b.set_defaults(func=blimp)
 
-    f = sub.add_parser("finetune", help="fine-tune on a (Super)GLUE or MSGS task and score its validation set")
-    f.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
-    f.add_argument("--task", required=True, help=f"{', '.join(TASKS)}, or any name with MSGS-style files (sentence, label; MCC)")
-    f.add_argument("--data-dir", required=True, help="folder with TASK.train.jsonl and TASK.valid.jsonl")
-    f.add_argument("--seeds", type=ints, default=[1], help="comma-separated fine-tuning seeds; mean ± std over them (default 1)")
-    f.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5)")
-    f.add_argument("--weight-decay", type=float, default=0.01, help="(default 0.01)")
-    f.add_argument("--batch-size", type=int, default=32, help="(default 32)")
-    f.add_argument("--epochs", type=int, default=10, help="at most this many epochs (default 10)")
-    f.add_argument("--patience", type=int, default=3, help="stop after this many epochs without a better validation score (default 3)")
-    f.add_argument("--holdout", type=float, default=0.0, help="choose the epoch on this fraction of the training set instead of on the validation set it reports (default 0: as the BabyLM pipeline)")
-    f.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
-                   help="training batches of similar lengths, so less of each is padding (default on; --no-group-by-length: plain shuffled batches)")
-    f.add_argument("--max-len", type=int, default=128, help="tokens per example, longer pairs truncated longest-first (default 128)")
-    f.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="(default auto)")
-    f.add_argument("--out", default=None, help="result JSON (default RUN/eval/TASK.json)")
+    f = sub.add_parser("finetune",
+                       help="fine-tune on a (Super)GLUE or MSGS task and score its validation set")
+    common(f, "TASK")
+    add = f.add_argument
+    add("--task", required=True,
+        help=f"{', '.join(TASKS)}, or any name with MSGS-style files (sentence, label; MCC)")
+    add("--data-dir", required=True, help="folder with TASK.train.jsonl and TASK.valid.jsonl")
+    add("--seeds", type=ints, default=[1],
+        help="comma-separated fine-tuning seeds; mean ± std over them (default 1)")
+    add("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5)")
+    add("--weight-decay", type=float, default=0.01, help="(default 0.01)")
+    add("--batch-size", type=int, default=32, help="(default 32)")
+    add("--epochs", type=int, default=10, help="at most this many epochs (default 10)")
+    add("--patience", type=int, default=3,
+        help="stop after this many epochs without a better validation score (default 3)")
+    add("--holdout", type=float, default=0.0, help="choose the epoch on this fraction of the "
+        "training set instead of on the validation set it reports (default 0: as the BabyLM "
+        "pipeline)")
+    add("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
+        help="training batches of similar lengths, so less of each is padding (default on; "
+        "--no-group-by-length: plain shuffled batches)")
+    add("--max-len", type=int, default=128,
+        help="tokens per example, longer pairs truncated longest-first (default 128)")
+    device(f)
     f.set_defaults(func=finetune)
 
-    c = sub.add_parser("compare", help="Multi-Bootstrap of two procedures over pretraining seeds and examples")
-    c.add_argument("results", nargs="+", help="two groups of result JSONs: two folders or quoted globs, e.g. 'A/*.json' 'B/*.json'")
-    c.add_argument("--nboot", type=int, default=1000, help="bootstrap resamples (default 1000)")
-    c.add_argument("--seed", type=int, default=0, help="(default 0)")
-    c.add_argument("--examples", default="examples", help="which per-example section to use; BLiMP also has examples_best_t (default examples)")
-    c.add_argument("--out", default=None, help="also write the result to this JSON")
+    c = sub.add_parser("compare",
+                       help="Multi-Bootstrap of two procedures over pretraining seeds and examples")
+    add = c.add_argument
+    add("results", nargs="+", help="two groups of result JSONs: two folders or quoted globs, "
+        "e.g. 'A/*.json' 'B/*.json'")
+    add("--nboot", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    add("--seed", type=int, default=0, help="(default 0)")
+    add("--examples", default="examples", help="which per-example section to use; BLiMP also "
+        "has examples_best_t (default examples)")
+    add("--out", default=None, help="also write the result to this JSON")
     c.set_defaults(func=compare)
 
     w = sub.add_parser("weights", help="per-module parameter mean / std / max |w| of a checkpoint")
-    w.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
-    w.add_argument("--out", default=None, help="result JSON (default RUN/eval/weights.json)")
+    common(w, "weights")
     w.set_defaults(func=weights)
 
     args = ap.parse_args(argv)

@@ -1,11 +1,11 @@
 """Meta-learning the pretraining objective: a teacher network writes the student's pretraining
 examples and learns from how much they help the student on a labelled task.
 
-    python meta.py --task two_moons --labels hard              # 15 entries of ~72 s on one core: ~9 min with 2 workers
-    python meta.py --task two_moons --labels none,mlm,hard,soft   # the README's table (32 min)
+    python meta.py --task two_moons --labels hard     # 15 entries of ~72 s: ~9 min with 2 workers
+    python meta.py --task two_moons --labels none,mlm,hard,soft  # docs/meta_learning.md (32 min)
     python meta.py --task two_moons --labels soft --sizes 10,160 --seeds 0,1,2,3,4
-    NANOMLM_RAW=../shared/data python meta.py --task glue --data babylm_10m --glue-tasks rte,mrpc,cola \\
-        --labels hard --size tiny --steps 2000
+    NANOMLM_RAW=../shared/data python meta.py --task glue --data babylm_10m \\
+        --glue-tasks rte,mrpc,cola --labels hard --size tiny --steps 2000
     python evaluate.py finetune --ckpt runs/meta_glue_hard/ckpt.pt --task rte --data-dir ...
 
 Shen (2021), "Meta-learning a Language Modeling Objective" (Stanford CS330 report; code:
@@ -21,7 +21,7 @@ the student at theta0 and a support and a query batch of one labelled task:
   (1) theta1 = the student's own AdamW step on (x^, y^)      the only update the student keeps
   (2) theta2 = theta1 - eta grad L_support(theta1)            "fine-tuning"; eta = --inner-lr
   (3) L_query(theta2); the teacher learns to lower it:
-  hard labels  x^, y^ are sampled tokens; the teacher's gradient is h * grad_T CE((x^, y^), T(x_u))
+  hard labels  x^, y^ are sampled tokens; the teacher's gradient is h grad_T CE((x^, y^), T(x_u))
       with h = cos(grad L_query(theta2), theta0 - theta1): the first-order (MAML-like) MPL signal,
       in which the parameter change of the adaptive optimiser stands in for the gradient (Shen,
       eq. 8). h > 0: the pseudo example moved the student downhill on the query; make it likelier.
@@ -38,11 +38,10 @@ batches; --labels none does not pretrain at all.
 import argparse
 import contextlib
 import json
-import shutil
 import sys
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -52,11 +51,12 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from data.prepare import MASK, MSGS, PAD, TASKS, load_tokenizer, pad, prepare, raw_root, read_task
-from model import PRESETS, Encoder, ModelConfig, config_help, save_checkpoint, small_init
+from data.prepare import (MASK, MSGS, PAD, SPECIALS, TASKS, VOCAB_SIZE, load_tokenizer, pad,
+                          prepare, raw_root, read_task)
+from model import (PRESETS, REPO, Encoder, ModelConfig, RunFolder, autocast, field_help,
+                   pick_device, small_init)
 
-HERE = Path(__file__).resolve().parent
-N_SPECIAL = 5  # [PAD] [UNK] [CLS] [SEP] [MASK]: data/prepare.py's ids 0-4, kept by both tasks
+CODE = ["meta.py", "model.py", "data/prepare.py"]  # a run's code/
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,33 +70,41 @@ def extra_tokens(base: int, tasks: list[str], n_labels: int, size: int = 0) -> d
             "label": label, "vocab": max(size, label[-1] + 1)}
 
 
+class Labeled(NamedTuple):
+    x: np.ndarray | torch.Tensor  # (n, T) examples in the (x, y) format's x
+    y: np.ndarray | torch.Tensor  # (n,) their classes
+
+
 # ---------------------------------------------------------------------------------------------
 # Two Moons (Shen's toy task): 16 points per sequence, each coordinate one token
 
-COORD, GRID = N_SPECIAL, 64  # coordinate c in [0, 64) is token COORD + c
+COORD, GRID = len(SPECIALS), 64  # coordinate c in [0, 64) is token COORD + c, after the specials
 MOONS_TOKENS = extra_tokens(COORD + GRID, ["moon"], 2, size=512)  # Shen's 512-token vocabulary
 
 
 def make_moons(n: int, rng, noise: float = 0.1):
-    """n points on two interleaved half circles plus N(0, noise^2) (scikit-learn's make_moons, drawn
-    afresh): label 0 on (cos t, sin t), label 1 on (1 - cos t, 1/2 - sin t), t ~ U[0, pi]."""
+    """n points on two interleaved half circles plus N(0, noise^2) (scikit-learn's make_moons,
+    drawn afresh): label 0 on (cos t, sin t), label 1 on (1 - cos t, 1/2 - sin t), t ~ U[0, pi]."""
     label = rng.integers(0, 2, n)
     t = rng.uniform(0, np.pi, n)
-    xy = np.where(label[:, None] == 0, np.stack([np.cos(t), np.sin(t)], 1), np.stack([1 - np.cos(t), 0.5 - np.sin(t)], 1))
+    upper = np.stack([np.cos(t), np.sin(t)], 1)
+    lower = np.stack([1 - np.cos(t), 0.5 - np.sin(t)], 1)
+    xy = np.where(label[:, None] == 0, upper, lower)
     return xy + rng.normal(0, noise, (n, 2)), label
 
 
 def to_grid(xy):
-    """Scale x from [-1.5, 2.5] and y from [-1, 1.5] to [0, 64), floor, clip: integer coordinates."""
+    """Scale x from [-1.5, 2.5] and y from [-1, 1.5] to [0, 64), floor, clip: integer
+    coordinates."""
     lo, hi = np.array([-1.5, -1.0]), np.array([2.5, 1.5])
     return np.clip(np.floor((xy - lo) / (hi - lo) * GRID), 0, GRID - 1).astype(np.int64)
 
 
 def two_moons(seed: int, n_unlabeled=32000, n_labeled=160, n_test=1000, points=16) -> dict:
     """The toy data, a pure function of the seed. unlabeled (n, 1 + 2 points): [MLM] then the
-    points sorted by (x, y), coordinates flattened; labeled (160, 3) [MOON] x y and its labels,
-    alternating classes so that every even-sized prefix (the 10, 20, ... sets) is balanced;
-    test (n_test, 3) and labels."""
+    points sorted by (x, y), coordinates flattened; labeled: 160 examples [MOON] x y and their
+    labels, alternating classes so that every even-sized prefix (the 10, 20, ... sets) is
+    balanced; test: n_test more."""
     tok = MOONS_TOKENS
     rng = np.random.default_rng(seed)
     c = to_grid(make_moons(n_unlabeled * points, rng)[0]).reshape(n_unlabeled, points, 2)
@@ -104,13 +112,16 @@ def two_moons(seed: int, n_unlabeled=32000, n_labeled=160, n_test=1000, points=1
     c = np.take_along_axis(c, order[..., None], 1).reshape(n_unlabeled, 2 * points)
     unlabeled = np.concatenate([np.full((n_unlabeled, 1), tok["mlm"]), COORD + c], 1)
     xy, label = make_moons(4 * n_labeled, rng)
-    pick = np.stack([np.flatnonzero(label == 0)[:n_labeled // 2], np.flatnonzero(label == 1)[:n_labeled // 2]], 1).ravel()
+    half = n_labeled // 2
+    pick = np.stack([np.flatnonzero(label == 0)[:half], np.flatnonzero(label == 1)[:half]], 1)
+    pick = pick.ravel()
     xy_t, label_t = make_moons(n_test, rng)
 
     def examples(xy):
         return np.concatenate([np.full((len(xy), 1), tok["task"]["moon"]), COORD + to_grid(xy)], 1)
-    return {"tokens": tok, "unlabeled": unlabeled, "labeled": (examples(xy[pick]), label[pick]),
-            "test": (examples(xy_t), label_t), "random": (COORD, COORD + GRID)}
+    return {"tokens": tok, "unlabeled": unlabeled,
+            "labeled": Labeled(examples(xy[pick]), label[pick]),
+            "test": Labeled(examples(xy_t), label_t), "random": (COORD, COORD + GRID)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,9 +129,10 @@ def two_moons(seed: int, n_unlabeled=32000, n_labeled=160, n_test=1000, points=1
 # draws the same batches
 
 def mask_tokens(x, gen, lo: int, hi: int, p: float = 0.15):
-    """BERT masking of x (B, T) long, position 0 (the task token) and PAD never: each other position
-    is chosen with probability p; a chosen one becomes [MASK] (80%), a random token from [lo, hi)
-    (10%) or stays (10%). -> x_m (B, T), y_m (B, T): the original token where chosen, else PAD."""
+    """BERT masking of x (B, T) long, position 0 (the task token) and PAD never: each other
+    position is chosen with probability p; a chosen one becomes [MASK] (80%), a random token from
+    [lo, hi) (10%) or stays (10%). -> x_m (B, T), y_m (B, T): the original token where chosen,
+    else PAD."""
     u = torch.rand(x.shape, generator=gen, device=x.device)
     chosen = (u < p) & (x != PAD)
     chosen[:, 0] = False
@@ -132,7 +144,8 @@ def mask_tokens(x, gen, lo: int, hi: int, p: float = 0.15):
 
 
 def task_batch(x, labels, idx, label_ids):
-    """x (n, T) long examples, labels (n,) -> (x[idx], y) with y the label token at every real position."""
+    """x (n, T) long examples, labels (n,) -> (x[idx], y): the label token at every real
+    position."""
     x = x[idx]
     return x, torch.where(x != PAD, label_ids[labels[idx]][:, None], PAD)
 
@@ -148,8 +161,8 @@ class Teacher(nn.Module):
         super().__init__()
         D, V = cfg.d_model, cfg.vocab_size
         self.encoder = Encoder(cfg)
-        self.y_head = nn.Sequential(nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Linear(D, D),
-                                    nn.GELU(), nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Linear(D, V))
+        norm = lambda: nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False)
+        self.y_head = nn.Sequential(norm(), nn.Linear(D, D), nn.GELU(), norm(), nn.Linear(D, V))
         self.init_weights()
 
     @torch.no_grad()
@@ -162,7 +175,8 @@ class Teacher(nn.Module):
             lin.bias.zero_()
 
     def forward(self, x, mask):
-        """-> logits of x^ and of y^, (B, T, V) each. x^ never gets [PAD]: it would hide a position."""
+        """-> logits of x^ and of y^, (B, T, V) each. x^ never gets [PAD]: it would hide a
+        position."""
         h = self.encoder(x, mask)
         lx = self.encoder.head(h)
         return lx.index_fill(-1, torch.tensor([PAD], device=x.device), -torch.inf), self.y_head(h)
@@ -174,47 +188,55 @@ def wide(t):
 
 
 def seq_loss(model, params, x, y, mask):
-    """Mean cross-entropy of the student's per-position predictions against y. x: ids (B, T) or soft
-    tokens (B, T, V); y: ids (B, T), PAD = no loss, or distributions (B, T, V) scored at every real
-    position. params: the tensors to run with, so one function serves the stored student, its
-    unrolled copies (theta1, theta2 above) and plain training."""
+    """Mean cross-entropy of the student's per-position predictions against y. x: ids (B, T) or
+    soft tokens (B, T, V); y: ids (B, T), PAD = no loss, or distributions (B, T, V) scored at
+    every real position. params: the tensors to run with, so one function serves the stored
+    student, its unrolled copies (theta1, theta2 above) and plain training."""
     scored = (mask > 0) & (y != PAD) if y.dim() == 2 else mask > 0
     _, logits = functional_call(model, params, (x, mask), {"predict": scored})
-    logp = wide(logits).log_softmax(-1)                                  # (N, V), N scored positions
-    nll = -logp.gather(1, y[scored][:, None]).sum() if y.dim() == 2 else -(wide(y[scored]) * logp).sum()
-    return nll / scored.sum().clamp(min=1)                               # no scored position: 0, not NaN
+    logp = wide(logits).log_softmax(-1)                                  # (N, V), N scored
+    if y.dim() == 2:
+        nll = -logp.gather(1, y[scored][:, None]).sum()
+    else:
+        nll = -(wide(y[scored]) * logp).sum()
+    return nll / scored.sum().clamp(min=1)                       # no scored position: 0, not NaN
 
 
 def token_ce(logits, target, mask):
     """Mean cross-entropy of logits (B, T, V) against ids (B, T) at real positions whose target is
-    not PAD (ignore_index rather than boolean indexing: its backward would scatter into (B, T, V))."""
+    not PAD (ignore_index rather than boolean indexing, whose backward would scatter into
+    (B, T, V))."""
     target = target.masked_fill(mask == 0, PAD)
-    total = F.cross_entropy(wide(logits).flatten(0, 1), target.flatten(), ignore_index=PAD, reduction="sum")
+    total = F.cross_entropy(wide(logits).flatten(0, 1), target.flatten(), ignore_index=PAD,
+                            reduction="sum")
     return total / (target != PAD).sum().clamp(min=1)
 
 
 def sample(logits, gen):
     """One token per position from softmax(logits) (B, T, V), by inverting the CDF: a cumsum and a
-    searchsorted (torch.multinomial's exponential draws took 12 ms of a 100 ms Two Moons step)."""
+    searchsorted (torch.multinomial's exponential draws took 12 ms of a 100 ms Two Moons step).
+    right=True: never a token of probability 0."""
     cdf = wide(logits).softmax(-1).cumsum(-1)
     u = torch.rand(*cdf.shape[:-1], 1, generator=gen, device=cdf.device) * cdf[..., -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)  # right: never a p = 0 token
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 @torch.no_grad()
 def predict(model, x, label_ids) -> torch.Tensor:
-    """Classes of examples x (n, T): the label token with the largest logit averaged over positions."""
+    """Classes of examples x (n, T): the label token with the largest logit averaged over the
+    positions."""
     mask = (x != PAD).long()
     logits = model.logits(x, mask)[..., label_ids]                       # (n, T, classes)
     return ((logits * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)).argmax(-1)
 
 
 # ---------------------------------------------------------------------------------------------
-# One meta step. Each returns the teacher's meta loss (backward happens with its auxiliary losses)
-# and the student's figures; the student has taken its own step when it returns.
+# One meta step. Each returns the teacher's meta loss (backward happens with its auxiliary
+# losses) and the student's figures; the student has taken its own step when it returns.
 
 def params_of(model, detach=False):
-    return {n: (p.detach().clone().requires_grad_() if detach else p) for n, p in model.named_parameters()}
+    return {n: (p.detach().clone().requires_grad_() if detach else p)
+            for n, p in model.named_parameters()}
 
 
 def outer_step(model, opt, loss, clip):
@@ -226,8 +248,8 @@ def outer_step(model, opt, loss, clip):
 
 
 def support_query(theta1, support_loss, query_loss, inner_lr, create_graph):
-    """Steps (2)-(3): theta2 = theta1 - eta grad L_support(theta1); -> (L_query(theta2), theta2, L_support).
-    The losses map a {name: tensor} of parameters to a scalar."""
+    """Steps (2)-(3): theta2 = theta1 - eta grad L_support(theta1); -> (L_query(theta2), theta2,
+    L_support). The losses map a {name: tensor} of parameters to a scalar."""
     ls = support_loss(theta1)
     g = torch.autograd.grad(ls, list(theta1.values()), create_graph=create_graph)
     theta2 = {n: p - inner_lr * gi for (n, p), gi in zip(theta1.items(), g)}
@@ -237,7 +259,8 @@ def support_query(theta1, support_loss, query_loss, inner_lr, create_graph):
 def cosine(a: list, b: list) -> torch.Tensor:
     """cos between two parameter-shaped lists of tensors, flattened and concatenated."""
     dot = sum((x * y).sum() for x, y in zip(a, b))
-    return dot / torch.sqrt(sum((x * x).sum() for x in a) * sum((y * y).sum() for y in b)).clamp(min=1e-30)
+    norms = sum((x * x).sum() for x in a) * sum((y * y).sum() for y in b)
+    return dot / torch.sqrt(norms).clamp(min=1e-30)
 
 
 def hard_h(student, opt, pseudo_loss, support_loss, query_loss, inner_lr, clip):
@@ -247,7 +270,8 @@ def hard_h(student, opt, pseudo_loss, support_loss, query_loss, inner_lr, clip):
     lp = pseudo_loss(params_of(student))
     outer_step(student, opt, lp, clip)
     delta = [a - p.detach() for a, p in zip(theta0, student.parameters())]   # theta0 - theta1
-    lq, theta2, ls = support_query(params_of(student, detach=True), support_loss, query_loss, inner_lr, create_graph=False)
+    lq, theta2, ls = support_query(params_of(student, detach=True), support_loss, query_loss,
+                                   inner_lr, create_graph=False)
     g_q = torch.autograd.grad(lq, list(theta2.values()))
     return cosine(g_q, delta), lq, lp, ls
 
@@ -264,17 +288,19 @@ def hard_step(student, opt, b, lx, ly, args, gen):
     with torch.no_grad():
         x_hat = sample(lx, gen).masked_fill(mask == 0, PAD)
         y_hat = sample(ly, gen).masked_fill(mask == 0, PAD)
-    h, lq, lp, ls = hard_h(student, opt, lambda p: seq_loss(student, p, x_hat, y_hat, mask), *task_losses(student, b),
-                           args.inner_lr, args.clip)
+    pseudo = lambda p: seq_loss(student, p, x_hat, y_hat, mask)
+    h, lq, lp, ls = hard_h(student, opt, pseudo, *task_losses(student, b), args.inner_lr, args.clip)
     ce = 0.5 * (token_ce(lx, x_hat, mask) + token_ce(ly, y_hat, mask))
-    return h * ce, {"h": h, "query": lq, "pseudo": lp, "support": ls, "written": (x_hat, y_hat), "example": (x_hat, y_hat)}
+    return h * ce, {"h": h, "query": lq, "pseudo": lp, "support": ls, "written": (x_hat, y_hat),
+                    "example": (x_hat, y_hat)}
 
 
 def soft_unroll(student, px, py, b, inner_lr):
-    """Steps (1)-(3) as one differentiable function of the teacher's distributions px, py (B, T, V),
-    step (1) as SGD: -> (L_query(theta2), L_pseudo, L_support, grad L_pseudo(theta0) (kept graph))."""
+    """Steps (1)-(3) as one differentiable function of the teacher's distributions px, py
+    (B, T, V), step (1) as SGD: -> (L_query(theta2), L_pseudo, L_support, grad L_pseudo(theta0)
+    (its graph kept))."""
     theta0 = params_of(student, detach=True)
-    with sdpa_kernel(SDPBackend.MATH):                                  # the fused kernels have no double backward
+    with sdpa_kernel(SDPBackend.MATH):                # the fused kernels have no double backward
         lp = seq_loss(student, theta0, px, py, b["m_u"])
         g0 = torch.autograd.grad(lp, list(theta0.values()), create_graph=True)
         theta1 = {n: p - inner_lr * g for (n, p), g in zip(theta0.items(), g0)}
@@ -283,7 +309,8 @@ def soft_unroll(student, px, py, b, inner_lr):
 
 
 def soft_step(student, opt, b, lx, ly, args, gen):
-    """Soft labels: the meta loss is L_query(theta2) itself; the student keeps its AdamW step on g0."""
+    """Soft labels: the meta loss is L_query(theta2) itself; the student keeps its AdamW step on
+    g0."""
     px, py = wide(lx).softmax(-1), wide(ly).softmax(-1)             # (B, T, V) each
     lq, lp, ls, g0 = soft_unroll(student, px, py, b, args.inner_lr)
     for p, g in zip(student.parameters(), g0):
@@ -306,10 +333,12 @@ def meta_step(student, teacher, opt_s, opt_t, b, args, gen) -> dict:
     if args.labels == "mlm":
         return mlm_step(student, opt_s, b, args)
     lx, ly = teacher(b["x_u"], b["m_u"])
-    meta, info = (hard_step if args.labels == "hard" else soft_step)(student, opt_s, b, lx, ly, args, gen)
-    write = 0.5 * (token_ce(lx, b["x_m"], b["m_u"]) + token_ce(ly, b["x_u"], b["m_u"]))     # write an MLM task
-    lx_m, ly_m = teacher(b["x_m"], b["m_u"])
-    perform = 0.5 * (token_ce(lx_m, b["x_m"], b["m_u"]) + token_ce(ly_m, b["y_m"], b["m_u"]))  # and do it
+    step = hard_step if args.labels == "hard" else soft_step
+    meta, info = step(student, opt_s, b, lx, ly, args, gen)
+    m = b["m_u"]
+    write = 0.5 * (token_ce(lx, b["x_m"], m) + token_ce(ly, b["x_u"], m))      # write an MLM task
+    lx_m, ly_m = teacher(b["x_m"], m)
+    perform = 0.5 * (token_ce(lx_m, b["x_m"], m) + token_ce(ly_m, b["y_m"], m))  # and do it
     outer_step(teacher, opt_t, args.meta_weight * meta + write + perform, args.clip)
     return {**info, "teacher_write": write, "teacher_mlm": perform}
 
@@ -319,26 +348,30 @@ def meta_step(student, teacher, opt_s, opt_t, b, args, gen) -> dict:
 # support/query batches from `labeled(step, gen)`
 
 def optimizers(student, teacher, args):
-    return (torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=args.weight_decay),
-            torch.optim.AdamW(teacher.parameters(), lr=args.teacher_lr, weight_decay=args.weight_decay))
+    wd = args.weight_decay
+    return (torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=wd),
+            torch.optim.AdamW(teacher.parameters(), lr=args.teacher_lr, weight_decay=wd))
 
 
-def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=None, show=None, start=0, opts=None, save=None):
+def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=None, show=None,
+             start=0, opts=None, save=None):
     opt_s, opt_t = opts or optimizers(student, teacher, args)
     warm = max(1, args.steps // 20)
     t0 = time.time()
-    for step in tqdm(range(start, args.steps), desc=desc, initial=start, total=args.steps, leave=False, disable=None):
-        for opt, base in ((opt_s, args.lr), (opt_t, args.teacher_lr)):   # linear warm-up, linear decay to 10%
+    steps = range(start, args.steps)
+    for step in tqdm(steps, desc=desc, initial=start, total=args.steps, leave=False, disable=None):
+        for opt, base in ((opt_s, args.lr), (opt_t, args.teacher_lr)):  # warm-up, decay to 10%
             for g in opt.param_groups:
                 g["lr"] = base * min(1.0, (step + 1) / warm) * (1 - 0.9 * step / args.steps)
         gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + step)
         b = {**unlabeled(step, gen), **labeled(step, gen)}
-        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+        with autocast(device):
             info = meta_step(student, teacher, opt_s, opt_t, b, args, gen)
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:              # .item() only here
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:  # .item() only here
             if log is not None:
-                log({"step": step + 1, **{k: round(v.item(), 5) for k, v in info.items() if torch.is_tensor(v) and v.dim() == 0},
-                     "seconds": round(time.time() - t0, 1)})
+                figures = {k: round(v.item(), 5) for k, v in info.items()
+                           if torch.is_tensor(v) and v.dim() == 0}
+                log({"step": step + 1, **figures, "seconds": round(time.time() - t0, 1)})
             if show is not None and "written" in info:
                 show(step + 1, b["x_u"], *info["written"])
         if save is not None and (step + 1) % args.save_every == 0:
@@ -349,28 +382,29 @@ def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=No
 # ---------------------------------------------------------------------------------------------
 # Two Moons: pretrain, fine-tune on 10 ... 160 labelled points, test on 1000; per seed and size
 
-def finetune_accuracy(student, x, labels, test, label_ids, args, seed) -> float:
+def finetune_accuracy(student, train: Labeled, test: Labeled, label_ids, args, seed) -> float:
     """Full-batch AdamW on the labelled examples for --ft-steps, then test accuracy."""
-    model = Encoder(student.config).to(x.device)
+    model = Encoder(student.config).to(train.x.device)
     model.load_state_dict(student.state_dict())
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.ft_lr, weight_decay=args.weight_decay)
-    xs, ys = task_batch(x, labels, torch.arange(len(x), device=x.device), label_ids)
+    xs, ys = task_batch(train.x, train.y, torch.arange(len(train.x), device=train.x.device),
+                        label_ids)
     for _ in range(args.ft_steps):
-        outer_step(model, opt, seq_loss(model, params_of(model), xs, ys, (xs != PAD).long()), args.clip)
-    return (predict(model.eval(), test[0], label_ids) == test[1]).float().mean().item()
+        loss = seq_loss(model, params_of(model), xs, ys, (xs != PAD).long())
+        outer_step(model, opt, loss, args.clip)
+    return (predict(model.eval(), test.x, label_ids) == test.y).float().mean().item()
 
 
 def moons_cell(args, data, size, seed, device):
-    """One entry of the table: pretrain with --labels (its labelled task: the first `size` points),
-    fine-tune on the same points, -> test accuracy."""
+    """One entry of the table: pretrain with --labels (its labelled task: the first `size`
+    points), fine-tune on the same points, -> (test accuracy, what the teacher wrote last)."""
     tok = data["tokens"]
     cfg = model_config(args, tok["vocab"])
     torch.manual_seed(seed)
     student, teacher = Encoder(cfg).to(device).train(), Teacher(cfg).to(device).train()
     U = torch.as_tensor(data["unlabeled"], device=device)
-    X, Y = (torch.as_tensor(a, device=device) for a in data["labeled"])
-    X, Y = X[:size], Y[:size]
+    train = Labeled(*(torch.as_tensor(a[:size], device=device) for a in data["labeled"]))
     label_ids = torch.tensor(tok["label"], device=device)
 
     def unlabeled(step, gen):
@@ -381,23 +415,25 @@ def moons_cell(args, data, size, seed, device):
     def labeled(step, gen):
         out = {}
         for s in "sq":
-            x, y = task_batch(X, Y, torch.randint(size, (args.task_batch,), generator=gen, device=device), label_ids)
+            idx = torch.randint(size, (args.task_batch,), generator=gen, device=device)
+            x, y = task_batch(train.x, train.y, idx, label_ids)
             out.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": torch.ones_like(x)})
         return out
 
-    names = {tok["mlm"]: "[MLM]", tok["task"]["moon"]: "[MOON]", tok["label"][0]: "[L0]", tok["label"][1]: "[L1]", MASK: "[MASK]"}
+    names = {tok["mlm"]: "[MLM]", tok["task"]["moon"]: "[MOON]", tok["label"][0]: "[L0]",
+             tok["label"][1]: "[L1]", MASK: "[MASK]"}
+    name = lambda i: str(i - COORD) if COORD <= i < COORD + GRID else names.get(i, f"[{i}]")
+    words = lambda t: " ".join(map(name, t[0].tolist()))  # the first sequence
     written = []
 
-    def show(step, x_u, x_hat, y_hat):  # keep the last thing the teacher wrote for its first sequence
-        name = lambda i: str(i - COORD) if COORD <= i < COORD + GRID else names.get(i, f"[{i}]")
-        written[:] = [f"  read {' '.join(map(name, x_u[0].tolist()))}\n  x^   {' '.join(map(name, x_hat[0].tolist()))}\n"
-                      f"  y^   {' '.join(map(name, y_hat[0].tolist()))}\n"]
+    def show(step, x_u, x_hat, y_hat):  # keep the last thing the teacher wrote
+        written[:] = [f"  read {words(x_u)}\n  x^   {words(x_hat)}\n  y^   {words(y_hat)}\n"]
 
     if args.labels != "none":
         pretrain(student, teacher, unlabeled, labeled, replace_args(args, seed=seed), device,
                  desc=f"{args.labels} n={size} seed={seed}", show=show)
-    test = tuple(torch.as_tensor(a, device=device) for a in data["test"])
-    return finetune_accuracy(student, X, Y, test, label_ids, args, seed), "".join(written)
+    test = Labeled(*(torch.as_tensor(a, device=device) for a in data["test"]))
+    return finetune_accuracy(student, train, test, label_ids, args, seed), "".join(written)
 
 
 def replace_args(args, **kw):
@@ -410,25 +446,27 @@ def cell_worker(job):
     args, labels, size, seed = job
     torch.set_num_threads(1)
     t0 = time.time()
-    acc, written = moons_cell(replace_args(args, labels=labels), two_moons(args.data_seed), size, seed, torch.device("cpu"))
+    data = two_moons(args.data_seed)
+    acc, written = moons_cell(replace_args(args, labels=labels), data, size, seed,
+                              pick_device("cpu"))
     return f"{labels}/{size}/{seed}", acc, written, time.time() - t0
 
 
-def run_two_moons(args, device, out: Path):
-    results_path = out / "results.json"
+def run_two_moons(args, device, folder: RunFolder):
+    results_path = folder.path / "results.json"
     results = json.loads(results_path.read_text()) if args.resume and results_path.exists() else {}
     jobs = [(args, labels, size, seed) for labels in args.labels_list for size in args.sizes
             for seed in args.seeds if f"{labels}/{size}/{seed}" not in results]
     parallel = args.workers > 1 and device.type == "cpu" and len(jobs) > 1
-    pool = torch.multiprocessing.get_context("spawn").Pool(args.workers) if parallel else contextlib.nullcontext()
     if parallel:
+        pool = torch.multiprocessing.get_context("spawn").Pool(args.workers)
         done = pool.imap_unordered(cell_worker, jobs)
     else:
-        data = two_moons(args.data_seed)
-        done = ((f"{l}/{n}/{s}", *moons_cell(replace_args(a, labels=l), data, n, s, device), time.time() - t0)
-                for a, l, n, s in jobs for t0 in [time.time()])
-    (out / "config.json").write_text(json.dumps(asdict(model_config(args, MOONS_TOKENS["vocab"])), indent=1))
-    with pool, open(out / "samples.txt", "a") as samples:
+        pool, data = contextlib.nullcontext(), two_moons(args.data_seed)
+        done = ((f"{l}/{n}/{s}", *moons_cell(replace_args(a, labels=l), data, n, s, device),
+                 time.time() - t0) for a, l, n, s in jobs for t0 in [time.time()])
+    folder.write("config", asdict(model_config(args, MOONS_TOKENS["vocab"])))
+    with pool, open(folder.path / "samples.txt", "a") as samples:
         for key, acc, written, seconds in done:
             results[key] = acc
             print(f"{key}: test accuracy {100 * acc:.1f}% ({seconds:.0f}s)")
@@ -455,49 +493,52 @@ def print_table(results, labels_list, sizes, seeds):
 # ---------------------------------------------------------------------------------------------
 # NLP: unlabelled text from a prepared corpus, (Super)GLUE tasks as the labelled tasks
 
-def run_glue(args, device, out: Path):
+def run_glue(args, device, folder: RunFolder):
     data_dir = prepare(args.data, args.vocab_size)
     tok = load_tokenizer(data_dir)
     V = tok.get_piece_size()
     tasks = args.glue_tasks
-    sets = {t: read_task(args.glue_dir, t, "train", tok, args.seq_len)[:2] for t in tasks}
+    sets = {t: read_task(args.glue_dir, t, "train", tok, args.seq_len) for t in tasks}
     n_labels = max(TASKS.get(t, MSGS)[1] for t in tasks)
     ids = extra_tokens(V, tasks, n_labels)
     cfg = model_config(args, ids["vocab"])
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    folder.write("config", asdict(cfg))
     stream = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
     label_ids = torch.tensor(ids["label"], device=device)
+    seeded = lambda seed: torch.Generator().manual_seed(seed)
 
     def unlabeled(step, gen):
-        starts = torch.randint(len(stream) - args.seq_len, (args.batch_size,), generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step))
-        x = torch.from_numpy(np.stack([stream[s:s + args.seq_len - 1] for s in starts.tolist()]).astype(np.int64))
-        x = torch.cat([torch.full((len(x), 1), ids["mlm"]), x], 1).to(device)
-        x_m, y_m = mask_tokens(x, gen, N_SPECIAL, V)
+        starts = torch.randint(len(stream) - args.seq_len, (args.batch_size,),
+                               generator=seeded(args.seed * 1_000_003 + step))
+        x = np.stack([stream[s:s + args.seq_len - 1] for s in starts.tolist()]).astype(np.int64)
+        x = torch.cat([torch.full((len(x), 1), ids["mlm"]), torch.from_numpy(x)], 1).to(device)
+        x_m, y_m = mask_tokens(x, gen, len(SPECIALS), V)
         return {"x_u": x, "m_u": torch.ones_like(x), "x_m": x_m, "y_m": y_m}
 
     def labeled(step, gen):
         t = tasks[step % len(tasks)]                                      # tasks take turns
-        seqs, labels = sets[t]
-        out = {}
+        examples, out = sets[t], {}
         for s in "sq":
-            idx = torch.randint(len(seqs), (args.task_batch,), generator=torch.Generator().manual_seed(args.seed * 7919 + 2 * step + (s == "q"))).tolist()
-            x = torch.from_numpy(pad([[ids["task"][t]] + seqs[i][1:] for i in idx])).to(device)  # [CLS] -> [TASK]
-            x, y = task_batch(x, torch.as_tensor(labels[idx], device=device), torch.arange(len(x), device=device), label_ids)
+            seed = args.seed * 7919 + 2 * step + (s == "q")
+            idx = torch.randint(len(examples.seqs), (args.task_batch,), generator=seeded(seed))
+            idx = idx.tolist()
+            task_first = [[ids["task"][t]] + examples.seqs[i][1:] for i in idx]  # [CLS] -> [TASK]
+            x = torch.from_numpy(pad(task_first)).to(device)
+            labels = torch.as_tensor(examples.labels[idx], device=device)
+            x, y = task_batch(x, labels, torch.arange(len(x), device=device), label_ids)
             out.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": (x != PAD).long()})
         return out
 
-    def name(i):
-        if i < V:
-            return tok.id_to_piece(i)
-        return {ids["mlm"]: "[MLM]", **{v: f"[{k.upper()}]" for k, v in ids["task"].items()},
-                **{v: f"[LABEL{j}]" for j, v in enumerate(ids["label"])}}.get(i, f"[{i}]")
-
-    samples = open(out / "samples.txt", "a")
+    meta_names = {ids["mlm"]: "[MLM]", **{v: f"[{k.upper()}]" for k, v in ids["task"].items()},
+                  **{v: f"[LABEL{j}]" for j, v in enumerate(ids["label"])}}
+    name = lambda i: tok.id_to_piece(i) if i < V else meta_names.get(i, f"[{i}]")
+    words = lambda t: " ".join(name(i) for i in t.tolist())
+    samples = open(folder.path / "samples.txt", "a")
 
     def show(step, x_u, x_hat, y_hat):
         """The first two sequences the teacher read and what it wrote (Shen's Tables 1 and 3)."""
-        text = "".join(f"step {step}, sequence {r}\n  read    {' '.join(name(i) for i in x_u[r].tolist())}\n"
-                       f"  x^      {' '.join(name(i) for i in x_hat[r].tolist())}\n  y^      {' '.join(name(i) for i in y_hat[r].tolist())}\n"
+        text = "".join(f"step {step}, sequence {r}\n  read    {words(x_u[r])}\n"
+                       f"  x^      {words(x_hat[r])}\n  y^      {words(y_hat[r])}\n"
                        for r in range(min(2, len(x_u))))
         samples.write(text)
         samples.flush()
@@ -507,88 +548,105 @@ def run_glue(args, device, out: Path):
     student, teacher = Encoder(cfg).to(device).train(), Teacher(cfg).to(device).train()
     opts = optimizers(student, teacher, args)
     start = 0
-    state_path = out / "meta.pt"
-    if args.resume and state_path.exists():
-        state = torch.load(state_path, map_location=device, weights_only=True)
+    if args.resume and (folder.path / "meta.pt").exists():
+        state = torch.load(folder.path / "meta.pt", map_location=device, weights_only=True)
         student.load_state_dict(state["student"], strict=True)
         teacher.load_state_dict(state["teacher"], strict=True)
         for o, s in zip(opts, state["optimizers"]):
             o.load_state_dict(s)
         start = state["step"]
+        folder.resume(start)
         print(f"resuming at step {start}")
     tokenizer = (data_dir / "tokenizer.model").read_bytes()
 
     def save(step):
-        save_checkpoint({"student": student.state_dict(), "teacher": teacher.state_dict(), "step": step,
-                         "optimizers": [o.state_dict() for o in opts]}, state_path)
-        sd = student.state_dict()                                         # the student alone, for evaluate.py:
-        sd = {k: (v[:V] if k in ("word.weight", "head_bias") else v) for k, v in sd.items()}  # text pieces only
-        save_checkpoint({"model": sd, "config": asdict(replace(cfg, vocab_size=V)), "tokenizer": tokenizer, "step": step,
-                         "args": vars(args)}, out / "ckpt.pt")
+        folder.save({"student": student.state_dict(), "teacher": teacher.state_dict(),
+                     "step": step, "optimizers": [o.state_dict() for o in opts]}, "meta.pt")
+        text_only = lambda k, v: v[:V] if k in ("word.weight", "head_bias") else v
+        sd = {k: text_only(k, v) for k, v in student.state_dict().items()}  # for evaluate.py
+        folder.save({"model": sd, "config": asdict(replace(cfg, vocab_size=V)),
+                     "tokenizer": tokenizer, "step": step, "args": vars(args)}, "ckpt.pt")
 
-    log_file = open(out / "log.jsonl", "a")
+    def log(record):
+        folder.log(record)
+        tqdm.write(" | ".join(f"{k} {v}" for k, v in record.items()))
 
-    def log(rec):
-        log_file.write(json.dumps(rec) + "\n")
-        log_file.flush()
-        tqdm.write(" | ".join(f"{k} {v}" for k, v in rec.items()))
-
-    pretrain(student, teacher, unlabeled, labeled, args, device, desc=f"meta {args.labels}", log=log, show=show, start=start, opts=opts, save=save)
+    pretrain(student, teacher, unlabeled, labeled, args, device, desc=f"meta {args.labels}",
+             log=log, show=show, start=start, opts=opts, save=save)
     save(args.steps)
-    print(f"wrote {out / 'ckpt.pt'} (the student; fine-tune it with evaluate.py finetune)")
+    print(f"wrote {folder.path / 'ckpt.pt'} (the student; fine-tune it with evaluate.py finetune)")
 
 
 # ---------------------------------------------------------------------------------------------
 # Command line
 
 MOONS_MODEL = dict(n_layer=2, n_head=2, d_model=8, d_ff=32)  # Shen's Two Moons models
+MODEL_FLAGS = ("n_layer", "n_head", "d_model", "d_ff", "position")
 
 
 def model_config(args, vocab: int) -> ModelConfig:
     preset = MOONS_MODEL if args.task == "two_moons" else PRESETS[args.size]
-    fields = {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model", "d_ff", "position") if getattr(args, k) is not None}
-    longest = 64 if args.task == "two_moons" else max(512, args.seq_len)  # glue: as train.py, so evaluate.py's --max-len fits
-    return ModelConfig(**{**preset, "vocab_size": vocab, "dropout": args.dropout, "max_position": longest, **fields})
+    given = {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}
+    # glue: as train.py, so that evaluate.py's --max-len fits
+    longest = 64 if args.task == "two_moons" else max(512, args.seq_len)
+    return ModelConfig(**{**preset, "vocab_size": vocab, "dropout": args.dropout,
+                          "max_position": longest, **given})
 
 
 def main(argv=None):
-    helps = config_help()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", choices=("two_moons", "glue"), default="two_moons", help="the toy task, or text + (Super)GLUE")
-    ap.add_argument("--labels", default="hard", help="comma-separated, of: hard, soft (the teacher's examples), mlm (plain "
-                    "MLM, the baseline), none (no pretraining); --task glue takes one")
-    ap.add_argument("--steps", type=int, default=1000, help="pretraining steps (default 1000: one pass over 32k sequences)")
-    ap.add_argument("--batch-size", type=int, default=32, help="unlabelled sequences per step")
-    ap.add_argument("--task-batch", type=int, default=8, help="labelled examples in each of the support and query batches")
-    ap.add_argument("--lr", type=float, default=3e-3, help="the student's AdamW learning rate (the MLM baseline's too)")
-    ap.add_argument("--teacher-lr", type=float, default=3e-3, help="the teacher's AdamW learning rate")
-    ap.add_argument("--inner-lr", type=float, default=0.1, help="SGD learning rate eta of the unrolled steps")
-    ap.add_argument("--meta-weight", type=float, default=1.0, help="weight of the meta term against the teacher's two MLM losses")
-    ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay, all optimisers")
-    ap.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip of every outer step")
-    ap.add_argument("--seed", type=int, default=0, help="model init and batches (--task glue)")
-    ap.add_argument("--seeds", default="0,1,2", help="two_moons: one pretraining + fine-tuning per seed")
-    ap.add_argument("--sizes", default="10,20,40,80,160", help="two_moons: labelled-set sizes (even, at most 160)")
-    ap.add_argument("--data-seed", type=int, default=0, help="two_moons: seed of the generated data")
-    ap.add_argument("--workers", type=int, default=2, help="two_moons on CPU: table entries computed in parallel processes")
-    ap.add_argument("--ft-steps", type=int, default=200, help="two_moons: full-batch fine-tuning steps")
-    ap.add_argument("--ft-lr", type=float, default=1e-2, help="two_moons: fine-tuning AdamW learning rate")
-    ap.add_argument("--data", default="babylm_10m", help="glue: unlabelled corpus (a name under $NANOMLM_RAW or a folder)")
-    ap.add_argument("--vocab-size", type=int, default=16384, help="glue: tokenizer size when the corpus is prepared first")
-    ap.add_argument("--glue-dir", default=None, help="glue: folder of TASK.train.jsonl files (default "
-                    "$NANOMLM_RAW/babylm_eval/full_eval/glue_filtered)")
-    ap.add_argument("--glue-tasks", default="rte,mrpc,cola", help="glue: labelled tasks (TASK.train.jsonl), taking turns step by step")
-    ap.add_argument("--seq-len", type=int, default=128, help="glue: sequence length (two_moons: 33, fixed)")
-    ap.add_argument("--size", choices=tuple(PRESETS), default="tiny", help="glue: model preset (two_moons: 2 layers, d_model 8)")
-    for f in ("n_layer", "n_head", "d_model", "d_ff"):
-        ap.add_argument(f"--{f.replace('_', '-')}", type=int, default=None, help=f"{helps[f]} (overrides the preset)")
-    ap.add_argument("--position", choices=("relative", "absolute"), default=None, help=helps["position"])
-    ap.add_argument("--dropout", type=float, default=0.0, help="dropout (0: small data, and exact unrolls)")
-    ap.add_argument("--log-every", type=int, default=50, help="glue: steps between log lines and teacher samples")
-    ap.add_argument("--save-every", type=int, default=500, help="glue: steps between checkpoints")
-    ap.add_argument("--out-dir", default=None, help="run folder (default runs/meta_<task>_<labels>)")
-    ap.add_argument("--resume", action="store_true", help="continue the run in --out-dir (two_moons: skip finished cells)")
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to train")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = ap.add_argument
+    add("--task", choices=("two_moons", "glue"), default="two_moons",
+        help="the toy task, or text + (Super)GLUE")
+    add("--labels", default="hard", help="comma-separated, of: hard, soft (the teacher's "
+        "examples), mlm (plain MLM, the baseline), none (no pretraining); --task glue takes one")
+    add("--steps", type=int, default=1000,
+        help="pretraining steps (default 1000: one pass over 32k sequences)")
+    add("--batch-size", type=int, default=32, help="unlabelled sequences per step")
+    add("--task-batch", type=int, default=8,
+        help="labelled examples in each of the support and query batches")
+    add("--lr", type=float, default=3e-3,
+        help="the student's AdamW learning rate (the MLM baseline's too)")
+    add("--teacher-lr", type=float, default=3e-3, help="the teacher's AdamW learning rate")
+    add("--inner-lr", type=float, default=0.1, help="SGD learning rate eta of the unrolled steps")
+    add("--meta-weight", type=float, default=1.0,
+        help="weight of the meta term against the teacher's two MLM losses")
+    add("--weight-decay", type=float, default=0.01, help="AdamW weight decay, all optimisers")
+    add("--clip", type=float, default=1.0, help="gradient-norm clip of every outer step")
+    add("--seed", type=int, default=0, help="model init and batches (--task glue)")
+    add("--seeds", default="0,1,2", help="two_moons: one pretraining + fine-tuning per seed")
+    add("--sizes", default="10,20,40,80,160",
+        help="two_moons: labelled-set sizes (even, at most 160)")
+    add("--data-seed", type=int, default=0, help="two_moons: seed of the generated data")
+    add("--workers", type=int, default=2,
+        help="two_moons on CPU: table entries computed in parallel processes")
+    add("--ft-steps", type=int, default=200, help="two_moons: full-batch fine-tuning steps")
+    add("--ft-lr", type=float, default=1e-2, help="two_moons: fine-tuning AdamW learning rate")
+    add("--data", default="babylm_10m",
+        help="glue: unlabelled corpus (a name under $NANOMLM_RAW or a folder)")
+    add("--vocab-size", type=int, default=VOCAB_SIZE,
+        help="glue: tokenizer size when the corpus is prepared first")
+    add("--glue-dir", default=None, help="glue: folder of TASK.train.jsonl files (default "
+        "$NANOMLM_RAW/babylm_eval/full_eval/glue_filtered)")
+    add("--glue-tasks", default="rte,mrpc,cola",
+        help="glue: labelled tasks (TASK.train.jsonl), taking turns step by step")
+    add("--seq-len", type=int, default=128, help="glue: sequence length (two_moons: 33, fixed)")
+    add("--size", choices=tuple(PRESETS), default="tiny",
+        help="glue: model preset (two_moons: 2 layers, d_model 8)")
+    helps = field_help()
+    for f in MODEL_FLAGS[:-1]:
+        add(f"--{f.replace('_', '-')}", type=int, default=None,
+            help=f"{helps[f]} (overrides the preset)")
+    add("--position", choices=("relative", "absolute"), default=None, help=helps["position"])
+    add("--dropout", type=float, default=0.0, help="dropout (0: small data, and exact unrolls)")
+    add("--log-every", type=int, default=50,
+        help="glue: steps between log lines and teacher samples")
+    add("--save-every", type=int, default=500, help="glue: steps between checkpoints")
+    add("--out-dir", default=None, help="run folder (default runs/meta_<task>_<labels>)")
+    add("--resume", action="store_true",
+        help="continue the run in --out-dir (two_moons: skip finished cells)")
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to train")
     args = ap.parse_args(argv)
     args.labels_list = args.labels.split(",")
     bad = [x for x in args.labels_list if x not in ("hard", "soft", "mlm", "none")]
@@ -602,24 +660,21 @@ def main(argv=None):
         args.seq_len = 33
     else:
         if len(args.labels_list) != 1 or args.labels == "none":
-            raise SystemExit("error: --task glue pretrains one student: give one of --labels hard, soft or mlm")
+            raise SystemExit("error: --task glue pretrains one student: give one of --labels "
+                             "hard, soft or mlm")
         args.glue_tasks = args.glue_tasks.split(",")
         if args.glue_dir is None:
             args.glue_dir = str(raw_root() / "babylm_eval" / "full_eval" / "glue_filtered")
         args.glue_dir = str(args.glue_dir)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but no CUDA device is visible")
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
-    out = Path(args.out_dir or HERE / "runs" / f"meta_{args.task}_{args.labels.replace(',', '+')}")
-    if out.exists() and any(out.iterdir()) and not args.resume:
-        raise SystemExit(f"error: {out} exists; pass --resume to continue it, or another --out-dir")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "args.json").write_text(json.dumps({k: v for k, v in vars(args).items()}, indent=1))
-    (out / "code").mkdir(exist_ok=True)
-    for f in ("meta.py", "model.py", "data/prepare.py"):
-        shutil.copy(HERE / f, out / "code" / Path(f).name)
-    print(f"meta.py {args.task} --labels {args.labels} on {device}; run folder {out}", file=sys.stderr)
-    (run_two_moons if args.task == "two_moons" else run_glue)(args, device, out)
+    device = pick_device(args.device)
+    name = f"meta_{args.task}_{args.labels.replace(',', '+')}"
+    folder = RunFolder(args.out_dir or REPO / "runs" / name)
+    if not args.resume:  # the file a resume continues from
+        folder.check_new("results.json" if args.task == "two_moons" else "meta.pt")
+    folder.start(CODE, keep_log=args.resume, args=vars(args))
+    print(f"meta.py {args.task} --labels {args.labels} on {device}; run folder {folder.path}",
+          file=sys.stderr)
+    (run_two_moons if args.task == "two_moons" else run_glue)(args, device, folder)
 
 
 if __name__ == "__main__":

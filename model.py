@@ -23,13 +23,19 @@ enter as its additive bias, so padded keys get probability 0 and never change a 
 
 init_weights documents the initialisation of every tensor.
 """
+import hashlib
 import inspect
+import json
 import math
 import os
 import re
+import resource
+import shutil
+import subprocess
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import sentencepiece as spm
 import torch
 import torch.nn as nn
@@ -42,9 +48,9 @@ class ModelConfig:
     n_layer: int = 12             # transformer layers
     n_head: int = 6               # attention heads (d_model must divide evenly)
     d_model: int = 384            # hidden size
-    d_ff: int = 1024              # feed-forward inner size (GEGLU's first projection is 2*d_ff wide)
+    d_ff: int = 1024              # feed-forward inner size (GEGLU's first projection: 2*d_ff)
     dropout: float = 0.1          # on embeddings, attention probabilities and sublayer outputs
-    position: str = "relative"    # "relative" (log-bucketed, LTG-BERT) or "absolute" (learned table)
+    position: str = "relative"    # relative (log-bucketed, LTG-BERT) or absolute (a learned table)
     position_buckets: int = 32    # relative: offsets up to buckets/2 exact, log-spaced beyond
     max_position: int = 512       # longest sequence the position scheme covers
     layer_norm_eps: float = 1e-7  # LTG-BERT's epsilon
@@ -57,9 +63,10 @@ PRESETS = {
 }
 
 
-def config_help() -> dict[str, str]:
-    """{field: its comment above}, so CLI help and the dataclass never drift apart."""
-    src = inspect.getsource(ModelConfig)
+def field_help(cls=None) -> dict[str, str]:
+    """{field: its comment} of a config dataclass (default ModelConfig), so that the command-line
+    help and the dataclass never drift apart."""
+    src = inspect.getsource(cls or ModelConfig)
     return dict(re.findall(r"^\s+(\w+): .*?#\s*(.+)$", src, flags=re.M))
 
 
@@ -72,7 +79,8 @@ def relative_buckets(n: int, buckets: int, max_position: int) -> torch.Tensor:
     d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
     mid = buckets // 2
     a = d.abs().clamp(min=mid, max=max_position - 1).double()  # clamp: log(a/mid) >= 0 below
-    far = mid + torch.ceil(torch.log(a / mid) / math.log((max_position - 1) / mid) * (mid - 1)).long()
+    log_ratio = torch.log(a / mid) / math.log((max_position - 1) / mid)  # 0 at mid, 1 at the end
+    far = mid + torch.ceil(log_ratio * (mid - 1)).long()
     # at |d| = max_position - 1 the ratio is 1 only up to rounding, and torch.log's vectorised and
     # scalar paths can round differently, so an unclamped ceil sometimes gave one bucket too many
     far = far.clamp(max=2 * mid - 1)
@@ -161,10 +169,10 @@ class Encoder(nn.Module):
         if cfg.position == "relative":  # derived, not learned: left out of checkpoints
             self.register_buffer("buckets", relative_buckets(cfg.max_position, cfg.position_buckets,
                                                              cfg.max_position), persistent=False)
-        self.head_in = nn.Sequential(
-            nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Linear(D, D), nn.GELU(),
-            nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Dropout(cfg.dropout))
-        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size))  # decoder weight = self.word.weight
+        norm = lambda: nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False)
+        self.head_in = nn.Sequential(norm(), nn.Linear(D, D), nn.GELU(), norm(),
+                                     nn.Dropout(cfg.dropout))
+        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size))  # decoder weight: word.weight
         self.init_weights()
 
     @torch.no_grad()
@@ -173,7 +181,7 @@ class Encoder(nn.Module):
         Salazar (2019) that LTG-BERT uses; N(0, s) is truncated at +-2s everywhere.
           word.weight (V, D), rel (2*buckets-1, D) or pos.weight (max_position, D)   N(0, s)
           layers[i].attn.qk / v / out .weight (2D|D, D)                             N(0, s)
-          layers[i].ffn.up.weight (2 d_ff, D), .down.weight (D, d_ff)     N(0, s) * sqrt(1 / (2(i+1)))
+          layers[i].ffn.up.weight (2 d_ff, D), .down.weight (D, d_ff)    N(0, s) sqrt(1 / (2(i+1)))
               (the deeper the layer, the smaller its feed-forward contribution to the residual)
           head_in[1].weight (D, D)                                                  N(0, s)
           every bias (attention qk/v/out, head_in[1], head_bias)                    0
@@ -208,16 +216,19 @@ class Encoder(nn.Module):
             idx = self.buckets[positions[:, :, None], positions[:, None, :]][:, None]
         return bias, self.rel_norm(self.rel), idx
 
-    def forward(self, input_ids, attention_mask=None, predict=None, all_layers=False, positions=None):
-        """input_ids (B, T) long, or soft tokens (B, T, V) float: a distribution over the vocabulary
-        per position, embedded as its expected word vector (meta.py's soft-label teacher writes
-        these); attention_mask (B, T), 1 = real token, 0 = padding (default all 1); positions (B, T) long, each token's position in its sequence (default 0..T-1; a subset of
-        a sequence keeps its own). Returns the last hidden states (B, T, D), or with all_layers the
-        list [embeddings, layer 1, ..., layer n_layer]. With predict, a (B, T) bool of positions
-        to score, returns (hidden, logits (N, V)) for the N true positions in row-major order
-        (the MLM head runs on those alone)."""
+    def forward(self, input_ids, attention_mask=None, predict=None, all_layers=False,
+                positions=None):
+        """input_ids (B, T) long, or soft tokens (B, T, V) float: a distribution over the
+        vocabulary per position, embedded as its expected word vector (meta.py's soft-label
+        teacher writes these); attention_mask (B, T), 1 = real token, 0 = padding (default all
+        1); positions (B, T) long, each token's position in its sequence (default 0..T-1; a
+        subset of a sequence keeps its own). Returns the last hidden states (B, T, D), or with
+        all_layers the list [embeddings, layer 1, ..., layer n_layer]. With predict, a (B, T)
+        bool of positions to score, returns (hidden, logits (N, V)) for the N true positions in
+        row-major order (the MLM head runs on those alone)."""
         B, T = input_ids.shape[:2]
-        assert T <= self.config.max_position, f"sequence of {T} > max_position {self.config.max_position}"
+        longest = self.config.max_position
+        assert T <= longest, f"sequence of {T} > max_position {longest}"
         if attention_mask is None:
             attention_mask = torch.ones(B, T, dtype=torch.long, device=input_ids.device)
         x = input_ids @ self.word.weight if input_ids.is_floating_point() else self.word(input_ids)
@@ -293,8 +304,8 @@ class BootHeads(nn.Module):
         with torch.no_grad():
             self.mask = nn.Parameter(normal(torch.empty(D))) if mae else None
             self.decoder = Decoder(cfg, n_layer)
-            self.regress = nn.Sequential(nn.Linear(D, D), nn.GELU(),
-                                         nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False), nn.Linear(D, D))
+            norm = nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False)
+            self.regress = nn.Sequential(nn.Linear(D, D), nn.GELU(), norm, nn.Linear(D, D))
             for lin in (self.regress[0], self.regress[3]):
                 normal(lin.weight)
                 lin.bias.zero_()
@@ -335,7 +346,7 @@ class Lamb(torch.optim.Optimizer):
                 if not self.state[p]:
                     self.state[p].update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
                 self.state[p]["step"] += 1
-            steps = [self.state[p]["step"] for p in params]  # per tensor: one may have missed a step
+            steps = [self.state[p]["step"] for p in params]  # per tensor: one may miss a step
             grads = [p.grad for p in params]
             m, v = [self.state[p]["m"] for p in params], [self.state[p]["v"] for p in params]
             torch._foreach_lerp_(m, grads, 1 - b1)
@@ -348,11 +359,121 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_div_(r, denom)
             if wd:
                 torch._foreach_add_(r, params, alpha=wd)
-            w_norm, r_norm = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(r))
+            w_norm = torch.stack(torch._foreach_norm(params))
+            r_norm = torch.stack(torch._foreach_norm(r))
             trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)     # (tensors,)
             torch._foreach_mul_(r, list((-lr * trust).unbind()))
             torch._foreach_add_(params, r)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Run folders: the conventions every script shares (train.py, meta.py and any later one)
+
+REPO = Path(__file__).resolve().parent
+
+
+def pick_device(name: str = "auto", index: int | None = None) -> torch.device:
+    """--device auto|cpu|cuda -> a device; auto is CUDA when a GPU is visible. `index`: the GPU of
+    one DDP process."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA device is visible")
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda" if index is None else f"cuda:{index}")
+
+
+def use_bf16(device: torch.device, bf16: bool | None = None) -> bool:
+    """Whether to autocast to bfloat16: `bf16` if given, else on with CUDA and off on the CPU
+    (where only some CPUs gain from it: see train.py --bf16)."""
+    return device.type == "cuda" if bf16 is None else bf16
+
+
+def autocast(device: torch.device, bf16: bool | None = None):
+    """bfloat16 autocast of the forward pass as use_bf16 decides (a disabled one otherwise);
+    weights, optimizer and losses stay float32."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=use_bf16(device, bf16))
+
+
+def peak_memory_gb(device) -> float:
+    """Peak allocated GPU memory, or on a CPU the process' peak resident size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+
+
+def seed_of(*parts) -> int:
+    """A well-mixed 63-bit seed from integers (seed, step, micro-batch...): whatever is drawn with
+    it is a function of those integers alone, so a resumed run draws what the first would have."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def code_version(files) -> dict:
+    """The git description of the checkout and a hash of the source `files` (repository paths)."""
+    digest = hashlib.sha256(b"".join((REPO / f).read_bytes() for f in files)).hexdigest()[:16]
+    try:
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        git = ""
+    return {"git": git or "unknown", "sha256": digest}
+
+
+class RunFolder:
+    """What a run leaves behind, the same for every script:
+        runs/NAME/  args.json  config.json ...  code/ (the source that ran)  log.jsonl  *.pt
+    Only the master process writes: under DDP the other ranks hold one whose writes do nothing."""
+
+    def __init__(self, path, master: bool = True):
+        self.path, self.master = Path(path), master
+        self.log_path = self.path / "log.jsonl"
+        self._log = None
+
+    def check_new(self, marker: str) -> None:
+        """A new run never writes over an old one: refuse a folder that holds `marker`, the file
+        --resume would continue from."""
+        if (self.path / marker).exists():
+            raise SystemExit(f"error: {self.path / marker} exists; pass --resume to continue that "
+                             f"run or choose another --out-dir")
+
+    def start(self, code, keep_log: bool = False, **files) -> None:
+        """Create the folder; write each of `files` ({name: dict}) as NAME.json and a copy of each
+        `code` file (repository paths) into code/; start an empty log unless keep_log."""
+        if not self.master:
+            return
+        (self.path / "code").mkdir(parents=True, exist_ok=True)
+        for name, content in files.items():
+            self.write(name, content)
+        for f in code:
+            shutil.copy(REPO / f, self.path / "code" / Path(f).name)
+        if not keep_log:
+            self.log_path.unlink(missing_ok=True)
+
+    def write(self, name: str, content: dict) -> None:
+        """NAME.json in the folder."""
+        if self.master:
+            (self.path / f"{name}.json").write_text(json.dumps(content, indent=1))
+
+    def resume(self, step: int) -> None:
+        """Continuing from a checkpoint at `step`: drop the log lines that the run which was cut
+        off wrote after it, so that the log reads as one uninterrupted run."""
+        if self.master and self.log_path.exists():
+            lines = self.log_path.read_text().splitlines()
+            self.log_path.write_text("".join(line + "\n" for line in lines
+                                             if json.loads(line)["step"] <= step))
+
+    def log(self, record: dict) -> None:
+        """One JSON line in log.jsonl, flushed at once (a killed run keeps what it logged)."""
+        if self.master:
+            self._log = self._log or open(self.log_path, "a")
+            self._log.write(json.dumps(record) + "\n")
+            self._log.flush()
+
+    def save(self, state: dict, name: str = "ckpt.pt") -> Path:
+        """save_checkpoint into the folder (atomic: a kill never leaves a torn file)."""
+        if self.master:
+            save_checkpoint(state, self.path / name)
+        return self.path / name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,7 +510,8 @@ def check_config(saved: dict, config: ModelConfig, path, ignore=()) -> None:
     Dropout is a training setting, not part of the model, and may differ; so may the `ignore`d
     fields (the vocabulary, when the embeddings are re-initialised for another language)."""
     want = asdict(config)
-    diff = [f"{k}={saved.get(k)!r} there but {want.get(k)!r} here" for k in sorted(set(saved) | set(want))
+    diff = [f"{k}={saved.get(k)!r} there but {want.get(k)!r} here"
+            for k in sorted(set(saved) | set(want))
             if saved.get(k) != want.get(k) and k != "dropout" and k not in ignore]
     if diff:
         raise SystemExit(f"error: {path} holds a different model: {'; '.join(diff)}")
@@ -397,9 +519,23 @@ def check_config(saved: dict, config: ModelConfig, path, ignore=()) -> None:
 
 # the tensors each part of a model holds: train.py --reset / --freeze name these parts
 PARTS = {
-    "embeddings": lambda name: name in ("word.weight", "head_bias"),  # the tied output goes with them
+    "embeddings": lambda name: name in ("word.weight", "head_bias"),  # the tied output too
     "positions": lambda name: name in ("pos.weight", "rel") or name.startswith("rel_norm."),
 }
+
+
+def load_weights(model: "Encoder", path, reset=()) -> None:
+    """Load the weights of the checkpoint at `path` into `model`, except the `reset` parts (names
+    in PARTS), which keep the model's own initialisation: a transfer run's starting point (the
+    vocabulary may then differ, when the embeddings are among them)."""
+    src = read_checkpoint(path)
+    check_config(src["config"], model.config, path,
+                 ignore=("vocab_size",) if "embeddings" in reset else ())
+    if set(src["model"]) != set(model.state_dict()):
+        raise SystemExit(f"error: {path} holds other tensors than this model has")
+    fresh = lambda name: any(PARTS[part](name) for part in reset)
+    model.load_state_dict({k: (v if fresh(k) else src["model"][k])
+                           for k, v in model.state_dict().items()}, strict=True)
 
 
 def load_checkpoint(path, device="cpu"):

@@ -4,7 +4,8 @@ semantic modeling (MLSM; Berend 2023, "Masked Latent Semantic Modeling", ACL Fin
     python sparse.py --ckpt runs/mlm_babylm_10m_small/ckpt.pt --data babylm_10m --layer -1 \\
         --k 2500 --lam 0.05 --out dict.pt          # learn a dictionary from a model's hidden states
 
-train.py runs this itself between the two phases of `--objective mlsm` / `mlsm+mlm`.
+train.py calls learn_from_checkpoint itself between the two phases of `--objective mlsm` and
+`mlsm+mlm`, with its DictConfig.
 
 The problem. For hidden vectors h (rows of H, n x d) and a dictionary D (d x k) whose columns
 have norm <= 1, the codes a >= 0 minimise
@@ -27,10 +28,8 @@ per code and the fraction of all-zero codes. Unlike the MLSM code, it does not a
 pieces into words: each piece is one vector, as each masked piece is one target in training.
 """
 import argparse
-import json
-import math
-import sys
 import time
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 from data.prepare import CLS, SEP, prepare
-from model import load_checkpoint, read_checkpoint, save_checkpoint
+from model import field_help, load_checkpoint, pick_device, read_checkpoint, save_checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,11 +47,11 @@ from model import load_checkpoint, read_checkpoint, save_checkpoint
 def _fista(Gy, b, a, lam, L, iters, tol, check_every=10):
     """FISTA (Beck & Teboulle 2009, eq. 4.1-4.3) for min_a>=0 1/2 a^T G a - b^T a + lam sum(a), a
     batch of problems: Gy(y) = the rows of y times their G, b and the start a (n, m), L (n, 1) or
-    a scalar >= the largest eigenvalue of G. The prox of lam sum(a) + [a >= 0] is max(0, a - lam/L). A row
-    restarts its momentum when it points uphill (O'Donoghue & Candes 2015, gradient restart),
-    which stops sparse rows oscillating around their support. Stops once every row's gradient
-    mapping L |y - a_next| is below tol * lam in every coordinate (checked every `check_every`
-    iterations: one host sync each), or after `iters` iterations."""
+    a scalar >= the largest eigenvalue of G. The prox of lam sum(a) + [a >= 0] is
+    max(0, a - lam/L). A row restarts its momentum when it points uphill (O'Donoghue & Candes
+    2015, gradient restart), which stops sparse rows oscillating around their support. Stops once
+    every row's gradient mapping L |y - a_next| is below tol * lam in every coordinate (checked
+    every `check_every` iterations: one host sync each), or after `iters` iterations."""
     y, t = a, torch.ones_like(b[:, :1])
     for i in range(1, iters + 1):
         nxt = (y - (Gy(y) - b + lam) / L).clamp_(min=0)
@@ -66,7 +65,8 @@ def _fista(Gy, b, a, lam, L, iters, tol, check_every=10):
 
 
 @torch.no_grad()
-def sparse_code(H, D, lam: float, iters: int = 1000, tol: float = 1e-3, work: int = 32, rounds: int = 30):
+def sparse_code(H, D, lam: float, iters: int = 1000, tol: float = 1e-3, work: int = 32,
+                rounds: int = 30):
     """Codes A (n, k) >= 0 minimising, row by row, 1/2 ||h - D a||^2 + lam * sum(a), for
     H (n, d) and a dictionary D (d, k) whose columns have norm <= 1. Computed in H's dtype.
 
@@ -86,7 +86,7 @@ def sparse_code(H, D, lam: float, iters: int = 1000, tol: float = 1e-3, work: in
     conditioned.
     """
     n, k = H.shape[0], D.shape[1]
-    HD = H @ D                                                            # (n, k): correlations at a = 0
+    HD = H @ D                                                   # (n, k): correlations at a = 0
     if work <= 0 or work >= k:
         L = torch.linalg.matrix_norm(D, ord=2) ** 2
         # G y = D^T (D y): two thin matmuls, 2 n d k, instead of n k^2 with G = D^T D
@@ -97,7 +97,7 @@ def sparse_code(H, D, lam: float, iters: int = 1000, tol: float = 1e-3, work: in
     m = work
     for _ in range(rounds):
         a = A[todo]
-        score = torch.where(a > 0, torch.inf, c)                        # support first, then violators
+        score = torch.where(a > 0, torch.inf, c)                 # support first, then violators
         W = score.topk(min(m, k), dim=1).indices                          # (r, m)
         DW = D.T[W]                                                       # (r, m, d)
         G = DW @ DW.transpose(1, 2)                                       # (r, m, m)
@@ -105,7 +105,8 @@ def sparse_code(H, D, lam: float, iters: int = 1000, tol: float = 1e-3, work: in
         # the smaller of the Frobenius norm and the largest absolute row sum (Gershgorin); with
         # coherent atoms one eigenvalue dominates and both are close to it
         L = torch.minimum(torch.linalg.matrix_norm(G), G.abs().sum(2).amax(1))[:, None]    # (r, 1)
-        x = _fista(lambda y: (G @ y[:, :, None]).squeeze(-1), HD[todo].gather(1, W), a.gather(1, W), lam, L, iters, tol)
+        Gy = lambda y: (G @ y[:, :, None]).squeeze(-1)
+        x = _fista(Gy, HD[todo].gather(1, W), a.gather(1, W), lam, L, iters, tol)
         a = torch.zeros_like(a).scatter_(1, W, x)
         A[todo] = a
         resid = H[todo] - (x[:, None, :] @ DW).squeeze(1)                # (r, d)
@@ -183,7 +184,8 @@ def lars(h: np.ndarray, D: np.ndarray, lam: float) -> np.ndarray:
     return np.maximum(a, 0.0)
 
 
-def encode(H, D, lam: float, method: str = "fista", iters: int = 1000, tol: float = 1e-3, work: int = 32):
+def encode(H, D, lam: float, method: str = "fista", iters: int = 1000, tol: float = 1e-3,
+           work: int = 32):
     """Codes (n, k) >= 0 minimising (1) for every row of H (n, d), dictionary D (d, k).
     fista: batched, in H's dtype and device; tol and work (working-set size, 0 = all atoms): see
     sparse_code. lars: exact, float64, one row at a time."""
@@ -200,9 +202,9 @@ def encode(H, D, lam: float, method: str = "fista", iters: int = 1000, tol: floa
 # Dictionary learning
 
 @torch.no_grad()
-def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1024, seed: int = 0,
-                     forget: float = 50.0, iters: int = 1000, tol: float = 1e-2, eval_vectors: int = 8192,
-                     progress: bool = True):
+def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1024,
+                     seed: int = 0, forget: float = 50.0, iters: int = 1000, tol: float = 1e-2,
+                     eval_vectors: int = 8192, progress: bool = True):
     """D (d, k) with columns of norm <= 1 minimising the mean of (1) over the rows of H (n, d),
     and the history [{epoch, objective, nnz, zero_rate, resampled}], epoch 0 being the start.
 
@@ -239,10 +241,11 @@ def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1
         A = torch.cat([sparse_code(x, D, lam, iters, tol) for x in sample.split(batch_size)])
         nnz = (A > 0).sum(1)
         row = dict(epoch=epoch, objective=objective(sample, D, A, lam).mean().item(),
-                   nnz=nnz.float().mean().item(), zero_rate=(nnz == 0).float().mean().item(), resampled=resampled)
+                   nnz=nnz.float().mean().item(), zero_rate=(nnz == 0).float().mean().item(),
+                   resampled=resampled)
         if progress:
-            tqdm.write("dictionary: " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                                   for k, v in row.items()))
+            show = lambda k, v: f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+            tqdm.write("dictionary: " + " | ".join(show(k, v) for k, v in row.items()))
         return row
 
     history = [measure(0, 0)]
@@ -250,7 +253,8 @@ def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1
     for epoch in range(1, epochs + 1):
         used = torch.zeros(k, dtype=torch.bool, device=H.device)
         batches = pick(n).split(batch_size)
-        for idx in tqdm(batches, desc=f"dictionary epoch {epoch}/{epochs}", unit="batch", disable=None if progress else True):
+        for idx in tqdm(batches, desc=f"dictionary epoch {epoch}/{epochs}", unit="batch",
+                        disable=None if progress else True):
             X = H[idx]
             A = sparse_code(X, D, lam, iters, tol)                # (b, k)
             used |= (A > 0).any(0)
@@ -274,19 +278,21 @@ def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1
 # Hidden states of a checkpoint
 
 @torch.no_grad()
-def collect(model, tokens: np.ndarray, layer: int, n: int, seq_len: int, max_freq: float, batch_size: int,
-            seed: int, device) -> torch.Tensor:
+def collect(model, tokens: np.ndarray, layer: int, n: int, seq_len: int, max_freq: float,
+            batch_size: int, seed: int, device) -> torch.Tensor:
     """(n, d) float32: L2-normalised layer-`layer` states at random positions of random windows of
     the token stream, [CLS]/[SEP] and tokens of relative frequency >= max_freq left out."""
     freq = np.bincount(tokens, minlength=model.config.vocab_size) / len(tokens)
     keep = torch.from_numpy(freq < max_freq).to(device)
     if freq[freq < max_freq].sum() < 0.01:
-        raise SystemExit(f"error: --max-freq {max_freq} leaves out {100 * freq[freq >= max_freq].sum():.1f}% of the "
+        left_out = 100 * freq[freq >= max_freq].sum()
+        raise SystemExit(f"error: --max-freq {max_freq} leaves out {left_out:.1f}% of the "
                          f"tokens; raise it (1 keeps every token)")
     rng = np.random.default_rng(seed)
     L = seq_len - 2
     if len(tokens) < L:
-        raise SystemExit(f"error: the corpus holds {len(tokens)} tokens, fewer than one window of {L}")
+        raise SystemExit(f"error: the corpus holds {len(tokens)} tokens, fewer than one window "
+                         f"of {L}")
     out, have = [], 0
     bar = tqdm(total=n, desc=f"layer {layer} states", unit="vec", disable=None)
     for _ in range(100000):
@@ -310,57 +316,109 @@ def collect(model, tokens: np.ndarray, layer: int, n: int, seq_len: int, max_fre
     return torch.cat(out)
 
 
+# ---------------------------------------------------------------------------------------------
+# A dictionary from a checkpoint: what the CLI and train.py's mlsm (between its phases) run
+
+@dataclass
+class DictConfig:
+    layer: int = -1           # hidden layer: 0 = embeddings, 1..n_layer, negative from the end
+    k: int = 2500             # dictionary atoms: the size of the distribution MLSM predicts
+    lam: float = 0.05         # l1 penalty lambda of the codes, eq. (1) of sparse.py
+    vectors: int = 100000     # hidden states the dictionary is learned from
+    epochs: int = 4           # passes of dictionary learning over them
+    batch_size: int = 1024    # vectors per mini-batch
+    max_freq: float = 1e-3    # leave out tokens at least this frequent (1 keeps every token)
+    seq_len: int = 128        # window length the model reads
+    forget: float = 50.0      # past mini-batches weigh (1-1/t)^forget at mini-batch t; 0: equally
+    iters: int = 1000         # FISTA iteration cap per mini-batch
+    tol: float = 1e-2         # FISTA stops when its gradient mapping is below tol*lam everywhere
+    seed: int = 0             # seed of the windows, the initial atoms and the batch order
+
+
+def learn_from_checkpoint(ckpt_path, data, cfg: DictConfig, device, out) -> dict:
+    """Learn a dictionary of layer cfg.layer of a checkpoint's states on the corpus `data` (None:
+    the one it was trained on), write it to `out` (save_dictionary) and return what was written.
+
+    Everything random is drawn from generators seeded by cfg.seed, and the global torch RNG is
+    left as it was (loading the model would draw from it), so a training run that calls this
+    between its phases goes on exactly as one that was given the same dictionary with --dict."""
+    with torch.random.fork_rng(devices=[]):
+        ckpt = read_checkpoint(ckpt_path)
+        model, _ = load_checkpoint(ckpt_path, device)
+        n_layer = model.config.n_layer
+        if not -n_layer - 1 <= cfg.layer <= n_layer:
+            raise SystemExit(f"error: --layer {cfg.layer}: {ckpt_path} has layers 0..{n_layer}")
+        layer = cfg.layer % (n_layer + 1)
+        trained = ckpt.get("args", {})
+        data_dir = prepare(data or trained.get("data", "babylm_10m"),
+                           trained.get("vocab_size", model.config.vocab_size), quiet=True)
+        if (data_dir / "tokenizer.model").read_bytes() != ckpt["tokenizer"]:
+            raise SystemExit(f"error: {ckpt_path} was trained with another tokenizer than "
+                             f"{data_dir}'s; pass the --data it was trained on")
+        tokens = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
+
+        t0 = time.time()
+        H = collect(model, tokens, layer, cfg.vectors, cfg.seq_len, cfg.max_freq, 64, cfg.seed,
+                    device).to(device)
+        t1 = time.time()
+        D, history = learn_dictionary(H, cfg.k, cfg.lam, cfg.epochs, cfg.batch_size, cfg.seed,
+                                      cfg.forget, cfg.iters, cfg.tol)
+        t2 = time.time()
+        last = history[-1]
+        print(f"dictionary: {cfg.k} atoms of layer {layer} from {cfg.vectors} vectors "
+              f"(d {H.shape[1]}) | objective {history[0]['objective']:.4f} -> "
+              f"{last['objective']:.4f} | {last['nnz']:.1f} non-zeros per code | "
+              f"{100 * last['zero_rate']:.2f}% all-zero codes | states {t1 - t0:.0f} s, "
+              f"learning {t2 - t1:.0f} s")
+        about = dict(lam=cfg.lam, ckpt=str(ckpt_path), ckpt_step=ckpt.get("step"), history=history,
+                     args={**asdict(cfg), "ckpt": str(ckpt_path), "data": data,
+                           "device": str(device)},
+                     seconds={"states": t1 - t0, "learning": t2 - t1})
+        return save_dictionary(out, D, layer, **about)
+
+
+def save_dictionary(path, D, layer: int, **about) -> dict:
+    """A dictionary file: D (d, k), the layer it codes, and whatever else says how it was made."""
+    state = {"D": D.cpu(), "layer": layer, "k": D.shape[1], "d_model": D.shape[0], **about}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(state, path)
+    return state
+
+
+def load_dictionary(path, d_model: int, n_layer: int) -> tuple[torch.Tensor, int]:
+    """(D (d, k) float32, the layer it codes) of a dictionary file, for a model of d_model
+    dimensions and n_layer layers (a file without a layer is taken to code the last)."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        D = saved["D"]
+    except Exception as e:
+        raise SystemExit(f"error: cannot read the dictionary {path} ({type(e).__name__}: "
+                         f"{e})") from None
+    if D.ndim != 2 or D.shape[0] != d_model:
+        raise SystemExit(f"error: the dictionary {path} has shape {tuple(D.shape)}, but the "
+                         f"model's states have {d_model} dimensions")
+    return D.float(), saved.get("layer", n_layer)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="checkpoint whose hidden states are coded (a train.py ckpt.pt or phase1.pt)")
-    p.add_argument("--data", default=None, help="corpus it was trained on (default: the checkpoint's --data)")
-    p.add_argument("--layer", type=int, default=-1, help="hidden layer: 0 = embeddings, 1..n_layer, negative from the end (default -1, the last)")
-    p.add_argument("--k", type=int, default=2500, help="dictionary atoms (default 2500)")
-    p.add_argument("--lam", type=float, default=0.05, help="l1 penalty lambda of (1) (default 0.05)")
-    p.add_argument("--vectors", type=int, default=100000, help="hidden vectors to learn from (default 100000)")
-    p.add_argument("--epochs", type=int, default=4, help="passes over the vectors (default 4)")
-    p.add_argument("--batch-size", type=int, default=1024, help="vectors per mini-batch (default 1024)")
-    p.add_argument("--max-freq", type=float, default=1e-3, help="leave out tokens at least this frequent (default 1e-3; 1 keeps all)")
-    p.add_argument("--seq-len", type=int, default=128, help="window length read by the model (default 128)")
-    p.add_argument("--forget", type=float, default=50.0, help="past mini-batches weigh (1-1/t)^forget at mini-batch t; 0 = all equally (default 50)")
-    p.add_argument("--iters", type=int, default=1000, help="FISTA iteration cap per mini-batch (default 1000)")
-    p.add_argument("--tol", type=float, default=1e-2, help="FISTA stops when every coordinate of the gradient mapping is below tol*lam (default 1e-2)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the windows, the initial atoms and the batch order (default 0)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda if available (default auto)")
-    p.add_argument("--out", required=True, help="where to write the dictionary (a torch file: D (d, k) and how it was made)")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="checkpoint whose hidden states are coded (a "
+                   "train.py ckpt.pt or phase1.pt)")
+    p.add_argument("--data", default=None,
+                   help="corpus it was trained on (default: the checkpoint's --data)")
+    for f, text in zip(fields(DictConfig), field_help(DictConfig).values()):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                       help=f"{text} (default {f.default})")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto = cuda if available (default auto)")
+    p.add_argument("--out", required=True, help="where to write the dictionary (a torch file: "
+                   "D (d, k) and how it was made)")
     args = p.parse_args(argv)
     if args.k < 1 or args.vectors < args.k or args.lam <= 0 or args.epochs < 0:
         p.error("need --k >= 1, --vectors >= --k, --lam > 0 and --epochs >= 0")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but no CUDA device is visible")
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
-
-    ckpt = read_checkpoint(args.ckpt)
-    model, _ = load_checkpoint(args.ckpt, device)
-    n_layer = model.config.n_layer
-    if not -n_layer - 1 <= args.layer <= n_layer:
-        raise SystemExit(f"error: --layer {args.layer}: {args.ckpt} has layers 0..{n_layer}")
-    layer = args.layer % (n_layer + 1)
-    trained = ckpt.get("args", {})
-    data_dir = prepare(args.data or trained.get("data", "babylm_10m"), trained.get("vocab_size", model.config.vocab_size), quiet=True)
-    if (data_dir / "tokenizer.model").read_bytes() != ckpt["tokenizer"]:
-        raise SystemExit(f"error: {args.ckpt} was trained with another tokenizer than {data_dir}'s; pass the --data it was trained on")
-    tokens = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
-
-    t0 = time.time()
-    H = collect(model, tokens, layer, args.vectors, args.seq_len, args.max_freq, 64, args.seed, device).to(device)
-    t1 = time.time()
-    D, history = learn_dictionary(H, args.k, args.lam, args.epochs, args.batch_size, args.seed,
-                                  args.forget, args.iters, args.tol)
-    t2 = time.time()
-    last = history[-1]
-    print(f"dictionary: {args.k} atoms of layer {layer} from {args.vectors} vectors (d {H.shape[1]}) | objective "
-          f"{history[0]['objective']:.4f} -> {last['objective']:.4f} | {last['nnz']:.1f} non-zeros per code | "
-          f"{100 * last['zero_rate']:.2f}% all-zero codes | states {t1 - t0:.0f} s, learning {t2 - t1:.0f} s")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    save_checkpoint({"D": D.cpu(), "lam": args.lam, "layer": layer, "k": args.k, "d_model": H.shape[1],
-                     "ckpt": str(args.ckpt), "ckpt_step": ckpt.get("step"), "history": history,
-                     "args": vars(args), "seconds": {"states": t1 - t0, "learning": t2 - t1}}, args.out)
+    cfg = DictConfig(**{f.name: getattr(args, f.name) for f in fields(DictConfig)})
+    learn_from_checkpoint(args.ckpt, args.data, cfg, pick_device(args.device), args.out)
     print(f"wrote {args.out}")
 
 

@@ -62,7 +62,8 @@ def read_conllu(path) -> list[list[dict]]:
                 continue
             cols = line.split("\t")
             if len(cols) != 10:
-                raise SystemExit(f"error: {path}:{n}: a CoNLL-U word line has 10 tab-separated columns, this one {len(cols)}")
+                raise SystemExit(f"error: {path}:{n}: a CoNLL-U word line has 10 tab-separated "
+                                 f"columns, this one {len(cols)}")
             if "-" in cols[0] or "." in cols[0]:
                 continue
             try:
@@ -111,7 +112,8 @@ def grammar(sentences, n_rels: int = 20):
             rule_counts[name(w["deprel"])][rhs] += 1
             lemmas[name(w["deprel"])].add(w["lemma"])
     symbols = keep + ([OTHER] if OTHER in rule_counts else [])
-    rules = {lhs: {rhs: c / sum(rc.values()) for rhs, c in rc.items()} for lhs, rc in rule_counts.items()}
+    rules = {lhs: {rhs: c / sum(rc.values()) for rhs, c in rc.items()}
+             for lhs, rc in rule_counts.items()}
     return dict(symbols=symbols, rules=rules, lemmas={r: len(v) for r, v in lemmas.items()},
                 lengths=[len(s) for s in sentences])
 
@@ -168,7 +170,7 @@ class Sampler:
             rule = np.minimum(rule, len(self.key) - 1)
             grow = np.ones(len(seq), np.int64)
             grow[nt] = self.length[rule]
-            first = np.repeat(np.cumsum(grow) - grow, grow)                  # where each source starts
+            first = np.repeat(np.cumsum(grow) - grow, grow)          # where each source starts
             offset = np.arange(grow.sum()) - first
             src = np.repeat(np.arange(len(seq)), grow)
             rule_of = np.zeros(len(seq), np.int64)
@@ -214,7 +216,8 @@ def token_sets(g, vocab: int) -> np.ndarray:
 def relex_zipf(rels, sizes, rng) -> np.ndarray:
     """Token ids: a word of relation r is the k-th token of r's set (the sets are consecutive id
     ranges) with probability proportional to 1/k, k = 1..size_r (Zipf's law within the set)."""
-    key = block_cdf(np.repeat(np.arange(len(sizes)), sizes), np.concatenate([1 / np.arange(1, m + 1) for m in sizes]))
+    weights = np.concatenate([1 / np.arange(1, m + 1) for m in sizes])
+    key = block_cdf(np.repeat(np.arange(len(sizes)), sizes), weights)
     return np.searchsorted(key, rels + rng.random(len(rels)), side="right")
 
 
@@ -237,9 +240,10 @@ def relex_loglinear(rels, sids, sizes, rng, dim: int = 10, chunk: int = 2000) ->
         logits = topics @ vec.T                                                # (S, V)
         p = np.exp(logits - logits.max(1, keepdims=True))
         cum = np.cumsum(p, 1)
-        total = cum[:, ends]                                                   # (S, R) cumulative at each set's end
+        total = cum[:, ends]                                  # (S, R): cumulative at each set's end
         before = np.concatenate([np.zeros((len(cum), 1)), total[:, :-1]], 1)
-        within = (cum - before[:, block]) / (total - before)[:, block]         # (S, V), each set rising to 1
+        # (S, V): the cumulative distribution within each set, rising to 1 at its end
+        within = (cum - before[:, block]) / (total - before)[:, block]
         within[:, ends] = 1.0
         key = (np.arange(len(cum))[:, None] * R + block[None, :] + within).ravel()
         q = (sids[lo:hi] - first) * R + rels[lo:hi] + rng.random(hi - lo)
@@ -277,53 +281,70 @@ def same_sentence_pmi(tokens, rels, sids) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ud", default=None, help="folder holding the UD treebanks (default $NANOMLM_RAW/ud)")
-    ap.add_argument("--treebanks", nargs="+", default=TREEBANKS, help=f"(default {' '.join(TREEBANKS)})")
-    ap.add_argument("--n-rels", type=int, default=20, help="relations kept as nonterminals; the rest become `other` (default 20)")
-    ap.add_argument("--relex", default="zipf", choices=["zipf", "loglinear"], help="word distribution (default zipf)")
-    ap.add_argument("--vocab", type=int, default=5000, help="made-up words in all (default 5000)")
-    ap.add_argument("--sentences", type=int, default=1000000, help="sentences to sample (default 1000000)")
-    ap.add_argument("--max-depth", type=int, default=30, help="tree depth cap (default 30)")
-    ap.add_argument("--max-len", type=int, default=100, help="longer sentences are drawn again (default 100)")
-    ap.add_argument("--seed", type=int, default=0, help="(default 0)")
-    ap.add_argument("--out", required=True, help="corpus folder to write: synth.train, synth.dev (every 20th sentence), grammar.json, stats.json")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = ap.add_argument
+    add("--ud", default=None, help="folder holding the UD treebanks (default $NANOMLM_RAW/ud)")
+    add("--treebanks", nargs="+", default=TREEBANKS, help=f"(default {' '.join(TREEBANKS)})")
+    add("--n-rels", type=int, default=20,
+        help="relations kept as nonterminals; the rest become `other` (default 20)")
+    add("--relex", default="zipf", choices=["zipf", "loglinear"],
+        help="word distribution (default zipf)")
+    add("--vocab", type=int, default=5000, help="made-up words in all (default 5000)")
+    add("--sentences", type=int, default=1000000, help="sentences to sample (default 1000000)")
+    add("--max-depth", type=int, default=30, help="tree depth cap (default 30)")
+    add("--max-len", type=int, default=100, help="longer sentences are drawn again (default 100)")
+    add("--seed", type=int, default=0, help="(default 0)")
+    add("--out", required=True, help="corpus folder to write: synth.train, synth.dev (every 20th "
+        "sentence), grammar.json, stats.json")
     args = ap.parse_args(argv)
     ud = Path(args.ud or raw_root() / "ud")
     t0 = time.time()
     sentences = [s for f in treebank_files(ud, args.treebanks) for s in read_conllu(f)]
     g = grammar(sentences, args.n_rels)
     n_rules = sum(len(r) for r in g["rules"].values())
-    print(f"grammar: {len(sentences)} trees, {len(g['symbols'])} nonterminals, {n_rules} rules ({time.time() - t0:.1f} s)")
+    print(f"grammar: {len(sentences)} trees, {len(g['symbols'])} nonterminals, {n_rules} rules "
+          f"({time.time() - t0:.1f} s)")
     sampler = Sampler(g, args.max_depth, args.max_len)
     t1 = time.time()
     rels, sids = sampler.sample(args.sentences, args.seed)
     t2 = time.time()
     rng = np.random.default_rng([args.seed, 1])
     sizes = token_sets(g, args.vocab)
-    tokens = relex_zipf(rels, sizes, rng) if args.relex == "zipf" else relex_loglinear(rels, sids, sizes, rng)
+    if args.relex == "zipf":
+        tokens = relex_zipf(rels, sizes, rng)
+    else:
+        tokens = relex_loglinear(rels, sids, sizes, rng)
     t3 = time.time()
     lengths = np.bincount(sids)
-    stats = dict(sentences=args.sentences, tokens=int(len(tokens)), sample_s=t2 - t1, relex_s=t3 - t2,
-                 sentences_per_s=args.sentences / (t2 - t1), mean_length=float(lengths.mean()),
-                 treebank_mean_length=float(np.mean(g["lengths"])), rank_slope_by_relation={
-                     s: rank_slope(tokens[rels == r]) for r, s in enumerate(g["symbols"]) if sizes[r] >= 20},
+    slopes = {s: rank_slope(tokens[rels == r]) for r, s in enumerate(g["symbols"])
+              if sizes[r] >= 20}
+    stats = dict(sentences=args.sentences, tokens=int(len(tokens)), sample_s=t2 - t1,
+                 relex_s=t3 - t2, sentences_per_s=args.sentences / (t2 - t1),
+                 mean_length=float(lengths.mean()),
+                 treebank_mean_length=float(np.mean(g["lengths"])), rank_slope_by_relation=slopes,
                  same_sentence_pmi=same_sentence_pmi(tokens, rels, sids))
-    print(f"sampled {args.sentences} sentences, {len(tokens)} words, in {t2 - t1:.1f} s ({stats['sentences_per_s']:.0f} sentences/s); "
-          f"relexicalised ({args.relex}) in {t3 - t2:.1f} s | mean length {stats['mean_length']:.1f} "
-          f"(treebank {stats['treebank_mean_length']:.1f}) | same-sentence PMI {stats['same_sentence_pmi']:.3f}")
+    print(f"sampled {args.sentences} sentences, {len(tokens)} words, in {t2 - t1:.1f} s "
+          f"({stats['sentences_per_s']:.0f} sentences/s); relexicalised ({args.relex}) in "
+          f"{t3 - t2:.1f} s | mean length {stats['mean_length']:.1f} (treebank "
+          f"{stats['treebank_mean_length']:.1f}) | same-sentence PMI "
+          f"{stats['same_sentence_pmi']:.3f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bounds = np.r_[0, np.cumsum(lengths)]
     with open(out / "synth.train", "w") as tr, open(out / "synth.dev", "w") as dv:
-        for first in range(0, args.sentences, 50000):      # in chunks: the strings of 1M sentences take GBs
-            words = np.char.add("w", tokens[bounds[first]:bounds[min(first + 50000, args.sentences)]].astype(str))
-            for i in range(first, min(first + 50000, args.sentences)):
-                (dv if i % 20 == 19 else tr).write(" ".join(words[bounds[i] - bounds[first]:bounds[i + 1] - bounds[first]]) + "\n")
-    (out / "grammar.json").write_text(json.dumps({"symbols": g["symbols"], "sizes": sizes.tolist(), "args": vars(args),
-                                                  "rules": {l: [[" ".join(r), p] for r, p in rs.items()] for l, rs in g["rules"].items()}}))
+        for first in range(0, args.sentences, 50000):  # in chunks: 1M sentences' strings take GBs
+            last = min(first + 50000, args.sentences)
+            words = np.char.add("w", tokens[bounds[first]:bounds[last]].astype(str))
+            for i in range(first, last):
+                sentence = words[bounds[i] - bounds[first]:bounds[i + 1] - bounds[first]]
+                (dv if i % 20 == 19 else tr).write(" ".join(sentence) + "\n")
+    rules = {l: [[" ".join(r), p] for r, p in rs.items()] for l, rs in g["rules"].items()}
+    (out / "grammar.json").write_text(json.dumps({"symbols": g["symbols"], "sizes": sizes.tolist(),
+                                                  "args": vars(args), "rules": rules}))
     (out / "stats.json").write_text(json.dumps(stats, indent=1))
-    (out / "tokenizer.json").write_text(json.dumps({"model_type": "word"}))  # data/prepare.py: one token per word
+    # data/prepare.py then makes one token per word
+    (out / "tokenizer.json").write_text(json.dumps({"model_type": "word"}))
     print(f"wrote {out}")
 
 

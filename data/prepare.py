@@ -6,7 +6,7 @@
 
 Where things live
     raw      $NANOMLM_RAW/NAME/   (default data/raw/NAME/), or any folder given as a path
-    prepared $NANOMLM_DATA/NAME/  (default data/NAME/): train.bin  val.bin  tokenizer.model  meta.json
+    prepared $NANOMLM_DATA/NAME/  (default data/NAME/): train.bin val.bin tokenizer.model meta.json
 
 Raw layout: the BabyLM one, a folder of `*.train` and `*.dev` text files, plain or `.gz`. A folder
 without `*.train` files is read whole (every text file in it), and when there are no `*.dev` files
@@ -34,6 +34,7 @@ import time
 import urllib.request
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import sentencepiece as spm
@@ -43,6 +44,7 @@ from tqdm import tqdm
 HERE = Path(__file__).resolve().parent
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD, UNK, CLS, SEP, MASK = range(len(SPECIALS))
+VOCAB_SIZE = 16384  # sentencepiece pieces, unless a script's --vocab-size says otherwise
 VERSION = 1  # bump when the prepared format changes, so old folders count as stale
 
 # The official BabyLM corpora live in the OSF project below, folder text_data/:
@@ -124,8 +126,8 @@ def train_tokenizer(lines: list[str], vocab_size: int, word_level: bool = False)
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=pieces(), model_writer=model, **tokenizer_settings(vocab_size, word_level),
-            num_threads=os.cpu_count(), minloglevel=2)
+            sentence_iterator=pieces(), model_writer=model, num_threads=os.cpu_count(),
+            minloglevel=2, **tokenizer_settings(vocab_size, word_level))
     except RuntimeError as e:  # e.g. "Vocabulary size is too high" on a tiny corpus
         raise SystemExit(f"error: sentencepiece could not train a {vocab_size}-piece tokenizer "
                          f"on this corpus ({str(e).strip().splitlines()[-1]}); "
@@ -148,7 +150,8 @@ def tokenizer_settings(vocab_size: int, word_level: bool = False) -> dict:
 
 
 def is_word_level(raw: Path) -> bool:
-    """Does the raw folder ask for a word-level vocabulary (tokenizer.json: {"model_type": "word"})?"""
+    """Does the raw folder ask for a word-level vocabulary (tokenizer.json:
+    {"model_type": "word"})?"""
     f = raw / "tokenizer.json"
     if not f.is_file():
         return False
@@ -181,9 +184,10 @@ def load_meta(folder: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# The one entry point train.py uses
+# The one entry point the scripts use
 
-def prepare(data: str, vocab_size: int = 16384, force: bool = False, quiet: bool = False) -> Path:
+def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
+            quiet: bool = False) -> Path:
     """Make sure the prepared folder for `data` exists and is fresh; return its path."""
     say = (lambda *a: None) if quiet else print
     if (Path(data) / "meta.json").is_file() and (Path(data) / "train.bin").is_file():
@@ -193,7 +197,8 @@ def prepare(data: str, vocab_size: int = 16384, force: bool = False, quiet: bool
         if (out / "meta.json").exists() and not force:  # prepared elsewhere, raw text not copied
             say(f"data: raw corpus not found at {raw}; using the prepared {out} as it is")
             return out
-        looked = f" (NANOMLM_RAW={os.environ['NANOMLM_RAW']})" if "NANOMLM_RAW" in os.environ else ""
+        env = os.environ.get("NANOMLM_RAW")
+        looked = f" (NANOMLM_RAW={env})" if env is not None else ""
         raise SystemExit(f"error: no corpus folder at {raw}{looked}. {where_to_get(raw.name, raw)}")
     if out.resolve() == raw.resolve():
         raise SystemExit(f"error: the prepared folder would be the raw folder {raw} itself; "
@@ -208,7 +213,8 @@ def prepare(data: str, vocab_size: int = 16384, force: bool = False, quiet: bool
     settings = tokenizer_settings(vocab_size) if not words else {"model_type": "word"}
     if (out / "meta.json").exists() and not force:
         meta = load_meta(out)
-        if (meta.get("version"), meta.get("sources"), meta.get("tokenizer")) == (VERSION, sources, settings):
+        made = (meta.get("version"), meta.get("sources"), meta.get("tokenizer"))
+        if made == (VERSION, sources, settings):
             return out
         say(f"data: {out} is stale (raw files or tokenizer settings changed); rebuilding")
 
@@ -219,14 +225,16 @@ def prepare(data: str, vocab_size: int = 16384, force: bool = False, quiet: bool
         val_lines = [line for p in dev_files for line in read_lines(p)]
         val_from = "*.dev files"
     else:  # hold out every 20th line, deterministically
-        val_lines, train_lines = train_lines[19::20], [s for i, s in enumerate(train_lines) if i % 20 != 19]
+        val_lines = train_lines[19::20]
+        train_lines = [s for i, s in enumerate(train_lines) if i % 20 != 19]
         val_from = "every 20th line of the training files"
     if not train_lines or not val_lines:
-        raise SystemExit(f"error: {raw} has no text in its {'training' if not train_lines else 'validation'} "
-                         f"files (only empty lines); nothing to train on")
+        split = "training" if not train_lines else "validation"
+        raise SystemExit(f"error: {raw} has no text in its {split} files (only empty lines); "
+                         f"nothing to train on")
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)  # meta.json is written last: it marks a complete folder
+    (out / "meta.json").unlink(missing_ok=True)  # written last: it marks a complete folder
     t1 = time.time()
     if words:
         vocab_size = len({w for line in train_lines for w in line.split()})
@@ -247,17 +255,19 @@ def prepare(data: str, vocab_size: int = 16384, force: bool = False, quiet: bool
         "version": VERSION, "name": out.name, "raw": str(raw), "vocab_size": sp.get_piece_size(),
         "specials": {s: i for i, s in enumerate(SPECIALS)},
         "train_tokens": int(len(train)), "val_tokens": int(len(val)),
-        "train_words": sum(len(s.split()) for s in train_lines), "val_words": sum(len(s.split()) for s in val_lines),
+        "train_words": sum(len(s.split()) for s in train_lines),
+        "val_words": sum(len(s.split()) for s in val_lines),
         "train_lines": len(train_lines), "val_lines": len(val_lines), "val_from": val_from,
         # entropy (nats) of the training tokens' unigram distribution: the loss of a model that
         # ignores context; a masked LM that learns anything must go well below it
         "unigram_entropy": float(-(p[p > 0] * np.log(p[p > 0])).sum()),
         "sources": sources, "tokenizer": settings,
-        "seconds": {"read": round(t1 - t0, 1), "tokenizer": round(t2 - t1, 1), "tokenize": round(t3 - t2, 1)},
+        "seconds": {"read": round(t1 - t0, 1), "tokenizer": round(t2 - t1, 1),
+                    "tokenize": round(t3 - t2, 1)},
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    say(f"data: {meta['train_words']:,} train words -> {len(train):,} tokens, {len(val):,} val tokens, "
-        f"unigram entropy {meta['unigram_entropy']:.3f} nats ({time.time() - t0:.0f}s: "
+    say(f"data: {meta['train_words']:,} train words -> {len(train):,} tokens, {len(val):,} val "
+        f"tokens, unigram entropy {meta['unigram_entropy']:.3f} nats ({time.time() - t0:.0f}s: "
         f"tokenizer {t2 - t1:.0f}s, tokenize {t3 - t2:.1f}s)")
     return out
 
@@ -279,7 +289,8 @@ class Segments:
         self.n = (len(self.tokens) - 1) // length if shuffle else len(self.tokens) // length
         if self.n < 1:
             raise SystemExit(f"error: {path} holds {len(self.tokens)} tokens, fewer than one "
-                             f"segment of {length} (--seq-len minus 2); use a bigger corpus or a shorter --seq-len")
+                             f"segment of {length} (--seq-len minus 2); use a bigger corpus or "
+                             f"a shorter --seq-len")
         self._epoch = None
         self.on_device = None  # the stream as a device tensor, after .to(cuda)
 
@@ -308,10 +319,13 @@ class Segments:
             at = k // self.n == e
             starts[at] = self.starts(int(e))[k[at] % self.n]
         if self.on_device is not None:
-            idx = torch.from_numpy(starts).to(self.on_device.device)[:, None] + torch.arange(self.length, device=self.on_device.device)
+            device = self.on_device.device
+            idx = torch.from_numpy(starts).to(device)[:, None] + torch.arange(self.length,
+                                                                              device=device)
             body = self.on_device[idx].long()
         else:
-            body = torch.from_numpy(self.tokens[starts[:, None] + np.arange(self.length)].astype(np.int64))
+            idx = starts[:, None] + np.arange(self.length)
+            body = torch.from_numpy(self.tokens[idx].astype(np.int64))
         ends = lambda v: torch.full((size, 1), v, dtype=torch.long, device=body.device)
         return torch.cat([ends(CLS), body, ends(SEP)], 1)
 
@@ -342,8 +356,8 @@ def span_mask(ids, p, vocab_size, gen, mean_span=3.0):
 
 
 # ---------------------------------------------------------------------------------------------
-# Labelled tasks ((Super)GLUE, MSGS jsonl files): evaluate.py fine-tunes on them, meta.py meta-learns
-# with them
+# Labelled tasks ((Super)GLUE, MSGS jsonl files): evaluate.py fine-tunes on them, meta.py
+# meta-learns with them
 
 def read_jsonl(path: Path) -> list[dict]:
     rows = []
@@ -377,19 +391,30 @@ TASKS = {
     "rte": (lambda r: (r["sentence1"], r["sentence2"]), 2, ("accuracy",)),
     "boolq": (lambda r: (r["question"], r["passage"]), 2, ("accuracy",)),
     "multirc": (lambda r: (r["paragraph"], r["question"] + " " + r["answer"]), 2, ("accuracy",)),
-    "wsc": (lambda r: (r["text"], f"{r['span2_text']} refers to {r['span1_text']}"), 2, ("accuracy",)),
+    "wsc": (lambda r: (r["text"], f"{r['span2_text']} refers to {r['span1_text']}"), 2,
+            ("accuracy",)),
 }
 MSGS = (lambda r: (r["sentence"],), 2, ("mcc", "accuracy"))  # any other task name: MSGS-style files
 
 
-def read_task(data_dir: Path, task: str, split: str, tok, max_len: int):
-    """(ids [[CLS] a [SEP] (b [SEP])], labels, example ids) of TASK.SPLIT.jsonl, pairs truncated
-    longest-first to max_len tokens."""
+class Examples(NamedTuple):
+    """A labelled task's examples: token ids [CLS] a [SEP] (b [SEP]), labels (n,), example ids."""
+    seqs: list
+    labels: np.ndarray
+    ids: list
+
+    def take(self, idx) -> "Examples":
+        return Examples([self.seqs[i] for i in idx], self.labels[idx], [self.ids[i] for i in idx])
+
+
+def read_task(data_dir: Path, task: str, split: str, tok, max_len: int) -> Examples:
+    """The examples of TASK.SPLIT.jsonl, pairs truncated longest-first to max_len tokens."""
     path = Path(data_dir) / f"{task}.{split}.jsonl"
     if not path.exists():
         have = sorted(p.name for p in Path(data_dir).glob(f"{task}.*.jsonl"))
-        raise SystemExit(f"error: no {path.name} in {data_dir}" + (f" (there is only {', '.join(have)}; this task "
-                         f"cannot be fine-tuned from here)" if have else ""))
+        only = (f" (there is only {', '.join(have)}; this task cannot be fine-tuned from here)"
+                if have else "")
+        raise SystemExit(f"error: no {path.name} in {data_dir}{only}")
     render, k, _ = TASKS.get(task, MSGS)
     rows = read_jsonl(path)
     if not rows:
@@ -409,14 +434,15 @@ def read_task(data_dir: Path, task: str, split: str, tok, max_len: int):
         seqs.append([CLS] + [t for part in parts for t in part + [SEP]])
         labels.append(label)
         ids.append(json.dumps(r.get("idx", n)))
-    return seqs, np.array(labels), ids
+    return Examples(seqs, np.array(labels), ids)
 
 
 # ---------------------------------------------------------------------------------------------
 # Download of the official corpus (needs network; everything else works without it)
 
 def download(name: str) -> Path:
-    """Fetch train_*.zip and dev.zip from OSF and unpack their *.train/*.dev files into the raw folder."""
+    """Fetch train_*.zip and dev.zip from OSF and unpack their *.train/*.dev files into the raw
+    folder."""
     if name not in KNOWN:
         raise SystemExit(f"error: no download known for {name!r} (known: {', '.join(KNOWN)})")
     raw = raw_root() / name
@@ -446,11 +472,16 @@ def download(name: str) -> Path:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("data", help="corpus name under $NANOMLM_RAW (babylm_10m, babylm_100m, ...) or a folder path")
-    ap.add_argument("--vocab-size", type=int, default=16384, help="sentencepiece vocabulary size (default 16384)")
-    ap.add_argument("--force", action="store_true", help="rebuild even if the prepared folder is fresh")
-    ap.add_argument("--download", action="store_true", help="download the official BabyLM corpus first")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("data", help="corpus name under $NANOMLM_RAW (babylm_10m, babylm_100m, ...) "
+                    "or a folder path")
+    ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE,
+                    help=f"sentencepiece vocabulary size (default {VOCAB_SIZE})")
+    ap.add_argument("--force", action="store_true",
+                    help="rebuild even if the prepared folder is fresh")
+    ap.add_argument("--download", action="store_true",
+                    help="download the official BabyLM corpus first")
     args = ap.parse_args()
     if args.download:
         download(args.data)

@@ -17,7 +17,8 @@ from data.prepare import prepare  # noqa: E402
 def shared_data() -> Path:
     root = Path(os.environ.get("NANOMLM_RAW", REPO.parent / "shared" / "data"))
     if not (root / "babylm_10m").is_dir():
-        pytest.fail(f"the shared corpus is not at {root / 'babylm_10m'}; set NANOMLM_RAW (see README)")
+        pytest.fail(f"the shared corpus is not at {root / 'babylm_10m'}; set NANOMLM_RAW "
+                    f"(see README)")
     return root
 
 
@@ -53,7 +54,7 @@ def prepared(small_raw, tmp_path_factory) -> Path:
 def run_train(*args, cwd=REPO, launcher=None, timeout=600) -> subprocess.CompletedProcess:
     """train.py in a fresh process, as a user runs it; returns the finished process."""
     cmd = (launcher or [sys.executable]) + [str(REPO / "train.py"), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two gloo processes on two cores: no oversubscription
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 gloo processes on 2 cores: no oversubscription
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

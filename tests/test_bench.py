@@ -7,9 +7,10 @@ from conftest import shared_data
 
 
 def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("NANOMLM_RAW", str(shared_data()))                # the sampler reads UD treebanks there
+    monkeypatch.setenv("NANOMLM_RAW", str(shared_data()))  # the sampler reads UD treebanks there
     out = tmp_path / "bench.json"
-    rows = bench.main(["--quick", "--device", "cpu", "--data", str(prepared), "--objectives", "mlm,kd", "--out", str(out)])
+    rows = bench.main(["--quick", "--device", "cpu", "--data", str(prepared), "--objectives",
+                       "mlm,kd", "--out", str(out)])
     text = capsys.readouterr().out
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and saved["device"] == "cpu"

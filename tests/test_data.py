@@ -1,4 +1,5 @@
-"""data/prepare.py: tokenizer, token streams, meta.json, reuse/staleness and the errors a user can cause."""
+"""data/: the tokenizer, token streams and meta.json, reuse and staleness, the errors a user can
+cause, the Breton corpus, the segment reader and span masking."""
 import gzip
 import math
 import unicodedata
@@ -25,9 +26,10 @@ def test_special_ids_are_fixed(prepared):
 
 def test_tokenizer_round_trip(prepared, small_raw):
     tok = P.load_tokenizer(prepared)
-    lines = P.read_lines(small_raw / "childes.dev")[:5] + P.read_lines(small_raw / "simple_wiki.dev")[:5]
+    lines = P.read_lines(small_raw / "childes.dev")[:5]
+    lines += P.read_lines(small_raw / "simple_wiki.dev")[:5]
     for line in lines:
-        # the tokenizer normalises (NFKC, whitespace runs -> one space); otherwise text is kept exactly
+        # the tokenizer normalises (NFKC, whitespace runs -> one space); otherwise text stays as is
         assert tok.decode(tok.encode(line)) == " ".join(unicodedata.normalize("NFKC", line).split())
     # characters never seen in training come back through byte fallback, not as [UNK]
     rare = "Gwenn-ha-du ŋ 漢字 🙂 naïve"
@@ -41,23 +43,27 @@ def test_streams_and_meta(prepared, small_raw):
     train = np.memmap(prepared / "train.bin", dtype=np.uint16, mode="r")
     val = np.memmap(prepared / "val.bin", dtype=np.uint16, mode="r")
     assert len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
-    assert train.min() >= 5 and train.max() < meta["vocab_size"]  # no specials, no [UNK] in the stream
+    assert train.min() >= 5 and train.max() < meta["vocab_size"]  # no specials, no [UNK]
     assert meta["specials"] == {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
-    assert {s["split"] for s in meta["sources"]} == {"train", "dev"} and meta["val_from"] == "*.dev files"
+    assert {s["split"] for s in meta["sources"]} == {"train", "dev"}
+    assert meta["val_from"] == "*.dev files"
     assert meta["train_words"] == 3 * 130 * 500  # the fixture's 390 lines of 500 words
     # a stream is its lines tokenized one by one and concatenated, files in name order
     tok = P.load_tokenizer(prepared)
-    dev_lines = P.read_lines(small_raw / "childes.dev") + P.read_lines(small_raw / "simple_wiki.dev")
+    dev_lines = P.read_lines(small_raw / "childes.dev")
+    dev_lines += P.read_lines(small_raw / "simple_wiki.dev")
     assert val.tolist() == [i for line in dev_lines for i in tok.encode(line)]
     # unigram entropy, recounted naively
     counts = Counter(train.tolist())
     n = sum(counts.values())
-    assert meta["unigram_entropy"] == pytest.approx(-sum(c / n * math.log(c / n) for c in counts.values()), rel=1e-9)
+    entropy = -sum(c / n * math.log(c / n) for c in counts.values())
+    assert meta["unigram_entropy"] == pytest.approx(entropy, rel=1e-9)
 
 
 @pytest.fixture
 def one_file(small_raw, tmp_path, monkeypatch):
-    """A raw folder holding one text file of 130 real lines (no *.dev); prepared into tmp_path/prep."""
+    """A raw folder holding one text file of 130 real lines (no *.dev); prepared into
+    tmp_path/prep."""
     monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
     raw = tmp_path / "corpus"
     raw.mkdir()
@@ -84,7 +90,8 @@ def test_plain_and_gzip_read_alike_and_holdout(tmp_path):
     with gzip.open(tmp_path / "y.txt.gz", "wt") as f:
         f.write("\n".join(lines[30:]))
     (tmp_path / "z.train").write_text("\n".join(lines[:30]))
-    assert P.read_lines(tmp_path / "x.txt") == P.read_lines(tmp_path / "z.train") == lines[:30]  # blank lines dropped
+    # blank lines dropped
+    assert P.read_lines(tmp_path / "x.txt") == P.read_lines(tmp_path / "z.train") == lines[:30]
     assert P.read_lines(tmp_path / "y.txt.gz") == lines[30:]
     # a folder without *.train files is read whole
     other = tmp_path / "other"
@@ -97,7 +104,7 @@ def test_plain_and_gzip_read_alike_and_holdout(tmp_path):
 
 def test_holdout_every_20th_line_without_dev_files(one_file):
     meta = P.load_meta(P.prepare(str(one_file), vocab_size=800, quiet=True))
-    assert (meta["train_lines"], meta["val_lines"]) == (130 - 6, 6)  # lines 19, 39, ..., 119 held out
+    assert (meta["train_lines"], meta["val_lines"]) == (130 - 6, 6)  # lines 19, 39, ..., 119
     assert meta["val_from"].startswith("every 20th line")
 
 
@@ -114,7 +121,8 @@ def test_missing_corpus_says_where_it_looked_and_how_to_get_it(tmp_path, monkeyp
     assert not (tmp_path / "prep").exists()
 
 
-@pytest.mark.parametrize("content", [None, "\n\n   \n\t\n"], ids=["empty folder", "only blank lines"])
+@pytest.mark.parametrize("content", [None, "\n\n   \n\t\n"],
+                         ids=["empty folder", "only blank lines"])
 def test_corpus_without_text(tmp_path, monkeypatch, content):
     monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
     raw = tmp_path / "corpus"
@@ -131,7 +139,8 @@ def test_vocab_too_big_for_corpus(tmp_path, monkeypatch):
     raw = tmp_path / "corpus"
     raw.mkdir()
     (raw / "a.train").write_text("just a few words\n" * 50)
-    with pytest.raises(SystemExit, match="could not train a 16384-piece tokenizer.*smaller --vocab-size"):
+    too_big = "could not train a 16384-piece tokenizer.*smaller --vocab-size"
+    with pytest.raises(SystemExit, match=too_big):
         P.prepare(str(raw))
 
 
@@ -141,14 +150,15 @@ def test_download_offline_fails_clearly(tmp_path, monkeypatch):
     def offline(*a, **k):
         raise urllib.error.URLError("no network")
     monkeypatch.setattr(urllib.request, "urlopen", offline)
-    with pytest.raises(SystemExit, match=r"^error: could not download https://api\.osf\.io/.*by hand"):
+    offline_error = r"^error: could not download https://api\.osf\.io/.*by hand"
+    with pytest.raises(SystemExit, match=offline_error):
         P.download("babylm_10m")
     with pytest.raises(SystemExit, match="no download known"):
         P.download("my_corpus")
 
 
 def test_prepared_folder_must_not_be_the_raw_folder(one_file, monkeypatch):
-    monkeypatch.setenv("NANOMLM_DATA", str(one_file.parent))  # would write prep/corpus/ = the raw folder
+    monkeypatch.setenv("NANOMLM_DATA", str(one_file.parent))  # prep/corpus/ = the raw folder
     with pytest.raises(SystemExit, match="would be the raw folder"):
         P.prepare(str(one_file), vocab_size=800)
 
@@ -162,12 +172,13 @@ def test_breton_corpus_split_is_fixed_and_disjoint(tmp_path):
     assert all(len(v) > 500 for v in sents.values()), {k: len(v) for k, v in sents.items()}
     flat = [s for v in sents.values() for s in v]
     train, dev = breton.split(flat)
-    assert not set(train) & set(dev) and len(train) + len(dev) == len(set(flat)) < len(flat)  # duplicates dropped
+    assert not set(train) & set(dev)
+    assert len(train) + len(dev) == len(set(flat)) < len(flat)  # duplicates dropped
     assert 0.08 < len(dev) / (len(train) + len(dev)) < 0.12
     random.Random(0).shuffle(flat)
-    assert set(breton.split(flat)[1]) == set(dev)                 # the split does not depend on order
-    r = subprocess.run([sys.executable, str(REPO / "data" / "breton.py"), "--raw", shared_data(), "--out", tmp_path / "br"],
-                       capture_output=True, text=True, timeout=120)
+    assert set(breton.split(flat)[1]) == set(dev)  # the split does not depend on order
+    r = subprocess.run([sys.executable, str(REPO / "data" / "breton.py"), "--raw", shared_data(),
+                        "--out", tmp_path / "br"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "br" / "breton.dev").read_text(encoding="utf-8").splitlines() == dev
 
@@ -185,7 +196,8 @@ def test_each_epoch_visits_every_segment_once(tmp_path):
         body = batch[:, 1:-1].numpy()
         starts = body[:, 0] - 5
         assert (np.diff(body, axis=1) == 1).all()  # each row is one contiguous window of the stream
-        assert len(set((starts % 10).tolist())) == 1 and sorted(starts // 10) == list(range(10))  # all once
+        assert len(set((starts % 10).tolist())) == 1
+        assert sorted(starts // 10) == list(range(10))  # every segment once
     again = P.Segments(tmp_path / "t.bin", 10, seed=3, shuffle=True)
     assert torch.equal(seg.batch(7, 25), again.batch(7, 25))  # a function of (seed, position) alone
     # one gather for the whole batch, across epoch boundaries, equals segment-by-segment reading
@@ -216,14 +228,15 @@ def test_span_masking_statistics():
     randomised = chosen & ~masked & ~kept
     n = chosen.sum().item()
     assert masked.sum().item() / n == pytest.approx(0.8, abs=0.01)
-    assert kept.sum().item() / n == pytest.approx(0.1, abs=0.01)  # (+1/V: a random draw may hit itself)
+    assert kept.sum().item() / n == pytest.approx(0.1, abs=0.01)  # (+1/V: a random draw = itself)
     assert randomised.sum().item() / n == pytest.approx(0.1, abs=0.01)
-    assert inputs[randomised].min() >= 5                             # random tokens are never specials
+    assert inputs[randomised].min() >= 5                        # random tokens are never specials
     # spans: a chosen token's right neighbour is chosen if it is in the same span (prob 2/3 for
     # geometric lengths of mean 3) or starts a new span that is chosen (1/3 * 0.15); i.i.d.
     # token masking would give 0.15
     both = chosen[:, 1:90] & chosen[:, 2:91]
-    assert both.sum().item() / chosen[:, 1:90].sum().item() == pytest.approx(2 / 3 + 0.15 / 3, abs=0.02)
+    rate = both.sum().item() / chosen[:, 1:90].sum().item()
+    assert rate == pytest.approx(2 / 3 + 0.15 / 3, abs=0.02)
 
 
 def test_span_masking_is_a_function_of_the_generator():

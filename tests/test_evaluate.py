@@ -19,20 +19,25 @@ from model import PRESETS, Encoder, ModelConfig, save_checkpoint
 
 @pytest.fixture(scope="module")
 def ckpt(prepared, tmp_path_factory):
-    """A randomly initialised tiny model with the 2000-piece test tokenizer, saved as train.py would."""
+    """A randomly initialised tiny model with the 2000-piece test tokenizer, saved as train.py
+    would."""
     torch.manual_seed(0)
-    model = Encoder(ModelConfig(**{**PRESETS["tiny"], "vocab_size": 2000, "d_model": 64, "d_ff": 128})).eval()
+    cfg = ModelConfig(**{**PRESETS["tiny"], "vocab_size": 2000, "d_model": 64, "d_ff": 128})
+    model = Encoder(cfg).eval()
     path = tmp_path_factory.mktemp("ckpt") / "ckpt.pt"
-    save_checkpoint({"model": model.state_dict(), "config": asdict(model.config), "args": {"seed": 7},
-                     "tokenizer": (prepared / "tokenizer.model").read_bytes()}, path)
+    save_checkpoint({"model": model.state_dict(), "config": asdict(model.config),
+                     "args": {"seed": 7}, "tokenizer": (prepared / "tokenizer.model").read_bytes()},
+                    path)
     return path
 
 
 @pytest.fixture(scope="module")
 def sentences(prepared):
-    pairs = E.read_blimp([shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"])[::700]  # 20 pairs, many paradigms
+    blimp = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
+    pairs = E.read_blimp([blimp])[::700]  # 20 pairs, many paradigms
     tok = load_tokenizer(prepared)
-    return [[CLS] + s + [SEP] for s in tok.encode([p["good"] for p in pairs] + [p["bad"] for p in pairs])]
+    texts = [p["good"] for p in pairs] + [p["bad"] for p in pairs]
+    return [[CLS] + s + [SEP] for s in tok.encode(texts)]
 
 
 def naive_pll(model, seq, temps, l2r, starts):
@@ -56,7 +61,8 @@ def test_batched_pll_equals_naive_loop(ckpt, sentences, scorer):
     starts = E.word_starts(tok)
     temps = [0.5, 1.0, 2.0]
     # a small token budget: many batches, several per length
-    got = E.pll(model, sentences, temps, scorer == "word-l2r", 64, torch.device("cpu"), starts, progress=False)
+    got = E.pll(model, sentences, temps, scorer == "word-l2r", 64, torch.device("cpu"), starts,
+                progress=False)
     want = np.array([naive_pll(model, s, temps, scorer == "word-l2r", starts) for s in sentences])
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
@@ -64,7 +70,8 @@ def test_batched_pll_equals_naive_loop(ckpt, sentences, scorer):
 def test_word_l2r_differs_only_inside_multi_piece_words(ckpt, sentences):
     model, tok = E.load_checkpoint(ckpt)
     starts = E.word_starts(tok)
-    run = lambda l2r: E.token_logprobs(model, sentences, [1.0], l2r, 256, torch.device("cpu"), starts, progress=False)
+    run = lambda l2r: E.token_logprobs(model, sentences, [1.0], l2r, 256, torch.device("cpu"),
+                                       starts, progress=False)
     sent, pos, plain = run(False)
     _, _, l2r = run(True)
     # a copy's input changes only if its target has later pieces in the same word
@@ -96,7 +103,8 @@ def test_split_by_pair_id_is_fixed_and_balanced():
     pairs = E.read_blimp([shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"])
     halves = np.array([E.half_of(p["id"]) for p in pairs])
     assert halves.mean() == pytest.approx(0.5, abs=0.02)
-    assert E.half_of("adjunct_island/0") == E.half_of("adjunct_island/0") and {E.half_of(f"x/{i}") for i in range(10)} == {0, 1}
+    assert E.half_of("adjunct_island/0") == E.half_of("adjunct_island/0")
+    assert {E.half_of(f"x/{i}") for i in range(10)} == {0, 1}
 
 
 # --- metrics -------------------------------------------------------------------------------------
@@ -110,10 +118,12 @@ def test_metrics_hand_computed():
     assert E.mcc(cm) == pytest.approx((2 * 1 - 1 * 1) / math.sqrt(3 * 3 * 2 * 2))
     # three classes: c = 4 correct of s = 6; true counts t = (2, 2, 2), predicted p = (3, 2, 1)
     cm3 = E.confusion([0, 0, 1, 1, 2, 2], [0, 0, 1, 0, 2, 1], 3)
-    assert E.mcc(cm3) == pytest.approx((4 * 6 - (3 * 2 + 2 * 2 + 1 * 2)) / math.sqrt((36 - (9 + 4 + 1)) * (36 - 12)))
+    want = (4 * 6 - (3 * 2 + 2 * 2 + 1 * 2)) / math.sqrt((36 - (9 + 4 + 1)) * (36 - 12))
+    assert E.mcc(cm3) == pytest.approx(want)
     assert E.accuracy(cm3) == pytest.approx(4 / 6)
     # a constant prediction has no correlation; a class never seen has F1 0
-    assert E.mcc(E.confusion([0, 1, 1], [1, 1, 1], 2)) == 0 and E.f1(E.confusion([0, 0], [0, 0], 2)) == 0
+    assert E.mcc(E.confusion([0, 1, 1], [1, 1, 1], 2)) == 0
+    assert E.f1(E.confusion([0, 0], [0, 0], 2)) == 0
 
 
 def test_binary_mcc_is_the_phi_coefficient_and_vectorises():
@@ -133,8 +143,8 @@ def test_binary_mcc_is_the_phi_coefficient_and_vectorises():
 def result(seed, pred, label=None, metric="accuracy"):
     pred = np.atleast_2d(pred)
     label = np.ones(pred.shape[1], int) if label is None else np.asarray(label)
-    return {"seed": seed, "id": [str(i) for i in range(pred.shape[1])], "label": label, "pred": pred,
-            "metric": metric, "k": 2, "path": f"seed{seed}.json"}
+    return {"seed": seed, "id": [str(i) for i in range(pred.shape[1])], "label": label,
+            "pred": pred, "metric": metric, "k": 2, "path": f"seed{seed}.json"}
 
 
 def test_identical_inputs_give_no_difference():
@@ -165,7 +175,8 @@ def test_known_shift_is_detected():
 
 
 def test_tiny_case_matches_brute_force_enumeration():
-    """2 seeds x 2 examples each, unpaired seeds, paired examples: 4 x 4 x 4 equally likely draws."""
+    """2 seeds x 2 examples each, unpaired seeds, paired examples: 4 x 4 x 4 equally likely
+    draws."""
     A = [result(1, [1, 0]), result(2, [1, 1])]
     B = [result(3, [0, 1]), result(4, [1, 1])]
     diffs = []
@@ -182,7 +193,8 @@ def test_tiny_case_matches_brute_force_enumeration():
 def test_bootstrap_point_estimates_use_the_metric():
     rng = np.random.default_rng(2)
     y = rng.integers(0, 2, 200)
-    preds = [np.where(rng.random((2, 200)) < 0.8, y, 1 - y) for _ in range(3)]  # 3 seeds x 2 fine-tuning seeds
+    # 3 pretraining seeds x 2 fine-tuning seeds
+    preds = [np.where(rng.random((2, 200)) < 0.8, y, 1 - y) for _ in range(3)]
     A = [result(s, p, y, "f1") for s, p in enumerate(preds)]
     want = np.mean([E.f1(E.confusion(y, row, 2)) for p in preds for row in p])
     assert E.multibootstrap(A, A, nboot=10)["mean_a"] == pytest.approx(want, rel=1e-6)
@@ -193,14 +205,17 @@ def test_bootstrap_point_estimates_use_the_metric():
 def test_read_blimp_schemas(tmp_path):
     (tmp_path / "orig").mkdir()
     (tmp_path / "orig" / "x.jsonl").write_text(
-        json.dumps({"sentence_good": "a b.", "sentence_bad": "b a.", "UID": "animate_subject_trans", "field": "f",
-                    "linguistics_term": "s-selection", "pairID": "12"}) + "\n")
+        json.dumps({"sentence_good": "a b.", "sentence_bad": "b a.", "UID": "animate_subject_trans",
+                    "field": "f", "linguistics_term": "s-selection", "pairID": "12"}) + "\n")
     (tmp_path / "supp").mkdir()
     (tmp_path / "supp" / "turn_taking.jsonl").write_text(
-        "".join(json.dumps({"sentence_good": "g", "sentence_bad": "b", "row": 0}) + "\n" for _ in range(3)))
+        "".join(json.dumps({"sentence_good": "g", "sentence_bad": "b", "row": 0}) + "\n"
+                for _ in range(3)))
     pairs = E.read_blimp([tmp_path / "orig", tmp_path / "supp"])
-    assert pairs[0]["id"] == "animate_subject_trans/12" and pairs[0]["phenomenon"] == "argument_structure"
-    assert [p["id"] for p in pairs[1:]] == ["turn_taking/0", "turn_taking/1", "turn_taking/2"]  # line numbers
+    assert pairs[0]["id"] == "animate_subject_trans/12"
+    assert pairs[0]["phenomenon"] == "argument_structure"
+    # line numbers
+    assert [p["id"] for p in pairs[1:]] == ["turn_taking/0", "turn_taking/1", "turn_taking/2"]
     assert {p["phenomenon"] for p in pairs[1:]} == {"turn_taking"} and pairs[1]["group"] == "supp"
 
 
@@ -211,7 +226,8 @@ def test_reader_errors(tmp_path):
     with pytest.raises(SystemExit, match="holds no \\*.jsonl"):
         E.read_blimp([tmp_path / "empty"])
     (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "p.jsonl").write_text('{"sentence_good": "a", "sentence_bad": "b"}\n{"sentence_good": oops}\n')
+    (tmp_path / "bad" / "p.jsonl").write_text('{"sentence_good": "a", "sentence_bad": "b"}\n'
+                                              '{"sentence_good": oops}\n')
     with pytest.raises(SystemExit, match=r"p\.jsonl:2 is not valid JSON"):
         E.read_blimp([tmp_path / "bad"])
     (tmp_path / "bad" / "p.jsonl").write_text("\n")
@@ -226,15 +242,18 @@ def test_task_without_train_file_fails_clearly(prepared):
         E.read_task(glue, "boolq", "train", tok, 128)
     seqs, labels, ids = E.read_task(glue, "mrpc", "valid", tok, 32)
     assert len(seqs) == 204 and max(map(len, seqs)) <= 32 and set(labels) == {0, 1}
-    assert all(s[0] == CLS and s[-1] == SEP and s.count(SEP) == 2 for s in seqs)  # [CLS] a [SEP] b [SEP]
+    # [CLS] a [SEP] b [SEP]
+    assert all(s[0] == CLS and s[-1] == SEP and s.count(SEP) == 2 for s in seqs)
 
 
 def test_pair_truncation_is_longest_first(tmp_path, prepared):
     tok = load_tokenizer(prepared)
     long, short = " ".join(["word"] * 40), "two words"
-    (tmp_path / "rte.valid.jsonl").write_text(json.dumps({"sentence1": long, "sentence2": short, "label": 0}) + "\n")
+    row = {"sentence1": long, "sentence2": short, "label": 0}
+    (tmp_path / "rte.valid.jsonl").write_text(json.dumps(row) + "\n")
     (seq,), _, _ = E.read_task(tmp_path, "rte", "valid", tok, 16)
-    assert len(seq) == 16 and seq[-1 - len(tok.encode(short)):-1] == tok.encode(short)  # the short one kept whole
+    assert len(seq) == 16
+    assert seq[-1 - len(tok.encode(short)):-1] == tok.encode(short)  # the short one kept whole
 
 
 # --- fine-tuning and compare, end to end ---------------------------------------------------------
@@ -254,14 +273,17 @@ def keyword_task(folder: Path, n: int, seed: int):
 
 def test_length_grouped_batches_cover_every_example_once_with_little_padding():
     lengths = np.random.default_rng(0).integers(5, 120, 3000)
-    useful = lambda batches: lengths.sum() / sum(lengths[b].max() * len(b) for b in batches)  # tokens / padded tokens
+    # tokens / padded tokens
+    useful = lambda batches: lengths.sum() / sum(lengths[b].max() * len(b) for b in batches)
     epochs = [E.length_grouped(lengths, 32, np.random.default_rng(seed)) for seed in (1, 2)]
     for batches in epochs:
         assert sorted(np.concatenate(batches)) == list(range(3000))
-        assert len(batches) == math.ceil(3000 / 32) and max(map(len, batches)) == 32  # the schedule's step count holds
+        # the schedule's step count holds
+        assert len(batches) == math.ceil(3000 / 32) and max(map(len, batches)) == 32
         assert useful(batches) > 0.95
     order = np.random.default_rng(1).permutation(3000)
-    assert useful([order[i:i + 32] for i in range(0, 3000, 32)]) < 0.6  # what plain shuffled batches waste
+    # what plain shuffled batches waste
+    assert useful([order[i:i + 32] for i in range(0, 3000, 32)]) < 0.6
     assert [list(b) for b in epochs[0]] != [list(b) for b in epochs[1]]
 
 
@@ -269,8 +291,9 @@ def test_finetune_learns_and_reports_every_seed(ckpt, tmp_path, capsys):
     keyword_task(tmp_path, 400, 0)
     keyword_task(tmp_path, 100, 1)
     out = tmp_path / "keyword.json"
-    E.main(["finetune", "--ckpt", str(ckpt), "--task", "keyword", "--data-dir", str(tmp_path), "--seeds", "1,2",
-            "--lr", "1e-3", "--epochs", "4", "--batch-size", "16", "--device", "cpu", "--out", str(out)])
+    E.main(["finetune", "--ckpt", str(ckpt), "--task", "keyword", "--data-dir", str(tmp_path),
+            "--seeds", "1,2", "--lr", "1e-3", "--epochs", "4", "--batch-size", "16",
+            "--device", "cpu", "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["kind"] == "finetune" and r["pretrain_seed"] == 7 and set(r["runs"]) == {"1", "2"}
     assert r["aggregate"]["mcc"]["mean"] > 0.8 and len(r["aggregate"]["mcc"]["values"]) == 2
@@ -288,14 +311,18 @@ def test_finetune_can_choose_epochs_without_seeing_validation(ckpt, tmp_path, mo
     runs = {}
     for flip in (False, True):
         if flip:  # invert every validation label: a validation-driven choice would move
-            rows = [json.loads(line) for line in (tmp_path / "keyword.valid.jsonl").read_text().splitlines()]
-            (tmp_path / "keyword.valid.jsonl").write_text("".join(json.dumps({**r, "label": 1 - r["label"]}) + "\n" for r in rows))
+            valid = tmp_path / "keyword.valid.jsonl"
+            rows = [json.loads(line) for line in valid.read_text().splitlines()]
+            valid.write_text("".join(json.dumps({**r, "label": 1 - r["label"]}) + "\n"
+                                     for r in rows))
         out = tmp_path / f"r{flip}.json"
         # lr 1e-4: the scores still climb over the 4 epochs, so the two choices would differ
-        E.main(["finetune", "--ckpt", str(ckpt), "--task", "keyword", "--data-dir", str(tmp_path), "--lr", "1e-4",
-                "--epochs", "4", "--patience", "4", "--batch-size", "16", "--device", "cpu", "--holdout", "0.2", "--out", str(out)])
+        E.main(["finetune", "--ckpt", str(ckpt), "--task", "keyword", "--data-dir", str(tmp_path),
+                "--lr", "1e-4", "--epochs", "4", "--patience", "4", "--batch-size", "16",
+                "--device", "cpu", "--holdout", "0.2", "--out", str(out)])
         runs[flip] = json.loads(out.read_text())["runs"]["1"]
-    assert runs[False]["epoch"] == runs[True]["epoch"] == 4 and runs[False]["pred"] == runs[True]["pred"]
+    assert runs[False]["epoch"] == runs[True]["epoch"] == 4
+    assert runs[False]["pred"] == runs[True]["pred"]
     assert runs[True]["metrics"]["mcc"] == pytest.approx(-runs[False]["metrics"]["mcc"])
 
 
@@ -304,16 +331,20 @@ def test_blimp_then_compare(ckpt, tmp_path, capsys):
     folder = tmp_path / "mini"
     folder.mkdir()
     for name in ("anaphor_gender_agreement", "regular_plural_subject_verb_agreement_1"):
-        (folder / f"{name}.jsonl").write_text("".join((src / f"{name}.jsonl").read_text().splitlines(True)[:20]))
+        lines = (src / f"{name}.jsonl").read_text().splitlines(True)
+        (folder / f"{name}.jsonl").write_text("".join(lines[:20]))
     for scorer in ("pll", "word-l2r"):
-        E.main(["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(folder), "--scorer", scorer, "--device", "cpu"])
+        E.main(["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(folder), "--scorer", scorer,
+                "--device", "cpu"])
     r = json.loads((ckpt.parent / "eval" / "blimp.json").read_text())
     assert (ckpt.parent / "eval" / "blimp_l2r.json").exists()
-    assert len(r["pairs"]) == 40 and r["best_temperature"] in r["temperatures"] and 1.0 in r["temperatures"]
+    assert len(r["pairs"]) == 40
+    assert r["best_temperature"] in r["temperatures"] and 1.0 in r["temperatures"]
     t1 = r["temperatures"].index(1.0)
     wins = [int(p["good"][t1] > p["bad"][t1]) for p in r["pairs"]]
-    assert r["examples"]["pred"] == [wins] and r["summary"]["mini"]["macro_paradigms"][0] == pytest.approx(
-        np.mean([np.mean(wins[:20]), np.mean(wins[20:])]))
+    assert r["examples"]["pred"] == [wins]
+    macro = np.mean([np.mean(wins[:20]), np.mean(wins[20:])])
+    assert r["summary"]["mini"]["macro_paradigms"][0] == pytest.approx(macro)
     report = [p for p in r["pairs"] if p["half"] == 1]
     assert r["examples_best_t"]["id"] == [p["id"] for p in report]
     out = capsys.readouterr().out
@@ -323,18 +354,22 @@ def test_blimp_then_compare(ckpt, tmp_path, capsys):
     for s in (1, 2):
         (tmp_path / "A" / f"s{s}.json").write_text(json.dumps({**r, "pretrain_seed": s}))
         (tmp_path / "B" / f"s{s}.json").write_text(json.dumps({**r, "pretrain_seed": s}))
-    E.main(["compare", str(tmp_path / "A"), str(tmp_path / "B"), "--nboot", "200", "--out", str(tmp_path / "c.json")])
+    E.main(["compare", str(tmp_path / "A"), str(tmp_path / "B"), "--nboot", "200",
+            "--out", str(tmp_path / "c.json")])
     c = json.loads((tmp_path / "c.json").read_text())
     assert c["paired_seeds"] and c["diff"] == 0 and c["p"] == 0.5
 
 
 def test_ties_count_as_wrong(ckpt, tmp_path):
     (tmp_path / "same").mkdir()
+    same = {"sentence_good": "the cat sat.", "sentence_bad": "the cat sat."}
     (tmp_path / "same" / "p.jsonl").write_text("".join(
-        json.dumps({"sentence_good": "the cat sat.", "sentence_bad": "the cat sat.", "pair_id": i}) + "\n" for i in range(4)))
-    E.main(["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(tmp_path / "same"), "--device", "cpu", "--out", str(tmp_path / "r.json")])
+        json.dumps({**same, "pair_id": i}) + "\n" for i in range(4)))
+    E.main(["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(tmp_path / "same"), "--device", "cpu",
+            "--out", str(tmp_path / "r.json")])
     r = json.loads((tmp_path / "r.json").read_text())
-    assert all(p["good"] == p["bad"] for p in r["pairs"]) and r["summary"]["same"]["macro_paradigms"][0] == 0
+    assert all(p["good"] == p["bad"] for p in r["pairs"])
+    assert r["summary"]["same"]["macro_paradigms"][0] == 0
 
 
 def test_cli_errors_are_one_line(ckpt, tmp_path):
@@ -342,26 +377,34 @@ def test_cli_errors_are_one_line(ckpt, tmp_path):
     import sys
     (tmp_path / "rte.train.jsonl").write_text("")
     (tmp_path / "rte.valid.jsonl").write_text('{"sentence1": "a", "sentence2": "b", "label": 1}\n')
-    cases = [(["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(tmp_path / "nope")], "no BLiMP folder at"),
-             (["finetune", "--ckpt", str(ckpt), "--task", "rte", "--data-dir", str(tmp_path)], r"rte\.train\.jsonl holds no examples"),
-             (["finetune", "--ckpt", str(tmp_path / "rte.valid.jsonl"), "--task", "rte", "--data-dir", str(tmp_path)], "cannot read checkpoint")]
+    rte = ["--task", "rte", "--data-dir", str(tmp_path)]
+    cases = [(["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(tmp_path / "nope")],
+              "no BLiMP folder at"),
+             (["finetune", "--ckpt", str(ckpt), *rte], r"rte\.train\.jsonl holds no examples"),
+             (["finetune", "--ckpt", str(tmp_path / "rte.valid.jsonl"), *rte],
+              "cannot read checkpoint")]
     for argv, pattern in cases:
-        r = subprocess.run([sys.executable, str(Path(E.__file__)), *argv], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, str(Path(E.__file__)), *argv], capture_output=True,
+                           text=True)
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert __import__("re").search(pattern, r.stderr.strip().splitlines()[-1]), r.stderr
 
 
 def test_weight_stats_hand_computed():
     """Modules group tensors by name up to the layer; mean, std and max |w| over them together."""
-    model = Encoder(ModelConfig(**{**PRESETS["tiny"], "n_layer": 1, "vocab_size": 50, "d_model": 8, "d_ff": 8}))
+    shape = {"n_layer": 1, "vocab_size": 50, "d_model": 8, "d_ff": 8}
+    model = Encoder(ModelConfig(**{**PRESETS["tiny"], **shape}))
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(1.0)
         model.layers[0].attn.qk.weight.copy_(torch.arange(128.0).reshape(16, 8))
     rows = {r["module"]: r for r in E.weight_stats(model)}
-    assert set(rows) == {"word", "rel", "rel_norm", "layers.0.attn", "layers.0.ffn", "head_in", "head_bias"}
-    attn = torch.cat([p.detach().flatten() for p in model.layers[0].attn.parameters()])
-    assert rows["layers.0.attn"]["params"] == attn.numel() == sum(p.numel() for p in model.layers[0].attn.parameters())
+    assert set(rows) == {"word", "rel", "rel_norm", "layers.0.attn", "layers.0.ffn", "head_in",
+                         "head_bias"}
+    tensors = list(model.layers[0].attn.parameters())
+    attn = torch.cat([p.detach().flatten() for p in tensors])
+    assert rows["layers.0.attn"]["params"] == attn.numel() == sum(p.numel() for p in tensors)
     assert rows["layers.0.attn"]["mean"] == pytest.approx(attn.mean().item())
-    assert rows["layers.0.attn"]["std"] == pytest.approx(attn.std().item()) and rows["layers.0.attn"]["max_abs"] == 127.0
+    assert rows["layers.0.attn"]["std"] == pytest.approx(attn.std().item())
+    assert rows["layers.0.attn"]["max_abs"] == 127.0
     assert rows["word"] == dict(module="word", params=400, mean=1.0, std=0.0, max_abs=1.0)

@@ -14,7 +14,8 @@ from data.prepare import MASK, PAD
 from model import Encoder, ModelConfig, load_checkpoint
 
 V = 24  # 5 specials, ids 5..19 "words", 20 = [MLM], 21 = [TASK], 22-23 labels
-CFG = ModelConfig(vocab_size=V, n_layer=2, n_head=2, d_model=8, d_ff=16, dropout=0.0, max_position=16)
+CFG = ModelConfig(vocab_size=V, n_layer=2, n_head=2, d_model=8, d_ff=16, dropout=0.0,
+                  max_position=16)
 
 
 def batch(seed=0, B=3, T=6):
@@ -40,7 +41,8 @@ def models(seed=0):
 
 
 def args(**kw):
-    return M.replace_args(M.argparse.Namespace(labels="soft", inner_lr=0.3, clip=1e9, meta_weight=1.0), **kw)
+    base = M.argparse.Namespace(labels="soft", inner_lr=0.3, clip=1e9, meta_weight=1.0)
+    return M.replace_args(base, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +62,8 @@ def test_soft_teacher_gradient_matches_finite_differences():
     checked = 0
     for name in ("y_head.4.weight", "encoder.layers.0.ffn.up.weight", "encoder.word.weight"):
         p = dict(teacher.named_parameters())[name]
-        for flat in torch.randperm(p.numel(), generator=torch.Generator().manual_seed(1))[:4].tolist():
+        picks = torch.randperm(p.numel(), generator=torch.Generator().manual_seed(1))[:4]
+        for flat in picks.tolist():
             idx = np.unravel_index(flat, p.shape)
             keep = p[idx].item()
             p.data[idx] = keep + 1e-6
@@ -89,7 +92,8 @@ def test_soft_unroll_is_sgd_then_sgd():
         M.seq_loss(copy, M.params_of(copy), x, y, m).backward()
         sgd.step()
         sgd.zero_grad()
-    assert lq.item() == pytest.approx(M.seq_loss(copy, M.params_of(copy), b["x_q"], b["y_q"], b["m_q"]).item(), rel=1e-10)
+    want = M.seq_loss(copy, M.params_of(copy), b["x_q"], b["y_q"], b["m_q"]).item()
+    assert lq.item() == pytest.approx(want, rel=1e-10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +106,8 @@ class TwoParams(nn.Module):
 
 
 def two_param_h(opt_class, lr):
-    """L_pseudo = (w1-3)^2/2 + (w2-1)^2/4, L_support = |w|^2/2, L_query = (w1-1)^2/2 + (w2-3)^2/2."""
+    """L_pseudo = (w1-3)^2/2 + (w2-1)^2/4, L_support = |w|^2/2,
+    L_query = (w1-1)^2/2 + (w2-3)^2/2."""
     model = TwoParams()
     opt = opt_class(model.parameters(), lr=lr)
     pseudo = lambda p: 0.5 * (p["w"][0] - 3) ** 2 + 0.25 * (p["w"][1] - 1) ** 2
@@ -122,7 +127,8 @@ def test_hard_h_equals_hand_computed_cosine_sgd():
 
 
 def test_hard_h_uses_the_adaptive_step_not_the_gradient():
-    # Adam's first step is lr * sign(g) (to eps): theta1 = (1.5, 1.5), theta0 - theta1 = (-0.5, 0.5);
+    # Adam's first step is lr * sign(g) (to eps): theta1 = (1.5, 1.5), theta0 - theta1 =
+    # (-0.5, 0.5);
     # theta2 = (1.35, 1.35); grad L_query(theta2) = (0.35, -1.65)
     h, w = two_param_h(torch.optim.Adam, 0.5)
     want = (0.35 * -0.5 + -1.65 * 0.5) / (math.hypot(0.35, 1.65) * math.hypot(0.5, 0.5))
@@ -145,11 +151,13 @@ def test_meta_step_leaves_the_student_with_its_outer_step_only(labels):
     opt_s = torch.optim.AdamW(student.parameters(), lr=1e-2)
     opt_t = torch.optim.AdamW(teacher.parameters(), lr=1e-2)
     teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
-    info = M.meta_step(student, teacher, opt_s, opt_t, b, args(labels=labels), torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    info = M.meta_step(student, teacher, opt_s, opt_t, b, args(labels=labels), gen)
     # the same AdamW step on the same pseudo example, taken alone
     x, y = info["example"] if labels != "mlm" else (b["x_m"], b["y_m"])
     opt_r = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    M.outer_step(reference, opt_r, M.seq_loss(reference, M.params_of(reference), x, y, b["m_u"]), 1e9)
+    loss = M.seq_loss(reference, M.params_of(reference), x, y, b["m_u"])
+    M.outer_step(reference, opt_r, loss, 1e9)
     for k, v in student.state_dict().items():
         torch.testing.assert_close(v, reference.state_dict()[k], rtol=1e-9, atol=1e-12)
     assert any(not torch.equal(v, before[k]) for k, v in student.state_dict().items())
@@ -206,7 +214,7 @@ def test_sampler_follows_the_distribution_and_never_draws_zero_probability():
 
 
 def test_two_moons_is_deterministic_by_seed_and_shaped_as_described():
-    a, b, c = M.two_moons(5, n_unlabeled=300), M.two_moons(5, n_unlabeled=300), M.two_moons(6, n_unlabeled=300)
+    a, b, c = (M.two_moons(seed, n_unlabeled=300) for seed in (5, 5, 6))
     assert np.array_equal(a["unlabeled"], b["unlabeled"])
     for k in ("labeled", "test"):
         assert all(np.array_equal(x, y) for x, y in zip(a[k], b[k]))
@@ -230,10 +238,12 @@ def test_moons_lie_on_their_half_circles():
     xy, label = M.make_moons(20000, np.random.default_rng(0), noise=0.0)
     upper, lower = xy[label == 0], xy[label == 1]
     assert np.allclose(np.hypot(*upper.T), 1) and (upper[:, 1] >= 0).all()
-    assert np.allclose(np.hypot(lower[:, 0] - 1, lower[:, 1] - 0.5), 1) and (lower[:, 1] <= 0.5).all()
+    assert np.allclose(np.hypot(lower[:, 0] - 1, lower[:, 1] - 0.5), 1)
+    assert (lower[:, 1] <= 0.5).all()
     xy, _ = M.make_moons(20000, np.random.default_rng(0), noise=0.1)
     grid = M.to_grid(xy)
-    assert grid.min() >= 0 and grid.max() <= 63 and np.unique(grid[:, 0]).size > 50          # the grid is used, not collapsed
+    assert grid.min() >= 0 and grid.max() <= 63
+    assert np.unique(grid[:, 0]).size > 50  # the grid is used, not collapsed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,8 +251,8 @@ def test_moons_lie_on_their_half_circles():
 
 def test_two_moons_cli_prints_the_table_and_resumes(tmp_path, capsys):
     out = tmp_path / "run"
-    common = ["--sizes", "2,4", "--seeds", "0,1", "--steps", "3", "--ft-steps", "2", "--workers", "1",
-              "--device", "cpu", "--out-dir", str(out)]
+    common = ["--sizes", "2,4", "--seeds", "0,1", "--steps", "3", "--ft-steps", "2",
+              "--workers", "1", "--device", "cpu", "--out-dir", str(out)]
     M.main(["--labels", "hard,soft,mlm,none", *common])
     text = capsys.readouterr().out
     assert "| pretraining | n=2 | n=4 |" in text
@@ -262,18 +272,16 @@ def test_two_moons_cli_prints_the_table_and_resumes(tmp_path, capsys):
 def test_glue_cli_writes_a_student_evaluate_can_load(prepared, tmp_path, capsys):
     glue = shared_data() / "babylm_eval" / "full_eval" / "glue_filtered"
     out = tmp_path / "glue"
-    M.main(["--task", "glue", "--data", str(prepared), "--glue-dir", str(glue), "--glue-tasks", "rte,cola",
-            "--labels", "hard", "--steps", "4", "--log-every", "2", "--save-every", "2", "--seq-len", "24",
-            "--batch-size", "2", "--task-batch", "2", "--n-layer", "1", "--d-model", "16", "--n-head", "2",
-            "--d-ff", "32", "--device", "cpu", "--out-dir", str(out)])
+    common = ["--task", "glue", "--data", str(prepared), "--glue-dir", str(glue), "--glue-tasks",
+              "rte,cola", "--labels", "hard", "--log-every", "2", "--seq-len", "24",
+              "--batch-size", "2", "--task-batch", "2", "--n-layer", "1", "--d-model", "16",
+              "--n-head", "2", "--d-ff", "32", "--device", "cpu", "--out-dir", str(out)]
+    M.main([*common, "--steps", "4", "--save-every", "2"])
     samples = (out / "samples.txt").read_text()
     assert "read    [MLM]" in samples and "x^" in samples and "y^" in samples
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [2, 4] and all(-1 <= r["h"] <= 1 for r in log)
     model, tok = load_checkpoint(out / "ckpt.pt")
     assert model.config.vocab_size == tok.get_piece_size()
-    M.main(["--task", "glue", "--data", str(prepared), "--glue-dir", str(glue), "--glue-tasks", "rte,cola",
-            "--labels", "hard", "--steps", "6", "--log-every", "2", "--seq-len", "24", "--batch-size", "2",
-            "--task-batch", "2", "--n-layer", "1", "--d-model", "16", "--n-head", "2", "--d-ff", "32",
-            "--device", "cpu", "--out-dir", str(out), "--resume"])
+    M.main([*common, "--steps", "6", "--resume"])
     assert "resuming at step 4" in capsys.readouterr().out

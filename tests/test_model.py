@@ -11,8 +11,8 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
-from model import (PRESETS, Decoder, Encoder, Lamb, ModelConfig, check_config, ema_update, load_checkpoint, read_checkpoint,
-                   relative_buckets, save_checkpoint)
+from model import (PRESETS, Decoder, Encoder, Lamb, ModelConfig, check_config, ema_update,
+                   load_checkpoint, read_checkpoint, relative_buckets, save_checkpoint)
 
 V = 300
 
@@ -52,8 +52,8 @@ def test_buckets_against_scalar_loop():
             if abs(d) <= mid:
                 want = d
             else:
-                want = int(math.copysign(mid + math.ceil(math.log(min(abs(d), P - 1) / mid)
-                                                          / math.log((P - 1) / mid) * (mid - 1)), d))
+                far = math.log(min(abs(d), P - 1) / mid) / math.log((P - 1) / mid) * (mid - 1)
+                want = int(math.copysign(mid + math.ceil(far), d))
             assert b[i, j].item() == want + K - 1, (i, j)
     assert b.min() == 0 and b.max() == 2 * K - 2
     assert (b[:, 0].diff() >= 0).all()  # monotone in the offset
@@ -73,10 +73,12 @@ def naive_attention(att, x, mask, rel, r):
         for i in range(T):
             for head in range(H):
                 s = slice(head * hd, (head + 1) * hd)
+                c2c = lambda j: q[b, i, s] @ k[b, j, s]
+                c2p = lambda j: q[b, i, s] @ kp[r[i, j], s]
+                p2c = lambda j: k[b, j, s] @ qp[r[i, j], s]
                 scores = torch.stack([
-                    (q[b, i, s] @ k[b, j, s] + q[b, i, s] @ kp[r[i, j], s] + k[b, j, s] @ qp[r[i, j], s])
-                    / math.sqrt(3 * hd) if mask[b, j] else torch.tensor(-math.inf, dtype=x.dtype)
-                    for j in range(T)])
+                    (c2c(j) + c2p(j) + p2c(j)) / math.sqrt(3 * hd) if mask[b, j]
+                    else torch.tensor(-math.inf, dtype=x.dtype) for j in range(T)])
                 out[b, i, s] = torch.softmax(scores, 0) @ v[b, :, s]
     return att.post_norm(att.out(out))
 
@@ -88,7 +90,8 @@ def test_relative_attention_matches_pair_by_pair_reference():
     x = torch.randn(2, 13, 32, dtype=torch.float64)
     mask = torch.ones(2, 13, dtype=torch.long)
     mask[1, 9:] = 0
-    bias = torch.zeros(2, 1, 1, 13, dtype=torch.float64).masked_fill(mask[:, None, None, :] == 0, -math.inf)
+    bias = torch.zeros(2, 1, 1, 13, dtype=torch.float64)
+    bias = bias.masked_fill(mask[:, None, None, :] == 0, -math.inf)
     rel = model.rel_norm(model.rel)
     got = att(x, bias, rel, model.buckets[:13, :13][None, None])
     want = naive_attention(att, x, mask, rel, model.buckets)
@@ -112,7 +115,8 @@ def test_padding_never_changes_real_positions(position):
     for layer in range(4):
         torch.testing.assert_close(out[layer][0], alone_a[layer][0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out[layer][1, :6], alone_b[layer][0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(model.logits(ids, mask)[1, :6], model.logits(b)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.logits(ids, mask)[1, :6], model.logits(b)[0], rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("position", ["relative", "absolute"])
@@ -166,7 +170,8 @@ def test_decoder_is_tied_to_word_embeddings():
     model = Encoder(tiny()).eval()
     assert not any("decoder" in k for k in model.state_dict())
     h = torch.randn(4, 32)
-    want = F.layer_norm(F.gelu(model.head_in[1](F.layer_norm(h, (32,), eps=1e-7))), (32,), eps=1e-7) @ model.word.weight.T
+    features = F.gelu(model.head_in[1](F.layer_norm(h, (32,), eps=1e-7)))
+    want = F.layer_norm(features, (32,), eps=1e-7) @ model.word.weight.T
     torch.testing.assert_close(model.head(h), want)
 
 
@@ -188,7 +193,8 @@ def test_checkpoint_round_trip(saved):
     loaded, tok = load_checkpoint(path)
     assert isinstance(tok, spm.SentencePieceProcessor) and tok.get_piece_size() == 2000
     ids = torch.tensor([[2] + tok.encode("the cat sat on the mat") + [3]])
-    torch.testing.assert_close(loaded.logits(ids, torch.ones_like(ids)), model.logits(ids), rtol=0, atol=0)
+    torch.testing.assert_close(loaded.logits(ids, torch.ones_like(ids)), model.logits(ids),
+                               rtol=0, atol=0)
     assert not loaded.training
 
 
@@ -207,7 +213,8 @@ def test_corrupt_or_foreign_checkpoints(saved, tmp_path):
     (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
     (tmp_path / "noise.pt").write_bytes(bytes(range(256)) * 40)
     for name in ("truncated.pt", "noise.pt"):
-        with pytest.raises(SystemExit, match=r"^error: cannot read checkpoint .*corrupt or truncated"):
+        corrupt = r"^error: cannot read checkpoint .*corrupt or truncated"
+        with pytest.raises(SystemExit, match=corrupt):
             read_checkpoint(tmp_path / name)
     torch.save({"weights": torch.zeros(3)}, tmp_path / "other.pt")
     with pytest.raises(SystemExit, match="not a nanoMLM checkpoint"):
@@ -229,7 +236,8 @@ def test_checkpoint_with_another_tokenizer(saved, tmp_path, small_raw, monkeypat
 
 
 def test_config_mismatch_names_the_fields():
-    with pytest.raises(SystemExit, match=r"d_model=32 there but 64 here; vocab_size=300 there but 500 here"):
+    differ = r"d_model=32 there but 64 here; vocab_size=300 there but 500 here"
+    with pytest.raises(SystemExit, match=differ):
         check_config(asdict(tiny()), tiny(d_model=64, vocab_size=500), "x.pt")
     check_config(asdict(tiny()), tiny(), "x.pt")  # equal configs pass
     check_config(asdict(tiny()), tiny(dropout=0.0), "x.pt")  # and so does another dropout
@@ -261,7 +269,9 @@ def test_ema_fused_equals_loop_and_the_formula():
     fused, loop = copy.deepcopy(teacher), copy.deepcopy(teacher)
     ema_update(fused, student, 0.9, fused=True)
     ema_update(loop, student, 0.9, fused=False)
-    for (name, a), b, t, s in zip(fused.named_parameters(), loop.parameters(), teacher.parameters(), student.parameters()):
+    tensors = zip(fused.named_parameters(), loop.parameters(), teacher.parameters(),
+                  student.parameters())
+    for (name, a), b, t, s in tensors:
         assert torch.equal(a, b), name
         torch.testing.assert_close(a, 0.9 * t + 0.1 * s)
 
@@ -278,7 +288,8 @@ def test_decoder_is_initialised_like_encoder_layers():
     torch.manual_seed(0)
     dec = Decoder(tiny(d_model=256, d_ff=512), 4)
     s = math.sqrt(2 / (5 * 256)) * scipy.stats.truncnorm(-2, 2).std()
-    assert dec.layers[3].ffn.down.weight.std().item() == pytest.approx(s * math.sqrt(1 / 8), rel=0.05)
+    std = dec.layers[3].ffn.down.weight.std().item()
+    assert std == pytest.approx(s * math.sqrt(1 / 8), rel=0.05)
     assert all(layer.attn.p == 0.0 for layer in dec.layers)  # no dropout
 
 
@@ -312,4 +323,5 @@ def test_lamb_matches_reference(wd):
             p.grad = torch.tensor(g[t - (4 - len(g))]) if t >= 4 - len(g) else None
         opt.step()
     for p, w, g in zip(params, inits, grads):
-        np.testing.assert_allclose(p.detach().numpy(), lamb_reference(w, g, 0.05, 0.9, 0.98, 1e-6, wd), rtol=1e-12, atol=1e-12)
+        want = lamb_reference(w, g, 0.05, 0.9, 0.98, 1e-6, wd)
+        np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-12, atol=1e-12)

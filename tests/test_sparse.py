@@ -47,7 +47,8 @@ def brute_force(h, D, lam):
 def test_lars_equals_brute_force_support_search(lam):
     H, D = problem(8, 6, 10, seed=1)
     for h in H.numpy():
-        np.testing.assert_allclose(S.lars(h, D.numpy(), lam), brute_force(h, D.numpy(), lam), atol=1e-10)
+        want = brute_force(h, D.numpy(), lam)
+        np.testing.assert_allclose(S.lars(h, D.numpy(), lam), want, atol=1e-10)
 
 
 @pytest.mark.parametrize("lam", [0.01, 0.05, 0.2])
@@ -70,7 +71,7 @@ def test_fista_matches_lars_and_both_satisfy_kkt(lam):
 
 def test_codes_are_non_negative_even_where_the_unconstrained_lasso_is_not():
     H, D = problem(16, 32, 20, seed=3)
-    H = torch.cat([H, -D[:, :4].T])       # h = -d_j: the plain lasso would put a negative weight on j
+    H = torch.cat([H, -D[:, :4].T])  # h = -d_j: the plain lasso would put a negative weight on j
     for method in ("fista", "lars"):
         A = S.encode(H, D, 0.05, method=method)
         assert (A >= 0).all()
@@ -99,7 +100,8 @@ def planted(seed, d=20, k=24, n=3000, per=3):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_dictionary_learning_recovers_planted_atoms(seed):
     H, truth = planted(seed)
-    D, history = S.learn_dictionary(H, truth.shape[1], 0.05, epochs=10, batch_size=256, seed=seed, progress=False)
+    D, history = S.learn_dictionary(H, truth.shape[1], 0.05, epochs=10, batch_size=256, seed=seed,
+                                    progress=False)
     assert (D.norm(dim=0) <= 1 + 1e-6).all()
     # non-increasing, up to the jitter of mini-batch updates once converged (measured: < 1e-5)
     objectives = [h["objective"] for h in history]
@@ -126,15 +128,17 @@ def test_cli_learns_a_dictionary_from_a_checkpoint(prepared, tmp_path):
     run = tmp_path / "run"
     assert run_train("--data", prepared, "--out-dir", run, "--max-steps", 3, *TINY).returncode == 0
     out = tmp_path / "dict.pt"
-    r = subprocess.run([sys.executable, str(REPO / "sparse.py"), "--ckpt", run / "ckpt.pt", "--data", prepared,
-                        "--layer", "1", "--k", "40", "--vectors", "400", "--epochs", "2", "--batch-size", "100",
-                        "--seq-len", "32", "--max-freq", "0.05", "--device", "cpu", "--out", out],
+    cli = [sys.executable, str(REPO / "sparse.py"), "--ckpt", run / "ckpt.pt", "--data", prepared]
+    r = subprocess.run([*cli, "--layer", "1", "--k", "40", "--vectors", "400", "--epochs", "2",
+                        "--batch-size", "100", "--seq-len", "32", "--max-freq", "0.05",
+                        "--device", "cpu", "--out", out],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "non-zeros per code" in r.stdout and "all-zero codes" in r.stdout
     saved = torch.load(out, weights_only=True)
     assert saved["D"].shape == (64, 40) and saved["layer"] == 1 and len(saved["history"]) == 3
     assert (saved["D"].norm(dim=0) <= 1 + 1e-6).all()
-    bad = subprocess.run([sys.executable, str(REPO / "sparse.py"), "--ckpt", run / "ckpt.pt", "--data", prepared,
-                          "--layer", "5", "--out", out], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith("error: --layer 5")
+    bad = subprocess.run([*cli, "--layer", "5", "--out", out], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: --layer 5")

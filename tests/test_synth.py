@@ -29,7 +29,8 @@ def test_conllu_skips_comments_ranges_and_empty_nodes(tmp_path):
     (tmp_path / "a.conllu").write_text(EDGE)
     sents = S.read_conllu(tmp_path / "a.conllu")
     assert [[w["id"] for w in s] for s in sents] == [[1, 2, 3, 4, 5], [1, 2]]
-    assert [w["head"] for w in sents[0]] == [2, 4, 4, 0, 4] and sents[0][1]["deprel"] == "nsubj:pass"
+    assert [w["head"] for w in sents[0]] == [2, 4, 4, 0, 4]
+    assert sents[0][1]["deprel"] == "nsubj:pass"
     (tmp_path / "bad.conllu").write_text("1\tA\ta\n")
     with pytest.raises(SystemExit, match=r"bad.conllu:1: .* 10 tab-separated columns, this one 3"):
         S.read_conllu(tmp_path / "bad.conllu")
@@ -69,9 +70,11 @@ def test_sampler_draws_rules_with_their_probabilities(french):
     sym = french["symbols"]
     root = sym.index("root")
     bounds = np.r_[0, np.cumsum(np.bincount(sids))]
-    seen = Counter(tuple("*" if r == root else sym[r] for r in rels[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
+    seen = Counter(tuple("*" if r == root else sym[r] for r in rels[a:b])
+                   for a, b in zip(bounds[:-1], bounds[1:]))
     for rhs, p in sorted(french["rules"]["root"].items(), key=lambda x: -x[1])[:5]:
-        assert seen[rhs] / 20000 == pytest.approx(p, abs=4 * (p * (1 - p) / 20000) ** 0.5 + 1e-3), rhs
+        four_se = 4 * (p * (1 - p) / 20000) ** 0.5
+        assert seen[rhs] / 20000 == pytest.approx(p, abs=four_se + 1e-3), rhs
 
 
 def test_sampler_is_reproducible_and_respects_its_caps(french):
@@ -104,20 +107,24 @@ def test_relexicalisation_statistics(french):
     for tokens in (zipf, loglin):      # every word stays in its relation's set
         assert ((tokens >= start[rels]) & (tokens < start[rels + 1])).all()
     for r in np.nonzero(sizes >= 200)[0]:
-        assert S.rank_slope(zipf[rels == r], top=30) == pytest.approx(-1.0, abs=0.1), french["symbols"][r]
+        slope = S.rank_slope(zipf[rels == r], top=30)
+        assert slope == pytest.approx(-1.0, abs=0.1), french["symbols"][r]
     assert abs(S.same_sentence_pmi(zipf, rels, sids)) < 0.02
     assert S.same_sentence_pmi(loglin, rels, sids) > 0.3
 
 
 def test_cli_writes_a_corpus_folder_that_trains_word_by_word(tmp_path, monkeypatch):
     out = tmp_path / "synth"
-    r = subprocess.run([sys.executable, str(REPO / "synth.py"), "--ud", shared_data() / "ud", "--sentences", "2000",
-                        "--out", out], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, str(REPO / "synth.py"), "--ud", shared_data() / "ud",
+                        "--sentences", "2000", "--out", out], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
-    train, dev = (out / "synth.train").read_text().splitlines(), (out / "synth.dev").read_text().splitlines()
+    train = (out / "synth.train").read_text().splitlines()
+    dev = (out / "synth.dev").read_text().splitlines()
     assert len(train) == 1900 and len(dev) == 100
     assert all(w.startswith("w") and w[1:].isdigit() for line in dev for w in line.split())
-    assert "sentences/s" in r.stdout and (out / "stats.json").exists() and (out / "grammar.json").exists()
+    assert "sentences/s" in r.stdout
+    assert (out / "stats.json").exists() and (out / "grammar.json").exists()
     # data/prepare.py reads it with one token per made-up word; train.py trains on it
     from data.prepare import prepare
     monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prepared"))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import sparse
 import train as T
 from conftest import TINY, run_train
 from data.prepare import CLS, SEP, prepare
@@ -29,14 +30,16 @@ def test_schedule_hand_computed():
     args.warmup = 0.1  # a fraction of max_steps: 11 steps
     assert T.lr_at(10, args) == pytest.approx(1.0) and T.lr_at(9, args) == pytest.approx(10 / 11)
     # a phase [100, 210) has its own warmup and decay
-    assert T.lr_at(100, args, 100, 210) == pytest.approx(1 / 11) and T.lr_at(210, args, 100, 210) == pytest.approx(0.1)
+    assert T.lr_at(100, args, 100, 210) == pytest.approx(1 / 11)
+    assert T.lr_at(210, args, 100, 210) == pytest.approx(0.1)
 
 
 def test_boot_schedules_hand_computed():
     args = argparse.Namespace(ema_start=0.996, ema_end=1.0, weight_decay=0.02, weight_decay_end=0.2)
     assert T.ema_decay_at(0, args, 0, 101) == 0.996 and T.ema_decay_at(100, args, 0, 101) == 1.0
     assert T.ema_decay_at(50, args, 0, 101) == pytest.approx(0.998)
-    assert T.weight_decay_at(0, args, 0, 101) == pytest.approx(0.02) and T.weight_decay_at(100, args, 0, 101) == pytest.approx(0.2)
+    assert T.weight_decay_at(0, args, 0, 101) == pytest.approx(0.02)
+    assert T.weight_decay_at(100, args, 0, 101) == pytest.approx(0.2)
     assert T.weight_decay_at(50, args, 0, 101) == pytest.approx(0.11)  # cosine midpoint
     args.weight_decay_end = None
     assert T.weight_decay_at(50, args, 0, 101) == 0.02
@@ -69,8 +72,10 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     out = tmp_path / "run"
     r = run_train("--data", prepared, "--out-dir", out, "--max-steps", 10, *TINY)
     assert r.returncode == 0, r.stderr
-    assert {"args.json", "config.json", "data.json", "log.jsonl", "ckpt.pt", "code"} <= {p.name for p in out.iterdir()}
-    assert {p.name for p in (out / "code").iterdir()} == {"model.py", "train.py", "sparse.py", "prepare.py"}
+    kept = {"args.json", "config.json", "data.json", "log.jsonl", "ckpt.pt", "code"}
+    assert kept <= {p.name for p in out.iterdir()}
+    code = {"model.py", "train.py", "sparse.py", "prepare.py"}
+    assert {p.name for p in (out / "code").iterdir()} == code
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert {"model", "optimizer", "config", "args", "step", "rng", "data_pos", "ctx_state",
             "code_version", "tokenizer"} <= ckpt.keys()
@@ -83,12 +88,14 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     assert "step 10/10 | loss" in r.stdout
 
 
-@pytest.mark.parametrize("objective,stop", [("mlm", 20), ("boot", 20), ("kd", 10), ("kd+mlm", 25), ("mlsm+mlm", 25)])
+@pytest.mark.parametrize("objective,stop", [("mlm", 20), ("boot", 20), ("kd", 10), ("kd+mlm", 25),
+                                            ("mlsm+mlm", 25)])
 def test_resume_is_exact(prepared, tmp_path, objective, stop):
     """40 steps in one go == `stop` steps, stop, resume, the rest: same parameters, optimizer and
     teacher state and logged losses, bit for bit (dropout is on). kd stops exactly where phase 1
     ends (step 10 of 40), kd+mlm and mlsm+mlm inside phase 2."""
-    common = ["--data", prepared, "--max-steps", 40, "--objective", objective, "--phase1-steps", 0.25, *TINY]
+    common = ["--data", prepared, "--max-steps", 40, "--objective", objective,
+              "--phase1-steps", 0.25, *TINY]
     if objective.startswith("mlsm"):
         common += MLSM_DICT
     assert run_train(*common, "--out-dir", tmp_path / "a").returncode == 0
@@ -103,12 +110,17 @@ def test_resume_is_exact(prepared, tmp_path, objective, stop):
         for k in a[part]:
             assert torch.equal(a[part][k], b[part][k]), (part, k)
     if objective == "boot":
-        assert all(torch.equal(v, b["ctx_state"]["ema"][k]) for k, v in a["ctx_state"]["ema"].items())
+        ema = b["ctx_state"]["ema"]
+        assert all(torch.equal(v, ema[k]) for k, v in a["ctx_state"]["ema"].items())
     if objective in T.TWO_PHASE:
-        assert (tmp_path / "b" / "phase1.pt").exists() and torch.load(tmp_path / "b" / "phase1.pt", weights_only=True)["step"] == 10
+        phase1 = tmp_path / "b" / "phase1.pt"
+        assert phase1.exists() and torch.load(phase1, weights_only=True)["step"] == 10
     for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
         assert all(torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])) for k in sa)
-    drop = lambda log: [{k: v for k, v in e.items() if k not in ("tok_per_s", "code_share")} for e in log]  # timings
+    # measurements of the machine, not of the run: timings, and the process' peak memory (its
+    # RSS differs by some 100 kB between two identical runs)
+    measured = ("tok_per_s", "code_share", "peak_mem_gb")
+    drop = lambda log: [{k: v for k, v in e.items() if k not in measured} for e in log]
     assert drop(read_log(tmp_path / "a")) == drop(read_log(tmp_path / "b"))
 
 
@@ -117,11 +129,13 @@ def test_ddp_two_gloo_processes_equal_one_process_accumulating(prepared, tmp_pat
     """2 processes x batch 8 must take the same steps as 1 process x 2 micro-batches of 8: same
     segments, same masks; DDP averages the gradients that accumulation sums /2 (dropout off).
     For boot that covers the decoder and heads, and the EMA teacher each process keeps."""
-    common = ["--data", prepared, "--max-steps", 6, "--dropout", 0.0, "--objective", objective, *TINY]
+    common = ["--data", prepared, "--max-steps", 6, "--dropout", 0.0, "--objective", objective,
+              *TINY]
     single = run_train(*common, "--grad-accum", 2, "--out-dir", tmp_path / "single")
     assert single.returncode == 0, single.stderr
-    ddp = run_train(*common, "--out-dir", tmp_path / "ddp",
-                    launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", "2"]
+    ddp = run_train(*common, "--out-dir", tmp_path / "ddp", launcher=torchrun)
     assert ddp.returncode == 0, ddp.stderr
     assert "x2 |" in ddp.stdout and "16 seqs" in ddp.stdout
     a, b = (torch.load(tmp_path / x / "ckpt.pt", weights_only=True) for x in ("single", "ddp"))
@@ -140,7 +154,8 @@ def test_bf16_autocast_on_the_cpu_tracks_float32(prepared, tmp_path):
         r = run_train(*common, flag, "--out-dir", tmp_path / flag)
         assert r.returncode == 0, r.stderr
     (a, la), (b, lb) = ((torch.load(tmp_path / f / "ckpt.pt", weights_only=True)["model"],
-                         [e["loss"] for e in read_log(tmp_path / f) if "loss" in e]) for f in ("--bf16", "--no-bf16"))
+                         [e["loss"] for e in read_log(tmp_path / f) if "loss" in e])
+                        for f in ("--bf16", "--no-bf16"))
     assert all(v.dtype == torch.float32 for v in a.values() if v.is_floating_point())
     assert not all(torch.equal(a[k], b[k]) for k in a)
     np.testing.assert_allclose(la, lb, rtol=5e-3)
@@ -183,7 +198,8 @@ def test_error_corpus_without_text(tmp_path, monkeypatch, content):
 
 
 def test_error_checkpoint_of_another_model(trained, prepared, small_raw, tmp_path, monkeypatch):
-    r = run_train("--data", prepared, "--init-from", trained, "--out-dir", tmp_path / "a", *TINY, "--d-model", 96)
+    r = run_train("--data", prepared, "--init-from", trained, "--out-dir", tmp_path / "a", *TINY,
+                  "--d-model", 96)
     assert_clean_error(r, "holds a different model: d_model=64 there but 96 here")
     monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
     other_vocab = prepare(str(small_raw), vocab_size=1500, quiet=True)
@@ -209,7 +225,8 @@ def test_error_impossible_model(prepared, tmp_path):
 
 
 def test_error_resume_without_checkpoint(tmp_path):
-    assert_clean_error(run_train("--out-dir", tmp_path / "nothing", "--resume"), "--resume, but there is no checkpoint at")
+    assert_clean_error(run_train("--out-dir", tmp_path / "nothing", "--resume"),
+                       "--resume, but there is no checkpoint at")
 
 
 def test_existing_run_is_never_overwritten(trained, prepared):
@@ -224,8 +241,10 @@ def test_existing_run_is_never_overwritten(trained, prepared):
 def test_error_nan_loss_keeps_last_good_checkpoint(prepared, tmp_path):
     out = tmp_path / "run"
     r = run_train("--data", prepared, "--out-dir", out, "--max-steps", 20, *TINY,
-                  "--optim", "adamw", "--lr", 1e30, "--warmup", 0, "--clip", 0, "--save-every", 1, "--log-every", 1)
-    assert_clean_error(r, r"became NaN/inf at step (\d+); stopped, the last good checkpoint \(step \d+\) is kept")
+                  "--optim", "adamw", "--lr", 1e30, "--warmup", 0, "--clip", 0, "--save-every", 1,
+                  "--log-every", 1)
+    assert_clean_error(r, r"became NaN/inf at step (\d+); stopped, the last good checkpoint "
+                          r"\(step \d+\) is kept")
     bad_step = int(__import__("re").search(r"at step (\d+)", r.stderr).group(1))
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["step"] == bad_step - 1
@@ -241,12 +260,15 @@ def objective_setup(objective, **flags):
     for k, v in flags.items():
         setattr(args, k, v)
     torch.manual_seed(0)
-    encoder = T.Encoder(T.ModelConfig(**{**T.PRESETS["tiny"], "vocab_size": 300, "d_model": 32, "d_ff": 48}))
-    heads, ctx = T.SETUP[objective](encoder, args, None, "cpu") if objective in T.SETUP else (torch.nn.ModuleDict(), {})
+    shape = {"vocab_size": 300, "d_model": 32, "d_ff": 48}
+    encoder = T.Encoder(T.ModelConfig(**{**T.PRESETS["tiny"], **shape}))
+    setup = T.OBJECTIVES[objective].setup
+    parts = setup(encoder, args, None, "cpu") if setup else T.Parts()
     ids = torch.randint(5, 300, (4, 24))
     ids[:, 0], ids[:, -1] = CLS, SEP
     batch = T.make_batch(ids, args, 300, torch.Generator().manual_seed(1))
-    return T.Trainee(encoder, heads, T.LOSSES[objective]), {**ctx, "args": args, "step": 0}, batch
+    loss = T.OBJECTIVES[objective].loss
+    return T.Trainee(encoder, parts.heads, loss), {**parts.ctx, "args": args}, batch
 
 
 def test_boot_teacher_starts_as_the_student_and_gets_no_gradient():
@@ -281,10 +303,12 @@ def test_kd_loss(temperature):
     trainee, _, batch = objective_setup("mlm")
     trainee.eval()  # no dropout: the same weights give the same distribution
     teacher = copy.deepcopy(trainee.encoder)
-    args = T.build_parser().parse_args(["--objective", "kd", "--kd-temperature", str(temperature), "--kd-teacher-input", "masked"])
+    args = T.build_parser().parse_args(["--objective", "kd", "--kd-temperature", str(temperature),
+                                        "--kd-teacher-input", "masked"])
     ctx = {"teacher": teacher, "args": args}
-    kd = T.Trainee(trainee.encoder, trainee.heads, T.LOSSES["kd"])
-    assert kd(batch, ctx)[0].item() == pytest.approx(0.0, abs=1e-5)  # student = teacher (up to float noise)
+    kd = T.Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["kd"].loss)
+    # student = teacher (up to float noise)
+    assert kd(batch, ctx)[0].item() == pytest.approx(0.0, abs=1e-5)
     with torch.no_grad():
         for p in teacher.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -293,21 +317,26 @@ def test_kd_loss(temperature):
     _, s = trainee.encoder(batch["inputs"], predict=predict)
     _, t = teacher(batch["inputs"], predict=predict)
     p_t = torch.softmax(t / temperature, -1)
-    want = (p_t * (torch.log_softmax(t / temperature, -1) - torch.log_softmax(s / temperature, -1))).sum(-1).mean() * temperature ** 2
+    log_ratio = torch.log_softmax(t / temperature, -1) - torch.log_softmax(s / temperature, -1)
+    want = (p_t * log_ratio).sum(-1).mean() * temperature ** 2
     assert loss.item() == pytest.approx(want.item(), rel=1e-5) and loss.item() > 1e-3
-    mixed, mfigs = T.Trainee(trainee.encoder, trainee.heads, T.LOSSES["kd+mlm"])(batch, ctx)
+    kd_mlm = T.Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["kd+mlm"].loss)
+    mixed, mfigs = kd_mlm(batch, ctx)
     assert mixed.item() == pytest.approx(mfigs["kd"].item() + mfigs["mlm"].item())
 
 
 def test_kd_with_a_given_teacher_skips_phase_one(trained, prepared, tmp_path):
     out = tmp_path / "run"
-    r = run_train("--data", prepared, "--objective", "kd", "--teacher", trained, "--out-dir", out, "--max-steps", 10, *TINY)
+    r = run_train("--data", prepared, "--objective", "kd", "--teacher", trained, "--out-dir", out,
+                  "--max-steps", 10, *TINY)
     assert r.returncode == 0, r.stderr
     assert not (out / "phase1.pt").exists() and "phase 2" not in r.stdout
     log = read_log(out)
     assert {"kd", "mlm"} <= log[0].keys()  # distillation from the first step
-    first = torch.load(trained, weights_only=True)["model"]  # --student-init continued: the teacher's weights
-    assert not torch.equal(torch.load(out / "ckpt.pt", weights_only=True)["model"]["word.weight"], first["word.weight"])
+    # --student-init continued: the teacher's weights, which then move
+    first = torch.load(trained, weights_only=True)["model"]
+    last = torch.load(out / "ckpt.pt", weights_only=True)["model"]
+    assert not torch.equal(last["word.weight"], first["word.weight"])
 
 
 def test_mae_decoder_input_is_the_kept_tokens_encoding_and_the_mask_vector():
@@ -315,21 +344,23 @@ def test_mae_decoder_input_is_the_kept_tokens_encoding_and_the_mask_vector():
     trainee.eval()
     seen = {}
     decode = trainee.heads.decoder.forward
-    trainee.heads.decoder.forward = lambda x, att: decode(seen.setdefault("x", x), att)  # record its input
+    # record its input
+    trainee.heads.decoder.forward = lambda x, att: decode(seen.setdefault("x", x), att)
     trainee(batch, ctx)
     hide = batch["labels"] != -100
     keep = ~hide
-    want = trainee.encoder(batch["input_ids"], keep.long())  # the hidden tokens masked out of attention
+    want = trainee.encoder(batch["input_ids"], keep.long())  # hidden tokens out of attention
     torch.testing.assert_close(seen["x"][keep], want[keep], rtol=1e-5, atol=1e-5)
     assert (seen["x"][hide] == trainee.heads.mask).all()
 
 
 @pytest.mark.parametrize("decay", [0.0, 1.0])
 def test_the_loop_updates_the_mean_teacher(prepared, tmp_path, decay):
-    """Decay 0: after each step the teacher is the student. Decay 1: it stays the initial encoder."""
+    """Decay 0: after each step the teacher is the student. Decay 1: it stays the initial
+    encoder."""
     out = tmp_path / "run"
-    r = run_train("--data", prepared, "--objective", "boot", "--ema-start", decay, "--ema-end", decay,
-                  "--out-dir", out, "--max-steps", 5, *TINY)
+    r = run_train("--data", prepared, "--objective", "boot", "--ema-start", decay,
+                  "--ema-end", decay, "--out-dir", out, "--max-steps", 5, *TINY)
     assert r.returncode == 0, r.stderr
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     if decay == 0.0:
@@ -337,7 +368,8 @@ def test_the_loop_updates_the_mean_teacher(prepared, tmp_path, decay):
     else:
         torch.manual_seed(0)  # the seed the run initialised its encoder with
         want = T.Encoder(T.ModelConfig(**ckpt["config"])).state_dict()
-        assert not torch.equal(want["word.weight"], ckpt["model"]["word.weight"])  # the student moved
+        # the student moved
+        assert not torch.equal(want["word.weight"], ckpt["model"]["word.weight"])
     assert all(torch.equal(v, want[k]) for k, v in ckpt["ctx_state"]["ema"].items())
 
 
@@ -347,8 +379,8 @@ def test_student_init_continued_or_scratch(trained, prepared, tmp_path):
     teacher = torch.load(trained, weights_only=True)["model"]
     for init in ("continued", "scratch"):
         out = tmp_path / init
-        r = run_train("--data", prepared, "--objective", "kd", "--teacher", trained, "--student-init", init,
-                      "--lr", 0, "--out-dir", out, "--max-steps", 2, *TINY)
+        r = run_train("--data", prepared, "--objective", "kd", "--teacher", trained,
+                      "--student-init", init, "--lr", 0, "--out-dir", out, "--max-steps", 2, *TINY)
         assert r.returncode == 0, r.stderr
         student = torch.load(out / "ckpt.pt", weights_only=True)["model"]
         same = all(torch.equal(student[k], teacher[k]) for k in teacher)
@@ -357,7 +389,7 @@ def test_student_init_continued_or_scratch(trained, prepared, tmp_path):
 
 # --- mlsm --------------------------------------------------------------------------------------
 
-MLSM_DICT = ["--mlsm-k", 48, "--dict-vectors", 300, "--dict-epochs", 1]  # a dictionary learned in seconds
+MLSM_DICT = ["--mlsm-k", 48, "--dict-vectors", 300, "--dict-epochs", 1]  # learned in seconds
 
 
 def mlsm_setup(lam=0.05, with_mlm=False):
@@ -368,38 +400,46 @@ def mlsm_setup(lam=0.05, with_mlm=False):
         for p in teacher.parameters():
             p.add_(0.05 * torch.randn_like(p))
     D = torch.nn.functional.normalize(torch.randn(32, 40), dim=0)
-    args = T.get_args(["--objective", "mlsm+mlm" if with_mlm else "mlsm", "--mlsm-lam", str(lam), "--mlsm-tol", "1e-6"])
+    args = T.get_args(["--objective", "mlsm+mlm" if with_mlm else "mlsm", "--mlsm-lam", str(lam),
+                       "--mlsm-tol", "1e-6"])
     head = torch.nn.Linear(32, 40)
-    ctx = {"teacher": teacher, "dict": D, "layer": 1, "stopwatch": T.Stopwatch(torch.device("cpu")), "args": args}
-    return T.Trainee(trainee.encoder, torch.nn.ModuleDict({"latent": head}), T.LOSSES[args.objective]), ctx, batch
+    ctx = {"teacher": teacher, "dict": D, "layer": 1, "stopwatch": T.Stopwatch(torch.device("cpu")),
+           "args": args}
+    heads = torch.nn.ModuleDict({"latent": head})
+    return T.Trainee(trainee.encoder, heads, T.OBJECTIVES[args.objective].loss), ctx, batch
 
 
 def test_mlsm_loss_against_a_per_position_loop():
     """Targets: l1-normalised codes of the teacher's unit-norm layer states at the masked
     positions, each a distribution (sums to 1); the loss is the mean over positions of
     KL(target || softmax(student)), here recomputed position by position with the exact solver."""
-    import sparse as S
     trainee, ctx, batch = mlsm_setup()
     trainee.eval()
     loss, figs = trainee(batch, ctx)
     predict = batch["labels"] != -100
     states = ctx["teacher"](batch["input_ids"], all_layers=True)[1][predict]
-    logits = trainee.heads.latent(trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict]))
+    feats = trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict])
+    logits = trainee.heads.latent(feats)
     want, nnz = [], []
     for h, z in zip(states, logits):
-        code = S.encode((h / h.norm())[None].double(), ctx["dict"].double(), 0.05, method="lars")[0]
+        unit = (h / h.norm())[None].double()
+        code = sparse.encode(unit, ctx["dict"].double(), 0.05, method="lars")[0]
         assert code.sum() > 0
         target = code / code.sum()
         assert target.sum().item() == pytest.approx(1.0, abs=1e-12) and (target >= 0).all()
         logp = torch.log_softmax(z.double(), -1)
-        want.append(sum(t * (math.log(t) - lp) for t, lp in zip(target.tolist(), logp.tolist()) if t > 0))
+        pairs = zip(target.tolist(), logp.tolist())
+        want.append(sum(t * (math.log(t) - lp) for t, lp in pairs if t > 0))
         nnz.append((code > 0).sum().item())
     assert loss.item() == pytest.approx(float(np.mean(want)), rel=1e-5)
-    assert figs["nnz"].item() == pytest.approx(np.mean(nnz), abs=0.05) and figs["zero_rate"].item() == 0.0
+    assert figs["nnz"].item() == pytest.approx(np.mean(nnz), abs=0.05)
+    assert figs["zero_rate"].item() == 0.0
     loss.backward()
-    assert trainee.heads.latent.weight.grad is not None and trainee.encoder.word.weight.grad is not None
+    assert trainee.heads.latent.weight.grad is not None
+    assert trainee.encoder.word.weight.grad is not None
     assert all(p.grad is None for p in ctx["teacher"].parameters())
-    mixed, mfigs = T.Trainee(trainee.encoder, trainee.heads, T.LOSSES["mlsm+mlm"])(batch, ctx)
+    mlsm_mlm = T.Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["mlsm+mlm"].loss)
+    mixed, mfigs = mlsm_mlm(batch, ctx)
     assert mixed.item() == pytest.approx(mfigs["kl"].item() + mfigs["mlm"].item(), rel=1e-6)
 
 
@@ -416,8 +456,9 @@ def test_mlsm_skips_all_zero_codes_without_nan():
     trainee, ctx, batch = mlsm_setup()
     trainee.eval()
     predict = batch["labels"] != -100
-    states = torch.nn.functional.normalize(ctx["teacher"](batch["input_ids"], all_layers=True)[1][predict], dim=-1)
-    best = (states @ ctx["dict"]).amax(1)              # a row codes to 0 iff its best correlation <= lam
+    states = ctx["teacher"](batch["input_ids"], all_layers=True)[1][predict]
+    states = torch.nn.functional.normalize(states, dim=-1)
+    best = (states @ ctx["dict"]).amax(1)  # a row codes to 0 iff its best correlation <= lam
     # lam halfway between the two middle correlations, not on one of them: a row exactly at lam
     # would code to zero or not by float rounding, which differs from CPU to CPU
     low, high = best.sort().values[len(best) // 2 - 1:len(best) // 2 + 1].tolist()
@@ -426,13 +467,16 @@ def test_mlsm_skips_all_zero_codes_without_nan():
     ctx["args"].mlsm_lam = lam
     loss, figs = trainee(batch, ctx)
     zero = best <= lam
-    assert 0 < zero.sum() < len(zero) and figs["zero_rate"].item() == pytest.approx(zero.float().mean().item())
+    assert 0 < zero.sum() < len(zero)
+    assert figs["zero_rate"].item() == pytest.approx(zero.float().mean().item())
     per_row = []
-    logits = trainee.heads.latent(trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict]))
-    codes = T.sparse_code(states, ctx["dict"], lam, tol=1e-6)
+    feats = trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict])
+    logits = trainee.heads.latent(feats)
+    codes = sparse.sparse_code(states, ctx["dict"], lam, tol=1e-6)
     for code, z in zip(codes[~zero], logits[~zero]):
         t = code / code.sum()
-        per_row.append(torch.nn.functional.kl_div(torch.log_softmax(z, -1), t, reduction="sum").item())
+        kl = torch.nn.functional.kl_div(torch.log_softmax(z, -1), t, reduction="sum")
+        per_row.append(kl.item())
     assert np.isfinite(loss.item()) and loss.item() == pytest.approx(np.mean(per_row), rel=1e-5)
 
 
@@ -442,11 +486,13 @@ def test_mlsm_run_learns_its_dictionary_between_the_phases(prepared, tmp_path):
                   "--out-dir", out, *MLSM_DICT, *TINY)
     assert r.returncode == 0, r.stderr
     saved = torch.load(out / "dict.pt", weights_only=True)
-    assert saved["D"].shape == (64, 48) and saved["layer"] == 1 and saved["ckpt"] == str(out / "phase1.pt")
+    assert saved["D"].shape == (64, 48) and saved["layer"] == 1
+    assert saved["ckpt"] == str(out / "phase1.pt")
     log = read_log(out)
     phase2 = [e for e in log if "kl" in e]
     assert [e["step"] for e in phase2] == [10] and "mlm" not in phase2[0]
-    assert 0 < phase2[0]["code_share"] < 1 and phase2[0]["nnz"] > 0 and 0 <= phase2[0]["zero_rate"] < 1
+    assert 0 < phase2[0]["code_share"] < 1
+    assert phase2[0]["nnz"] > 0 and 0 <= phase2[0]["zero_rate"] < 1
     assert (out / "code" / "sparse.py").exists()
     # the same dictionary given with --dict: copied into the run, same first phase-2 losses
     again = tmp_path / "again"
@@ -456,8 +502,9 @@ def test_mlsm_run_learns_its_dictionary_between_the_phases(prepared, tmp_path):
     assert "learning the MLSM dictionary" not in r.stdout
     assert torch.equal(torch.load(again / "dict.pt", weights_only=True)["D"], saved["D"])
     assert read_log(again)[-1]["val_kl"] == read_log(out)[-1]["val_kl"]
-    bad = run_train("--data", prepared, "--objective", "mlsm", "--max-steps", 10, "--phase1-steps", 5,
-                    "--dict", out / "dict.pt", "--mlsm-layer", 0, "--out-dir", tmp_path / "bad", *TINY)
+    bad = run_train("--data", prepared, "--objective", "mlsm", "--max-steps", 10,
+                    "--phase1-steps", 5, "--dict", out / "dict.pt", "--mlsm-layer", 0,
+                    "--out-dir", tmp_path / "bad", *TINY)
     assert_clean_error(bad, "learned on layer 1, not --mlsm-layer 0")
 
 
@@ -468,27 +515,33 @@ def test_mlsm_flags_refused_elsewhere():
 
 # --- transfer: --init-from with --reset, and --freeze ------------------------------------------
 
-def test_reset_and_freeze_change_exactly_the_intended_tensors(prepared, small_raw, tmp_path, monkeypatch):
+def test_reset_and_freeze_change_exactly_the_intended_tensors(prepared, small_raw, tmp_path,
+                                                              monkeypatch):
     """Source: 3 steps on the corpus with --freeze embeddings: the token embeddings stay at their
     init, everything else moves. Target: another vocabulary (1500 pieces), --init-from the source
     with --reset embeddings (absolute positions): every other tensor is the source's, the reset
     ones are the target run's own init; with positions reset too, the position table as well."""
     common = [*TINY, "--position", "absolute", "--dropout", "0.0"]
     src = tmp_path / "src"
-    r = run_train("--data", prepared, "--out-dir", src, "--max-steps", 3, "--freeze", "embeddings", *common)
+    r = run_train("--data", prepared, "--out-dir", src, "--max-steps", 3, "--freeze", "embeddings",
+                  *common)
     assert r.returncode == 0, r.stderr
     source = torch.load(src / "ckpt.pt", weights_only=True)["model"]
     torch.manual_seed(0)
-    init = T.Encoder(T.ModelConfig(**torch.load(src / "ckpt.pt", weights_only=True)["config"])).state_dict()
-    assert torch.equal(source["word.weight"], init["word.weight"])                  # frozen
-    assert all(not torch.equal(source[k], init[k]) for k in ("pos.weight", "layers.0.attn.qk.weight", "head_bias"))
+    config = torch.load(src / "ckpt.pt", weights_only=True)["config"]
+    init = T.Encoder(T.ModelConfig(**config)).state_dict()
+    assert torch.equal(source["word.weight"], init["word.weight"])  # frozen
+    moved = ("pos.weight", "layers.0.attn.qk.weight", "head_bias")
+    assert all(not torch.equal(source[k], init[k]) for k in moved)
 
     monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "other"))
     other = prepare(str(small_raw), vocab_size=1500, quiet=True)
-    for reset, fresh in (("embeddings", {"word.weight", "head_bias"}), ("embeddings,positions", {"word.weight", "head_bias", "pos.weight"})):
+    embeddings = {"word.weight", "head_bias"}
+    for reset, fresh in (("embeddings", embeddings),
+                         ("embeddings,positions", embeddings | {"pos.weight"})):
         out = tmp_path / reset
-        r = run_train("--data", other, "--out-dir", out, "--max-steps", 1, "--lr", 0, "--init-from", src / "ckpt.pt",
-                      "--reset", reset, *common)
+        r = run_train("--data", other, "--out-dir", out, "--max-steps", 1, "--lr", 0,
+                      "--init-from", src / "ckpt.pt", "--reset", reset, *common)
         assert r.returncode == 0, r.stderr
         ckpt = torch.load(out / "ckpt.pt", weights_only=True)
         torch.manual_seed(0)
@@ -496,5 +549,6 @@ def test_reset_and_freeze_change_exactly_the_intended_tensors(prepared, small_ra
         assert ckpt["model"]["word.weight"].shape[0] == 1500
         for k, v in ckpt["model"].items():
             assert torch.equal(v, own[k] if k in fresh else source[k]), k
-    bad = run_train("--data", other, "--out-dir", tmp_path / "bad", "--max-steps", 1, "--init-from", src / "ckpt.pt", *common)
+    bad = run_train("--data", other, "--out-dir", tmp_path / "bad", "--max-steps", 1,
+                    "--init-from", src / "ckpt.pt", *common)
     assert_clean_error(bad, "vocab_size=2000 there but 1500 here")
