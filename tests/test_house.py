@@ -1,0 +1,71 @@
+"""The house rules, checked on the source: layers with arrows pointing down only, no stage that
+runs another as a subprocess, a training loop that names no objective, lines of at most 100
+characters."""
+import ast
+import inspect
+import re
+
+import pytest
+
+import train
+from conftest import REPO
+
+# ground floor: the model and the data; middle: libraries with a CLI; top: scripts
+FLOOR = {"model": 0, "data": 0, "sparse": 1, "evaluate": 1,
+         "train": 2, "meta": 2, "bench": 2, "synth": 2}
+
+
+def unit(path) -> str:
+    """The unit a source file belongs to: its module, or `data` for the files of data/."""
+    rel = path.relative_to(REPO)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def sources(tests=False):
+    files = sorted(p for p in REPO.rglob("*.py") if ".git" not in p.parts)
+    return [p for p in files if tests or p.relative_to(REPO).parts[0] != "tests"]
+
+
+def imported(path) -> set[str]:
+    """The top-level names of the modules a file imports."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_every_source_file_has_a_floor():
+    assert {unit(p) for p in sources()} == set(FLOOR)
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(REPO)))
+def test_imports_point_down_only(path):
+    mine = unit(path)
+    for other in imported(path) & set(FLOOR) - {mine}:
+        assert FLOOR[other] < FLOOR[mine], f"{mine} (floor {FLOOR[mine]}) imports {other} " \
+                                           f"(floor {FLOOR[other]})"
+
+
+def test_no_stage_launches_another_for_internal_work():
+    """bench.py times train.py's and synth.py's commands as users run them, on purpose; model.py
+    asks git for the code's version. Nothing else starts a process."""
+    users = {str(p.relative_to(REPO)) for p in sources() if "subprocess" in imported(p)}
+    assert users == {"bench.py", "model.py"}
+    calls = re.findall(r"subprocess\.run\(\[([^,\]]+)", (REPO / "model.py").read_text())
+    assert calls == ['"git"']
+
+
+def test_the_training_loop_names_no_objective():
+    """Whatever an objective needs happens in its own functions (OBJECTIVES); main names none."""
+    loop = inspect.getsource(train.main)
+    for name in train.OBJECTIVES:
+        assert not re.search(rf"(?<![\w+]){re.escape(name)}(?![\w+])", loop), name
+
+
+@pytest.mark.parametrize("path", sources(tests=True), ids=lambda p: str(p.relative_to(REPO)))
+def test_lines_are_at_most_100_characters(path):
+    long = [n for n, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 100]
+    assert not long, f"{path.name}: lines {long}"
