@@ -5,7 +5,7 @@
     python bench.py --device cuda     # on a GPU: adds MFU against the GPU's bf16 peak
     python bench.py --quick           # seconds: tiny shapes, few repetitions (the tests run this)
     python bench.py --only step,bert  # some of: step, bert, ema, pll, sparse, sampler
-    python bench.py --table bench.json > docs/bench.md   # the table again, from a saved run
+    python bench.py --table docs/bench/cpu.json   # the table of a saved run (docs/bench.md's)
 
 Every row is ours against a reference measured in the same run, so the ratio holds on a noisy
 machine: rates (higher is better), median over repetitions after warm-up, with min and max.
@@ -427,8 +427,11 @@ def main(argv=None):
     add("--table", default=None, help="print the table of this bench.json and stop")
     args = ap.parse_args(argv)
     if args.table:
-        print(table(json.loads(Path(args.table).read_text())))
-        return json.loads(Path(args.table).read_text())["rows"]
+        if not Path(args.table).is_file():
+            raise SystemExit(f"error: --table {args.table}: no such file")
+        saved = json.loads(Path(args.table).read_text())
+        print(table(saved))
+        return saved["rows"]
     device = pick_device(args.device)
     cpu = device.type == "cpu"
     args.sizes = (args.sizes or ("tiny" if args.quick or cpu else "tiny,small,base")).split(",")

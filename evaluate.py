@@ -41,10 +41,10 @@ from model import autocast, load_checkpoint, pick_device
 # ---------------------------------------------------------------------------------------------
 # Output: RUN/eval/NAME.json next to the checkpoint
 
-def write_result(result: dict, out, ckpt, name: str) -> Path:
+def write_result(result: dict, out, ckpt, name: str, indent=None) -> Path:
     path = Path(out) if out else Path(ckpt).parent / "eval" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result))
+    path.write_text(json.dumps(result, indent=indent))
     return path
 
 
@@ -557,7 +557,7 @@ def weights(args):
     for r in rows:
         print(f"{r['module']:<22} {r['params']:9d} {r['mean']:10.5f} {r['std']:9.5f} "
               f"{r['max_abs']:9.4f}")
-    write_result({"ckpt": str(args.ckpt), "modules": rows}, args.out, args.ckpt, "weights")
+    write_result({"ckpt": str(args.ckpt), "modules": rows}, args.out, args.ckpt, "weights", 1)
 
 
 # ---------------------------------------------------------------------------------------------

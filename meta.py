@@ -2,7 +2,7 @@
 examples and learns from how much they help the student on a labelled task.
 
     python meta.py --task two_moons --labels hard     # 15 entries of ~72 s: ~9 min with 2 workers
-    python meta.py --task two_moons --labels none,mlm,hard,soft  # docs/meta_learning.md (32 min)
+    python meta.py --task two_moons --labels none,mlm,hard,soft  # docs/studies/ (32 min)
     python meta.py --task two_moons --labels soft --sizes 10,160 --seeds 0,1,2,3,4
     NANOMLM_RAW=../shared/data python meta.py --task glue --data babylm_10m \\
         --glue-tasks rte,mrpc,cola --labels hard --size tiny --steps 2000
@@ -669,8 +669,8 @@ def main(argv=None):
     device = pick_device(args.device)
     name = f"meta_{args.task}_{args.labels.replace(',', '+')}"
     folder = RunFolder(args.out_dir or REPO / "runs" / name)
-    if not args.resume:  # the file a resume continues from
-        folder.check_new("results.json" if args.task == "two_moons" else "meta.pt")
+    if not args.resume:
+        folder.check_new()
     folder.start(CODE, keep_log=args.resume, args=vars(args))
     print(f"meta.py {args.task} --labels {args.labels} on {device}; run folder {folder.path}",
           file=sys.stderr)

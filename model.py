@@ -429,12 +429,13 @@ class RunFolder:
         self.log_path = self.path / "log.jsonl"
         self._log = None
 
-    def check_new(self, marker: str) -> None:
+    def check_new(self, marker: str | None = None) -> None:
         """A new run never writes over an old one: refuse a folder that holds `marker`, the file
-        --resume would continue from."""
-        if (self.path / marker).exists():
-            raise SystemExit(f"error: {self.path / marker} exists; pass --resume to continue that "
-                             f"run or choose another --out-dir")
+        --resume would continue from, or with no marker any folder that holds anything."""
+        there = self.path / marker if marker else self.path
+        if there.exists() and (marker or any(self.path.iterdir())):
+            raise SystemExit(f"error: {there} exists; pass --resume to continue that run or "
+                             f"choose another --out-dir")
 
     def start(self, code, keep_log: bool = False, **files) -> None:
         """Create the folder; write each of `files` ({name: dict}) as NAME.json and a copy of each

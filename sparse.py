@@ -334,6 +334,21 @@ class DictConfig:
     tol: float = 1e-2         # FISTA stops when its gradient mapping is below tol*lam everywhere
     seed: int = 0             # seed of the windows, the initial atoms and the batch order
 
+    def check(self, n_layer: int | None = None, flags: dict | None = None, where="the model"):
+        """One line for the first setting that cannot work, named by the caller's flags (`flags`
+        maps a field to its flag; default --field-name); with n_layer, the layer too."""
+        flag = lambda f: (flags or {}).get(f, "--" + f.replace("_", "-"))
+        for broken, why in (
+                (self.k < 1, f"{flag('k')} {self.k}: a dictionary needs at least one atom"),
+                (self.vectors < self.k, f"{flag('vectors')} {self.vectors}: fewer vectors than "
+                                        f"the {self.k} atoms they start from ({flag('k')})"),
+                (self.lam <= 0, f"{flag('lam')} {self.lam}: the l1 penalty must be positive"),
+                (self.epochs < 0, f"{flag('epochs')} {self.epochs}: must be 0 or more"),
+                (n_layer is not None and not -n_layer - 1 <= self.layer <= n_layer,
+                 f"{flag('layer')} {self.layer}: {where} has layers 0..{n_layer}")):
+            if broken:
+                raise SystemExit(f"error: {why}")
+
 
 def learn_from_checkpoint(ckpt_path, data, cfg: DictConfig, device, out) -> dict:
     """Learn a dictionary of layer cfg.layer of a checkpoint's states on the corpus `data` (None:
@@ -346,8 +361,7 @@ def learn_from_checkpoint(ckpt_path, data, cfg: DictConfig, device, out) -> dict
         ckpt = read_checkpoint(ckpt_path)
         model, _ = load_checkpoint(ckpt_path, device)
         n_layer = model.config.n_layer
-        if not -n_layer - 1 <= cfg.layer <= n_layer:
-            raise SystemExit(f"error: --layer {cfg.layer}: {ckpt_path} has layers 0..{n_layer}")
+        cfg.check(n_layer, where=ckpt_path)
         layer = cfg.layer % (n_layer + 1)
         trained = ckpt.get("args", {})
         data_dir = prepare(data or trained.get("data", "babylm_10m"),
@@ -415,9 +429,8 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="where to write the dictionary (a torch file: "
                    "D (d, k) and how it was made)")
     args = p.parse_args(argv)
-    if args.k < 1 or args.vectors < args.k or args.lam <= 0 or args.epochs < 0:
-        p.error("need --k >= 1, --vectors >= --k, --lam > 0 and --epochs >= 0")
     cfg = DictConfig(**{f.name: getattr(args, f.name) for f in fields(DictConfig)})
+    cfg.check()
     learn_from_checkpoint(args.ckpt, args.data, cfg, pick_device(args.device), args.out)
     print(f"wrote {args.out}")
 

@@ -10,7 +10,7 @@ tokenizer.json asks data/prepare.py for a word-level vocabulary, one token per m
 
 The transfer study (train.py --init-from CKPT --reset embeddings[,positions], --freeze
 embeddings; data/breton.py; evaluate.py weights) is described, with commands and results, in
-the README.
+docs/studies/breton_transfer.md.
 
 The grammar. Every node of a dependency tree is a nonterminal named by its relation to its head
 (the root's is `root`); it expands into its dependents' relations in sentence order, with `*`

@@ -225,6 +225,13 @@ def mlsm(model, batch, ctx, with_mlm=False):
 # train.py's mlsm flags -> the sparse.DictConfig fields they set (their defaults come from there)
 DICT_FLAGS = {"mlsm_layer": "layer", "mlsm_k": "k", "mlsm_lam": "lam", "dict_vectors": "vectors",
               "dict_epochs": "epochs"}
+DICT_FLAG_NAMES = {f: "--" + a.replace("_", "-") for a, f in DICT_FLAGS.items()}
+
+
+def dict_config(args) -> sparse.DictConfig:
+    """The dictionary train.py's flags ask for."""
+    given = {field: getattr(args, flag) for flag, field in DICT_FLAGS.items()}
+    return sparse.DictConfig(seq_len=args.seq_len, seed=args.seed, **given)
 
 
 def setup_mlsm(encoder, args, run_dir, device) -> Parts:
@@ -245,8 +252,8 @@ def setup_mlsm(encoder, args, run_dir, device) -> Parts:
         else:
             tqdm.write(f"learning the MLSM dictionary from layer {args.mlsm_layer} of "
                        f"{teacher_path} (sparse.py)")
-            config = sparse.DictConfig(seq_len=args.seq_len, seed=args.seed,
-                                       **{f: getattr(args, a) for a, f in DICT_FLAGS.items()})
+            config = dict_config(args)
+            config.check(teacher.config.n_layer, DICT_FLAG_NAMES, f"the teacher {teacher_path}")
             sparse.learn_from_checkpoint(teacher_path, args.data, config, device, path)
     if dist.is_initialized():
         dist.barrier()
@@ -497,6 +504,8 @@ def get_args(argv):
         parser.error(f"--teacher only applies to {', '.join(TWO_PHASE)}")
     if args.dict and OBJECTIVES[args.objective].setup is not setup_mlsm:
         parser.error("--dict only applies to mlsm and mlsm+mlm")
+    if OBJECTIVES[args.objective].setup is setup_mlsm:  # fail now, not after phase 1
+        dict_config(args).check(flags=DICT_FLAG_NAMES)
     for flag, allowed in (("reset", PARTS), ("freeze", ["embeddings"])):
         bad = [x for x in getattr(args, flag).split(",") if x and x not in allowed]
         if bad:
@@ -623,6 +632,7 @@ def open_run(args) -> Run:
         dist.init_process_group("nccl" if pick_device(args.device).type == "cuda" else "gloo")
         rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
     device = pick_device(args.device, local)
+    amp = autocast(device, args.bf16)  # as typed now, like --device: not the resumed run's setting
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -644,8 +654,8 @@ def open_run(args) -> Run:
     encoder, step = build_encoder(args, meta["vocab_size"], ckpt)
     encoder.to(device)
     version = code_version(CODE)
-    run = Run(args, ddp, rank, world, device, autocast(device, args.bf16), folder, meta, train,
-              val, encoder, step, ckpt, (data_dir / "tokenizer.model").read_bytes(), version)
+    run = Run(args, ddp, rank, world, device, amp, folder, meta, train, val, encoder, step, ckpt,
+              (data_dir / "tokenizer.model").read_bytes(), version)
     if ckpt is None:
         saved_args = {k: v for k, v in vars(args).items() if k != "given"}
         folder.start(CODE, args=saved_args, config=asdict(encoder.config), data=meta)
@@ -686,8 +696,12 @@ def start_phase(run: Run, step: int) -> Phase:
     if args.compile if args.compile is not None else run.device.type == "cuda":
         model = torch.compile(model)
     optimizer = make_optimizer(trainee, args)
-    saved = run.ckpt
-    if saved is not None and saved["step"] == step and saved.get("objective", "mlm") == objective:
+    saved = run.ckpt if run.ckpt is not None and run.ckpt["step"] == step else None
+    if saved is not None and saved.get("objective", "mlm") != objective and step != start:
+        raise SystemExit(f"error: {run.folder.path / 'ckpt.pt'} was written in the "
+                         f"{saved.get('objective', 'mlm')} phase, but step {step} belongs to the "
+                         f"{objective} phase; it cannot be resumed with these settings")
+    if saved is not None and saved.get("objective", "mlm") == objective:  # resumed inside it
         trainee.heads.load_state_dict(saved.get("heads", {}), strict=True)
         for name, module in parts.saved.items():
             module.load_state_dict(saved["ctx_state"][name], strict=True)

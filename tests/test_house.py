@@ -4,6 +4,7 @@ characters."""
 import ast
 import inspect
 import re
+import subprocess
 
 import pytest
 
@@ -22,8 +23,12 @@ def unit(path) -> str:
 
 
 def sources(tests=False):
-    files = sorted(p for p in REPO.rglob("*.py") if ".git" not in p.parts)
-    return [p for p in files if tests or p.relative_to(REPO).parts[0] != "tests"]
+    """The repository's own Python files, as git sees them (tracked, or new and not ignored): not
+    the copies in a run folder's code/, nor anything in a virtual environment."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                             "*.py"], cwd=REPO, capture_output=True, text=True, check=True)
+    files = sorted({REPO / line for line in listed.stdout.splitlines()})
+    return [p for p in files if p.exists() and (tests or p.relative_to(REPO).parts[0] != "tests")]
 
 
 def imported(path) -> set[str]:
