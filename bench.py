@@ -1,7 +1,7 @@
 """Side-by-side timings, one table, measured on the machine that runs them; writes bench.json.
 
     python bench.py                   # everything on the CPU, tiny model (~3 minutes on 2 cores)
-    python bench.py --sizes tiny,small --sparse-all    # docs/bench.md's table (~18 min, 2 cores)
+    python bench.py --sizes tiny,small --sparse-all    # docs/bench.md's table (37 min, 2 cores)
     python bench.py --device cuda     # on a GPU: adds MFU against the GPU's bf16 peak
     python bench.py --quick           # seconds: tiny shapes, few repetitions (the tests run this)
     python bench.py --only step,bert  # some of: step, bert, ema, pll, sparse, sampler
@@ -393,6 +393,18 @@ def table(saved: dict) -> str:
     return "\n".join(lines)
 
 
+def cpu_name() -> str:
+    """The CPU's model, cores and the vector extensions that decide bf16 speed (AMX, AVX-512)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                  if line.startswith("model name")), platform.processor() or platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines()
+                      if line.startswith("flags")), []))
+    have = [name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"),
+                                    ("avx2", "AVX2")) if flag in flags]
+    return f"{model}, {os.cpu_count()} cores" + (f" ({', '.join(have)})" if have else "")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -449,8 +461,7 @@ def main(argv=None):
             t = time.time()
             rows += BENCHES[name](args, device, tmp)
             print(f"{name}: {time.time() - t:.0f}s", file=sys.stderr)
-    machine = (torch.cuda.get_device_name(device) if not cpu
-               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    machine = torch.cuda.get_device_name(device) if not cpu else cpu_name()
     saved = {"machine": machine, "device": device.type, "torch": torch.__version__,
              "date": str(datetime.date.today()), "args": vars(args), "rows": rows}
     print("\n" + table(saved))

@@ -29,3 +29,12 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
     assert kd["reference"] == "mlm" and kd["peak_mem_gb"] > 0
     pll = next(r for r in rows if r["bench"] == "pll")
     assert pll["max_abs_diff"] < 1e-3                                    # batched and naive agree
+
+
+def test_docs_tables_are_generated_from_their_json():
+    """docs/bench.md pastes `bench.py --table` of each docs/bench/*.json: edit one, regenerate."""
+    doc = (bench.REPO / "docs" / "bench.md").read_text()
+    saved = sorted((bench.REPO / "docs" / "bench").glob("*.json"))
+    assert saved
+    for path in saved:
+        assert bench.table(json.loads(path.read_text())) in doc, f"regenerate from {path.name}"
