@@ -326,9 +326,11 @@ def ema_update(teacher: nn.Module, student: nn.Module, decay: float, fused: bool
 
 
 class Lamb(torch.optim.Optimizer):
-    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2): the
-    bias-corrected Adam direction r = m/(sqrt(v)+eps) plus decoupled weight decay, rescaled per
-    tensor by the trust ratio ||w|| / ||r + wd*w|| (1 where either norm is 0). torch has none."""
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2) as
+    LTG-BERT's lamb.py runs it: the bias-corrected Adam direction r = m/(sqrt(v)+eps) plus
+    decoupled weight decay, rescaled per tensor by the trust ratio ||w|| / ||r + wd*w|| (1 where
+    either norm is 0) in groups with weight decay only; a group without (embeddings, positions,
+    gains, biases) takes plain Adam steps. torch has none."""
 
     def __init__(self, params, lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -357,8 +359,10 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_add_(denom, eps)
             r = torch._foreach_div(m, [1 - b1 ** s for s in steps])
             torch._foreach_div_(r, denom)
-            if wd:
-                torch._foreach_add_(r, params, alpha=wd)
+            if wd <= 0:  # LTG-BERT: trust ratio 1 without weight decay (at init the ratio would
+                torch._foreach_add_(params, r, alpha=-lr)  # shrink embedding steps ~30x at small)
+                continue
+            torch._foreach_add_(r, params, alpha=wd)
             w_norm = torch.stack(torch._foreach_norm(params))
             r_norm = torch.stack(torch._foreach_norm(r))
             trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)     # (tensors,)

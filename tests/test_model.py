@@ -296,7 +296,8 @@ def test_decoder_is_initialised_like_encoder_layers():
 # --- LAMB ----------------------------------------------------------------------------------------
 
 def lamb_reference(w, grads, lr, b1, b2, eps, wd):
-    """You et al. (2020), Algorithm 2, for one tensor, in float64 numpy."""
+    """LTG-BERT's lamb.py (babylm/train/lamb.py) for one tensor, in float64 numpy: You et al.
+    (2020), Algorithm 2, with the trust ratio in groups with weight decay only."""
     m = np.zeros_like(w)
     v = np.zeros_like(w)
     for t, g in enumerate(grads, start=1):
@@ -304,7 +305,7 @@ def lamb_reference(w, grads, lr, b1, b2, eps, wd):
         v = b2 * v + (1 - b2) * g * g
         r = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps) + wd * w
         wn, rn = np.linalg.norm(w), np.linalg.norm(r)
-        w = w - lr * (wn / rn if wn > 0 and rn > 0 else 1.0) * r
+        w = w - lr * (wn / rn if wd > 0 and wn > 0 and rn > 0 else 1.0) * r
     return w
 
 
