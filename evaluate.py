@@ -380,7 +380,7 @@ def finetune_once(args, encoder, task, train: Examples, valid: Examples, dev: Ex
 
 def finetune(args):
     device = pick_device(args.device)
-    encoder, tok = load_checkpoint(args.ckpt, "cpu")
+    encoder, tok = load_checkpoint(args.ckpt, "cpu", encoder_only=True)
     if not Path(args.data_dir).is_dir():
         raise SystemExit(f"error: no task folder at {args.data_dir}")
     train = read_task(args.data_dir, args.task, "train", tok, args.max_len)
@@ -551,7 +551,7 @@ def weight_stats(model) -> list[dict]:
 
 
 def weights(args):
-    model, _ = load_checkpoint(args.ckpt, "cpu")
+    model, _ = load_checkpoint(args.ckpt, "cpu", encoder_only=True)
     rows = weight_stats(model)
     print(f"{'module':<22} {'params':>9} {'mean':>10} {'std':>9} {'max |w|':>9}")
     for r in rows:

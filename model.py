@@ -54,6 +54,7 @@ class ModelConfig:
     position_buckets: int = 32    # relative: offsets up to buckets/2 exact, log-spaced beyond
     max_position: int = 512       # longest sequence the position scheme covers
     layer_norm_eps: float = 1e-7  # LTG-BERT's epsilon
+    final_norm: bool = False      # an affine LayerNorm after the last layer (boot's, as boot-bert)
 
 
 PRESETS = {
@@ -166,6 +167,7 @@ class Encoder(nn.Module):
             self.pos = nn.Embedding(cfg.max_position, D)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.LayerNorm(D, cfg.layer_norm_eps) if cfg.final_norm else None
         if cfg.position == "relative":  # derived, not learned: left out of checkpoints
             self.register_buffer("buckets", relative_buckets(cfg.max_position, cfg.position_buckets,
                                                              cfg.max_position), persistent=False)
@@ -185,7 +187,7 @@ class Encoder(nn.Module):
               (the deeper the layer, the smaller its feed-forward contribution to the residual)
           head_in[1].weight (D, D)                                                  N(0, s)
           every bias (attention qk/v/out, head_in[1], head_bias)                    0
-          LayerNorm weight / bias where affine (post_norm, rel_norm)                1 / 0
+          LayerNorm weight / bias where affine (post_norm, rel_norm, norm)          1 / 0
           the MLM decoder has no weight of its own: it is word.weight (tied)
         """
         normal = small_init(self.config.d_model)
@@ -197,6 +199,9 @@ class Encoder(nn.Module):
         else:
             normal(self.pos.weight)
         init_layers(self.layers, normal)
+        if self.norm is not None:
+            nn.init.ones_(self.norm.weight)
+            nn.init.zeros_(self.norm.bias)
         normal(self.head_in[1].weight)
         self.head_in[1].bias.zero_()
         self.head_bias.zero_()
@@ -223,7 +228,8 @@ class Encoder(nn.Module):
         teacher writes these); attention_mask (B, T), 1 = real token, 0 = padding (default all
         1); positions (B, T) long, each token's position in its sequence (default 0..T-1; a
         subset of a sequence keeps its own). Returns the last hidden states (B, T, D), or with
-        all_layers the list [embeddings, layer 1, ..., layer n_layer]. With predict, a (B, T)
+        all_layers the list [embeddings, layer 1, ..., layer n_layer] (the last after the final
+        norm, where the config has one). With predict, a (B, T)
         bool of positions to score, returns (hidden, logits (N, V)) for the N true positions in
         row-major order (the MLM head runs on those alone)."""
         B, T = input_ids.shape[:2]
@@ -239,6 +245,8 @@ class Encoder(nn.Module):
         hidden = [x]
         for layer in self.layers:
             hidden.append(layer(hidden[-1], *att))
+        if self.norm is not None:
+            hidden[-1] = self.norm(hidden[-1])
         out = hidden if all_layers else hidden[-1]
         if predict is None:
             return out
@@ -278,37 +286,93 @@ def init_layers(layers, normal):
 
 
 class Decoder(nn.Module):
-    """A stack of encoder layers over hidden states rather than tokens, without dropout: BootBERT's
-    light decoder (Samuel 2023). It attends with the attention_inputs of the encoder it decodes
-    for, so the two share their relative position vectors."""
+    """A stack of encoder layers over hidden states rather than tokens, without dropout, ending in
+    an affine LayerNorm: BootBERT's light decoder (Samuel 2023; boot-bert's model.py builds it
+    from its Encoder class, which ends so). It attends with the attention_inputs of the encoder
+    it decodes for, so the two share their relative position vectors."""
 
     def __init__(self, cfg: ModelConfig, n_layer: int):
         super().__init__()
         self.layers = nn.ModuleList(Layer(replace(cfg, dropout=0.0)) for _ in range(n_layer))
+        self.norm = nn.LayerNorm(cfg.d_model, cfg.layer_norm_eps)
         init_layers(self.layers, small_init(cfg.d_model))
 
     def forward(self, x, att):
         for layer in self.layers:
             x = layer(x, *att)
-        return x
+        return self.norm(x)
 
 
 class BootHeads(nn.Module):
     """What a BootBERT student has beyond the encoder (Samuel 2023, section 3): the vector that
     stands in for the hidden tokens (MAE student only), a light decoder without dropout, and the
-    head that regresses the teacher's states (dense, GELU, LayerNorm, dense; LTG-BERT init)."""
+    head that regresses the teacher's states (dense, GELU, LayerNorm, dense; LTG-BERT init).
+    The vector is N(0, 1) per component, as boot-bert draws it: the scale of the LayerNorm-ed
+    encoder states it stands among (a small-init vector would be a near-zero input)."""
 
     def __init__(self, cfg: ModelConfig, n_layer: int, mae: bool):
         super().__init__()
         normal, D = small_init(cfg.d_model), cfg.d_model
         with torch.no_grad():
-            self.mask = nn.Parameter(normal(torch.empty(D))) if mae else None
+            self.mask = nn.Parameter(torch.randn(D)) if mae else None
             self.decoder = Decoder(cfg, n_layer)
             norm = nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False)
             self.regress = nn.Sequential(nn.Linear(D, D), nn.GELU(), norm, nn.Linear(D, D))
             for lin in (self.regress[0], self.regress[3]):
                 normal(lin.weight)
                 lin.bias.zero_()
+
+
+def boot_states(encoder: "Encoder", heads: BootHeads, inputs, attention_mask, hide):
+    """A BootBERT student's states, up to its decoder's output (B, T, D): the path its MLM head
+    is trained on, and so the one that scores it (Samuel 2023, sec. 3). inputs (B, T) token ids,
+    attention_mask (B, T), hide (B, T) bool: the positions to predict.
+
+    MAE student (heads.mask set): the encoder reads only the kept tokens, each at its position
+    in the sequence (so [MASK] never reaches it); its states are scattered back to full length,
+    the learned vector fills the hidden positions, and the decoder reads all of it. BERT-style
+    student (the ablation): the encoder reads `inputs` whole, [MASK]s included."""
+    if heads.mask is None:
+        x = encoder(inputs, attention_mask)
+    else:
+        B, T = inputs.shape
+        keep = ~hide & (attention_mask == 1)
+        n = int(keep.sum(1).max())
+        order = torch.argsort((~keep).int(), dim=1, stable=True)[:, :n]  # (B, n): kept first
+        seen = keep.gather(1, order)       # (B, n): False on the slots that pad shorter rows
+        tokens = inputs.gather(1, order)   # those slots repeat the row's first kept token
+        tokens = torch.where(seen, tokens, tokens[:, :1])  # (attention-masked), never a [MASK]
+        kept = encoder(tokens, seen.long(), positions=order)            # (B, n, D)
+        x = torch.zeros(B, T, kept.shape[-1], device=inputs.device, dtype=kept.dtype)
+        x = x.scatter(1, order[..., None].expand_as(kept), kept)        # back to (B, T, D)
+        relative = encoder.config.position == "relative"
+        fill = heads.mask if relative else heads.mask + encoder.pos.weight[:T]
+        x = torch.where(hide[..., None], fill, x)
+    return heads.decoder(x, encoder.attention_inputs(attention_mask))
+
+
+class BootPredictor(nn.Module):
+    """A BootBERT checkpoint as load_checkpoint returns it: called as an Encoder is, it predicts
+    the tokens marked [MASK] (mask_id) through boot_states and the MLM head. .encoder is the
+    encoder alone, what fine-tuning builds on."""
+
+    def __init__(self, encoder: "Encoder", heads: BootHeads, mask_id: int):
+        super().__init__()
+        self.encoder, self.heads, self.mask_id = encoder, heads, mask_id
+        self.config = encoder.config
+
+    def forward(self, input_ids, attention_mask=None, predict=None):
+        """input_ids (B, T) with [MASK] at the hidden positions -> the decoder's states (B, T, D),
+        or with predict (B, T) bool, (states, logits (N, V)) as Encoder.forward."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        x = boot_states(self.encoder, self.heads, input_ids, attention_mask,
+                        input_ids == self.mask_id)
+        return x if predict is None else (x, self.encoder.head(x[predict]))
+
+    def logits(self, input_ids, attention_mask=None):
+        """(B, T, V) logits at every position."""
+        return self.encoder.head(self(input_ids, attention_mask))
 
 
 @torch.no_grad()
@@ -515,6 +579,7 @@ def check_config(saved: dict, config: ModelConfig, path, ignore=()) -> None:
     Dropout is a training setting, not part of the model, and may differ; so may the `ignore`d
     fields (the vocabulary, when the embeddings are re-initialised for another language)."""
     want = asdict(config)
+    saved = {**asdict(ModelConfig()), **saved}  # a field added since it was written: its default
     diff = [f"{k}={saved.get(k)!r} there but {want.get(k)!r} here"
             for k in sorted(set(saved) | set(want))
             if saved.get(k) != want.get(k) and k != "dropout" and k not in ignore]
@@ -543,15 +608,24 @@ def load_weights(model: "Encoder", path, reset=()) -> None:
                            for k, v in model.state_dict().items()}, strict=True)
 
 
-def load_checkpoint(path, device="cpu"):
-    """-> (Encoder in eval mode on `device`, its sentencepiece tokenizer). model.train_args holds
-    the arguments it was trained with (its seed, objective, data...)."""
+def load_checkpoint(path, device="cpu", encoder_only=False):
+    """-> (model in eval mode on `device`, its sentencepiece tokenizer). The model predicts a
+    hidden token by the path its objective trained: the Encoder and its MLM head, or for boot a
+    BootPredictor (the student's decoder before the head). encoder_only: the Encoder alone, for
+    its states (fine-tuning, dictionaries). model.train_args holds the arguments it was trained
+    with (its seed, objective, data...)."""
     ckpt = read_checkpoint(path)
     model = Encoder(ModelConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"], strict=True)
-    model.train_args = ckpt.get("args", {})
     tok = spm.SentencePieceProcessor(model_proto=ckpt["tokenizer"])
     if tok.get_piece_size() != model.config.vocab_size:
         raise SystemExit(f"error: {path} pairs a {model.config.vocab_size}-token model with a "
                          f"{tok.get_piece_size()}-piece tokenizer; it was not written by train.py")
+    if ckpt.get("objective") == "boot" and not encoder_only:
+        heads = ckpt["heads"]  # the decoder's depth and the student's kind, from its tensors
+        n_layer = len({k.split(".")[2] for k in heads if k.startswith("decoder.layers.")})
+        boot = BootHeads(model.config, n_layer, mae="mask" in heads)
+        boot.load_state_dict(heads, strict=True)
+        model = BootPredictor(model, boot, tok.piece_to_id("[MASK]"))
+    model.train_args = ckpt.get("args", {})
     return model.to(device).eval(), tok

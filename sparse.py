@@ -359,7 +359,7 @@ def learn_from_checkpoint(ckpt_path, data, cfg: DictConfig, device, out) -> dict
     between its phases goes on exactly as one that was given the same dictionary with --dict."""
     with torch.random.fork_rng(devices=[]):
         ckpt = read_checkpoint(ckpt_path)
-        model, _ = load_checkpoint(ckpt_path, device)
+        model, _ = load_checkpoint(ckpt_path, device, encoder_only=True)
         n_layer = model.config.n_layer
         cfg.check(n_layer, where=ckpt_path)
         layer = cfg.layer % (n_layer + 1)

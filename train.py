@@ -46,9 +46,9 @@ from tqdm import tqdm
 import sparse
 from data.prepare import VOCAB_SIZE, Segments, load_meta, prepare, span_mask
 from model import (PARTS, PRESETS, REPO, BootHeads, Encoder, Lamb, ModelConfig, RunFolder,
-                   autocast, check_config, code_version, ema_update, field_help, load_checkpoint,
-                   load_weights, peak_memory_gb, pick_device, read_checkpoint, seed_of,
-                   small_init)
+                   autocast, boot_states, check_config, code_version, ema_update, field_help,
+                   load_checkpoint, load_weights, peak_memory_gb, pick_device, read_checkpoint,
+                   seed_of, small_init)
 
 CODE = ["model.py", "train.py", "sparse.py", "data/prepare.py"]  # a run's code/ and its hash
 
@@ -107,27 +107,17 @@ def boot(model, batch, ctx):
 
     The student encoder sees only the kept tokens, each at its original position (a masked
     autoencoder, He et al. 2022); its states are scattered back to full length with a learned
-    vector at the hidden positions, and a light decoder reads that. At the hidden positions a
-    head regresses the mean teacher's last-layer states (LayerNorm-ed, no affine) with smooth-L1,
-    and the tied MLM head predicts the tokens: loss = lb_weight * LB + mlm_weight * MLM.
+    vector at the hidden positions, and a light decoder reads that (model.boot_states, which
+    also scores the checkpoint). At the hidden positions a head regresses the mean teacher's
+    last-layer states (after its final affine LayerNorm, then LayerNorm-ed without affine, as
+    boot-bert) with smooth-L1, and the tied MLM head predicts the tokens:
+    loss = lb_weight * LB + mlm_weight * MLM. Student, teacher and decoder each end in an affine
+    LayerNorm (--final-norm, on for boot).
     """
     args, enc, heads = ctx["args"], model.encoder, model.heads
     ids, mask = batch["input_ids"], batch["attention_mask"]
     hide = batch["labels"] != -100                                       # (B, T)
-    B, T = ids.shape
-    if args.boot_student == "mae":
-        keep = ~hide & (mask == 1)
-        n = int(keep.sum(1).max())
-        order = torch.argsort((~keep).int(), dim=1, stable=True)[:, :n]  # (B, n): kept first
-        kept = enc(ids.gather(1, order), keep.gather(1, order).long(), positions=order)  # (B, n, D)
-        x = torch.zeros(B, T, kept.shape[-1], device=ids.device, dtype=kept.dtype)
-        x = x.scatter(1, order[..., None].expand_as(kept), kept)        # back to (B, T, D)
-        relative = enc.config.position == "relative"
-        fill = heads.mask if relative else heads.mask + enc.pos.weight[:T]
-        x = torch.where(hide[..., None], fill, x)
-    else:  # the ablation: a BERT-style student reads the whole masked input
-        x = enc(batch["inputs"], mask)
-    out = heads.decoder(x, enc.attention_inputs(mask))[hide]            # (N, D)
+    out = boot_states(enc, heads, batch["inputs"], mask, hide)[hide]     # (N, D)
     if out.shape[0] == 0:  # the smooth-L1 and cross-entropy means would be 0/0 = NaN
         raise SystemExit("error: boot: no token of this batch is masked, so there is nothing to "
                          "reconstruct; raise --mask-p or --seq-len")
@@ -148,12 +138,18 @@ def boot(model, batch, ctx):
 def setup_boot(encoder, args, run_dir, device) -> Parts:
     """The student's extra parts, and the mean teacher: an EMA copy of the encoder (its
     embeddings and layers, not the decoder), updated after every optimizer step."""
-    heads = BootHeads(encoder.config, args.decoder_layers, args.boot_student == "mae")
+    heads = BootHeads(encoder.config, decoder_layers(args, encoder.config),
+                      args.boot_student == "mae")
     ema = copy.deepcopy(encoder).eval().requires_grad_(False)
 
     def follow(step, start, end):  # one fused update, its decay scheduled over the phase
         ema_update(ema, encoder, ema_decay_at(step, args, start, end))
     return Parts(heads, ctx={"ema": ema}, saved={"ema": ema}, after_step=follow)
+
+
+def decoder_layers(args, config) -> int:
+    """--decoder-layers, by default a third of the encoder's, at least 1: the paper's 4 on 12."""
+    return args.decoder_layers or max(1, round(config.n_layer / 3))
 
 
 def kd(model, batch, ctx, with_mlm=False):
@@ -312,7 +308,8 @@ class Objective(NamedTuple):
 OBJECTIVES = {
     "mlm": Objective(mlm),
     "boot": Objective(boot, setup_boot, defaults=dict(lr=5e-3, weight_decay=0.02,
-                                                      weight_decay_end=0.2, mlm_weight=0.1)),
+                                                      weight_decay_end=0.2, mlm_weight=0.1,
+                                                      final_norm=True)),
     "kd": Objective(kd, setup_kd, two_phase=True),
     "kd+mlm": Objective(functools.partial(kd, with_mlm=True), setup_kd, two_phase=True),
     "mlsm": Objective(mlsm, setup_mlsm, two_phase=True),
@@ -456,7 +453,8 @@ def build_parser():
       help="mean-teacher EMA decay at the first step (default 0.996)")
     b("--ema-end", type=float, default=1.0,
       help="EMA decay at the last step, reached linearly (default 1.0)")
-    b("--decoder-layers", type=int, default=4, help="layers of the student's decoder (default 4)")
+    b("--decoder-layers", type=int, default=None, help="layers of the student's decoder "
+      "(default: a third of --n-layer, at least 1; the paper's 4 on 12)")
     b("--boot-student", default="mae", choices=["mae", "bert"], help="mae: the encoder sees the "
       "kept tokens only; bert: the whole masked input (ablation) (default mae)")
     k = p.add_argument_group("kd, kd+mlm, mlsm, mlsm+mlm (a phase of MLM, then the objective "
@@ -485,8 +483,10 @@ def build_parser():
     for f, text in zip(fields(ModelConfig), field_help().values()):
         if f.name != "vocab_size":  # the tokenizer decides it
             choices = ("relative", "absolute") if f.name == "position" else None
-            model_flags.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
-                                     default=None, help=text, choices=choices)
+            kind = (dict(action=argparse.BooleanOptionalAction) if isinstance(f.default, bool)
+                    else dict(type=type(f.default), choices=choices))
+            model_flags.add_argument("--" + f.name.replace("_", "-"), default=None, help=text,
+                                     **kind)
     return p
 
 

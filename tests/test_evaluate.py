@@ -14,7 +14,7 @@ import torch
 import evaluate as E
 from conftest import shared_data
 from data.prepare import CLS, MASK, SEP, load_tokenizer
-from model import PRESETS, Encoder, ModelConfig, save_checkpoint
+from model import PRESETS, BootHeads, BootPredictor, Encoder, ModelConfig, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,61 @@ def test_batched_pll_equals_naive_loop(ckpt, sentences, scorer):
                 progress=False)
     want = np.array([naive_pll(model, s, temps, scorer == "word-l2r", starts) for s in sentences])
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def boot_ckpt(prepared, tmp_path_factory):
+    """A tiny BootBERT student (MAE encoder with a final norm, a 2-layer decoder, the mask vector),
+    saved as train.py saves a boot run; its norms moved off their init so that they count."""
+    torch.manual_seed(1)
+    cfg = ModelConfig(**{**PRESETS["tiny"], "vocab_size": 2000, "d_model": 64, "d_ff": 128,
+                         "final_norm": True})
+    model, heads = Encoder(cfg).eval(), BootHeads(cfg, 2, mae=True)
+    with torch.no_grad():
+        for p in [model.norm.weight, model.norm.bias, *heads.decoder.norm.parameters()]:
+            p.add_(0.3 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("boot") / "ckpt.pt"
+    save_checkpoint({"model": model.state_dict(), "config": asdict(cfg), "objective": "boot",
+                     "heads": heads.state_dict(), "args": {"seed": 3},
+                     "tokenizer": (prepared / "tokenizer.model").read_bytes()}, path)
+    return path
+
+
+def naive_boot_pll(encoder, heads, seq, l2r, starts):
+    """BootBERT's student scored copy by copy, one forward each: the encoder reads the visible
+    tokens alone, at their own positions; the mask vector stands at the hidden ones; the decoder
+    reads the full length; the MLM head reads the decoder at the target."""
+    words = starts[torch.tensor(seq)].cumsum(0)
+    L, total = len(seq), 0.0
+    for i in range(1, L - 1):
+        hide = torch.arange(L) == i
+        if l2r:
+            hide |= (torch.arange(L) > i) & (words == words[i])
+        seen = torch.arange(L)[~hide]
+        states = encoder(torch.tensor(seq)[seen][None], positions=seen[None])[0]  # (L - h, D)
+        x = heads.mask.expand(L, -1).clone()
+        x[seen] = states
+        z = encoder.head(heads.decoder(x[None], encoder.attention_inputs(torch.ones(1, L)))[0, i])
+        total += torch.log_softmax(z, -1)[seq[i]].item()
+    return total
+
+
+@pytest.mark.parametrize("scorer", ["pll", "word-l2r"])
+def test_boot_is_scored_through_its_decoder(boot_ckpt, sentences, scorer):
+    model, tok = E.load_checkpoint(boot_ckpt)
+    assert isinstance(model, BootPredictor) and len(model.heads.decoder.layers) == 2
+    starts = E.word_starts(tok)
+    seen = []  # every token id the encoder embeds
+    model.encoder.word.register_forward_pre_hook(lambda m, a: seen.append(a[0].flatten()))
+    got = E.pll(model, sentences, [1.0], scorer == "word-l2r", 64, torch.device("cpu"), starts,
+                progress=False)
+    assert not (torch.cat(seen) == MASK).any()  # [MASK] never reaches the encoder
+    seen.clear()
+    want = [naive_boot_pll(model.encoder, model.heads, s, scorer == "word-l2r", starts)
+            for s in sentences]
+    np.testing.assert_allclose(got[:, 0], want, rtol=0, atol=1e-4)
+    encoder, _ = E.load_checkpoint(boot_ckpt, encoder_only=True)  # what fine-tuning reads
+    assert type(encoder) is Encoder and encoder.norm is not None
 
 
 def test_word_l2r_differs_only_inside_multi_piece_words(ckpt, sentences):

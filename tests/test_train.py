@@ -14,7 +14,7 @@ import torch
 import sparse
 import train as T
 from conftest import TINY, run_train
-from data.prepare import CLS, SEP, prepare
+from data.prepare import CLS, MASK, SEP, prepare
 
 
 # --- optimizer and schedule ----------------------------------------------------------------------
@@ -263,7 +263,8 @@ def objective_setup(objective, **flags):
         setattr(args, k, v)
     torch.manual_seed(0)
     shape = {"vocab_size": 300, "d_model": 32, "d_ff": 48}
-    encoder = T.Encoder(T.ModelConfig(**{**T.PRESETS["tiny"], **shape}))
+    encoder = T.Encoder(T.ModelConfig(**{**T.PRESETS["tiny"], **shape,
+                                         "final_norm": bool(args.final_norm)}))
     setup = T.OBJECTIVES[objective].setup
     parts = setup(encoder, args, None, "cpu") if setup else T.Parts()
     ids = torch.randint(5, 300, (4, 24))
@@ -284,6 +285,18 @@ def test_boot_teacher_starts_as_the_student_and_gets_no_gradient():
     assert trainee.heads.mask.grad is not None and trainee.encoder.word.weight.grad is not None
     assert set(figs) == {"lb", "mlm", "acc", "target_std"}
     assert loss.item() == pytest.approx(figs["lb"].item() + 0.1 * figs["mlm"].item())
+
+
+def test_mae_student_never_embeds_mask():
+    trainee, ctx, batch = objective_setup("boot")
+    assert (batch["inputs"] == MASK).any()  # the masked input has some, so the check can fail
+    seen = []
+    trainee.encoder.word.register_forward_pre_hook(lambda m, a: seen.append(a[0].flatten()))
+    trainee(batch, ctx)
+    assert seen and not (torch.cat(seen) == MASK).any()
+    heads = trainee.heads
+    assert heads.mask.std().item() == pytest.approx(1.0, abs=0.3)  # N(0, 1), boot-bert's scale
+    assert len(heads.decoder.layers) == 1 and trainee.encoder.norm is not None  # tiny: 2 / 3
 
 
 def test_boot_ablations():
