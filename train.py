@@ -319,7 +319,8 @@ TWO_PHASE = sorted(name for name, o in OBJECTIVES.items() if o.two_phase)
 
 
 def phase1_steps(args) -> int:
-    if not OBJECTIVES[args.objective].two_phase or args.teacher:
+    """Steps of the MLM phase that comes first: kd and mlsm (unless --teacher), mlm --two-phase."""
+    if not (OBJECTIVES[args.objective].two_phase or args.two_phase) or args.teacher:
         return 0
     p = args.phase1_steps
     return round(p * args.max_steps) if p < 1 else int(p)
@@ -461,6 +462,8 @@ def build_parser():
                              "taught by that model; Berend 2023)").add_argument
     k("--phase1-steps", type=float, default=0.2, help="MLM steps before distillation: a fraction "
       "of --max-steps if < 1, else steps (default 0.2)")
+    k("--two-phase", action="store_true", help="mlm only: train in kd's two phases, the second "
+      "restarting optimizer and warm-up from the phase-1 weights (Better Together's baseline)")
     k("--teacher", default=None, help="distil from this checkpoint instead of training a phase 1")
     k("--student-init", default="continued", choices=["continued", "scratch"],
       help="phase 2 starts from the phase-1 weights, or from a fresh init (default continued)")
@@ -502,6 +505,8 @@ def get_args(argv):
         parser.error("--mask-p must be between 0 and 1")
     if args.teacher and args.objective not in TWO_PHASE:
         parser.error(f"--teacher only applies to {', '.join(TWO_PHASE)}")
+    if args.two_phase and args.objective != "mlm":
+        parser.error(f"--two-phase only applies to mlm ({', '.join(TWO_PHASE)} always have two)")
     if args.dict and OBJECTIVES[args.objective].setup is not setup_mlsm:
         parser.error("--dict only applies to mlsm and mlsm+mlm")
     if OBJECTIVES[args.objective].setup is setup_mlsm:  # fail now, not after phase 1
@@ -513,7 +518,8 @@ def get_args(argv):
     if args.reset and not args.init_from:
         parser.error("--reset only applies with --init-from")
     p1 = phase1_steps(args)
-    if args.objective in TWO_PHASE and not args.teacher and not 0 < p1 < args.max_steps:
+    two = args.objective in TWO_PHASE or args.two_phase
+    if two and not args.teacher and not 0 < p1 < args.max_steps:
         parser.error(f"--phase1-steps must leave both phases at least one of the "
                      f"{args.max_steps} steps")
     if args.out_dir is None:
@@ -685,8 +691,9 @@ def start_phase(run: Run, step: int) -> Phase:
     parts = spec.setup(run.encoder, args, run.folder.path, run.device) if spec.setup else Parts()
     if step == start > 0:
         init = "scratch" if args.student_init == "scratch" else "the phase-1 weights"
-        run.say(f"step {step}: phase 2, {objective} from {init}, taught by "
-                f"{args.teacher or run.folder.path / 'phase1.pt'}")
+        teacher = args.teacher or run.folder.path / "phase1.pt"
+        run.say(f"step {step}: phase 2, {objective} from {init}, a fresh optimizer and warm-up"
+                + (f", taught by {teacher}" if spec.setup else ""))
     trainee = Trainee(run.encoder, parts.heads.to(run.device), spec.loss)
     model = trainee
     if run.ddp:
@@ -701,7 +708,7 @@ def start_phase(run: Run, step: int) -> Phase:
         raise SystemExit(f"error: {run.folder.path / 'ckpt.pt'} was written in the "
                          f"{saved.get('objective', 'mlm')} phase, but step {step} belongs to the "
                          f"{objective} phase; it cannot be resumed with these settings")
-    if saved is not None and saved.get("objective", "mlm") == objective:  # resumed inside it
+    if saved is not None and step > start:  # resumed inside the phase, not at its start
         trainee.heads.load_state_dict(saved.get("heads", {}), strict=True)
         for name, module in parts.saved.items():
             module.load_state_dict(saved["ctx_state"][name], strict=True)

@@ -54,7 +54,8 @@ def test_objective_defaults_yield_to_typed_flags():
 
 
 def test_phases():
-    args = argparse.Namespace(objective="kd", teacher=None, phase1_steps=0.25, max_steps=40)
+    args = argparse.Namespace(objective="kd", teacher=None, phase1_steps=0.25, max_steps=40,
+                              two_phase=False)
     assert T.phase_of(9, args) == ("mlm", 0, 10) and T.phase_of(10, args) == ("kd", 10, 40)
     args.teacher = "t.pt"  # a given teacher: no phase 1
     assert T.phase_of(0, args) == ("kd", 0, 40)
@@ -124,6 +125,30 @@ def test_resume_is_exact(prepared, tmp_path, objective, stop):
     log_a, log_b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
     assert [e.keys() for e in log_a] == [e.keys() for e in log_b]  # the same figures logged
     assert drop(log_a) == drop(log_b)
+
+
+def test_mlm_two_phase_restarts_optimizer_and_warmup(prepared, tmp_path):
+    """mlm --two-phase, Better Together's schedule-matched baseline: 4 steps of MLM, then 8 more
+    from those weights with a fresh optimizer and warm-up, as kd's phase 2 starts. Resuming at
+    the boundary changes nothing."""
+    common = ["--data", prepared, "--max-steps", 12, "--two-phase", "--phase1-steps", 4,
+              "--warmup", 2, *TINY, "--log-every", 1]
+    assert run_train(*common, "--out-dir", tmp_path / "a").returncode == 0
+    log = read_log(tmp_path / "a")
+    lr = {e["step"]: e["lr"] for e in log if "lr" in e}
+    # hand-computed: warm-up steps 0 and 1 of each phase at lr * 1/2 and lr * 2/2
+    assert lr[1] == lr[5] == pytest.approx(5e-3) and lr[2] == lr[6] == pytest.approx(1e-2)
+    phase1 = torch.load(tmp_path / "a" / "phase1.pt", weights_only=True)
+    last = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)
+    steps = lambda ckpt: {int(s["step"]) for s in ckpt["optimizer"]["state"].values()}
+    assert (phase1["step"], steps(phase1), steps(last)) == (4, {4}, {8})  # a fresh optimizer
+    assert run_train(*common, "--out-dir", tmp_path / "b", "--stop-at", 4).returncode == 0
+    r = run_train("--out-dir", tmp_path / "b", "--resume", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    b = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)
+    assert all(torch.equal(v, b["model"][k]) for k, v in last["model"].items())
+    assert run_train("--data", prepared, "--objective", "boot", "--two-phase",
+                     *TINY).returncode == 2  # argparse: only mlm takes it
 
 
 @pytest.mark.parametrize("objective", ["mlm", "boot"])
