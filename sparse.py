@@ -2,7 +2,7 @@
 semantic modeling (MLSM; Berend 2023, "Masked Latent Semantic Modeling", ACL Findings, sec. 3).
 
     python sparse.py --ckpt runs/mlm_babylm_10m_small/ckpt.pt --data babylm_10m --layer -1 \\
-        --k 2500 --lam 0.05 --out dict.pt          # learn a dictionary from a model's hidden states
+        --k 3000 --lam 0.05 --out dict.pt          # learn a dictionary from a model's hidden states
 
 train.py calls learn_from_checkpoint itself between the two phases of `--objective mlsm` and
 `mlsm+mlm`, with its DictConfig.
@@ -16,16 +16,21 @@ and learning D minimises the mean of (1) over the data under that norm constrain
                                         train.py calls every step)
     encode(H, D, lam, method="lars")    an exact homotopy solver in float64 numpy, one vector at a
                                         time: the reference the tests hold FISTA to
+    fista_fixed(H, D, lam, iters=100)   the MLSM code's coder (szegedai/MLSM, sparser.py): a fixed
+                                        number of plain FISTA steps from zero, not run to the
+                                        optimum, so its codes are denser and softer
     learn_dictionary(H, k, lam)         online dictionary learning (Mairal, Bach, Ponce & Sapiro
                                         2009/2010): code a mini-batch, accumulate its sufficient
                                         statistics, update D by block-coordinate descent
 
 The CLI collects layer-L states of a checkpoint at random positions of the training split,
-L2-normalises them (as the MLSM code does before sparse coding), leaves out the most frequent
-tokens (relative frequency >= --max-freq, again as the MLSM code does, so that a few function
-words do not claim the atoms), learns D, and reports the objective, the mean number of non-zeros
-per code and the fraction of all-zero codes. Unlike the MLSM code, it does not average sub-word
-pieces into words: each piece is one vector, as each masked piece is one target in training.
+L2-normalises them (as the MLSM code does before sparse coding), optionally leaves out the most
+frequent tokens (relative frequency >= --max-freq: the MLSM code's first version did, its
+released version of July 2023 and later learns on all vectors, and so does the default here:
+every masked token is coded in training), learns D, and reports the objective, the mean number
+of non-zeros per code and the fraction of all-zero codes, and what each target coder (fista100,
+exact) makes of 1000 of the vectors. Unlike the MLSM code, it does not average sub-word pieces
+into words: each piece is one vector, as each masked piece is one target in training.
 """
 import argparse
 import time
@@ -119,6 +124,43 @@ def sparse_code(H, D, lam: float, iters: int = 1000, tol: float = 1e-3, work: in
             m *= 2
         todo, c = todo[left], c[left]
     return A
+
+
+@torch.no_grad()
+def fista_fixed(H, D, lam: float, iters: int = 100):
+    """Codes as the MLSM code computes its targets (szegedai/MLSM, sparser.py FISTA, 100 steps):
+    `iters` FISTA steps (Beck & Teboulle 2009) from a = 0 over all k atoms, step 1/L with L the
+    largest eigenvalue of D D^T, no restart and no stopping test. H (n, d), D (d, k) -> (n, k) >= 0.
+    On coherent dictionaries 100 steps are far from the optimum of (1): the codes keep more,
+    smaller non-zeros than sparse_code's."""
+    L = torch.linalg.matrix_norm(D, ord=2) ** 2                  # = the top eigenvalue of D D^T
+    HD = H @ D                                                   # (n, k)
+    a = y = torch.zeros_like(HD)
+    t = 1.0
+    for _ in range(iters):
+        nxt = (y + (HD - (y @ D.T) @ D) / L - lam / L).clamp(min=0)  # a gradient step, then prox
+        t_next = (1 + (1 + 4 * t * t) ** 0.5) / 2
+        y = nxt + (t - 1) / t_next * (nxt - a)
+        a, t = nxt, t_next
+    return a
+
+
+@torch.no_grad()
+def compare_coders(H, D, lam: float) -> dict:
+    """The MLSM targets each coder gives on the rows of H (unit vectors): non-zeros per code and
+    all-zero codes for fista_fixed (100 steps) and sparse_code (exact, tol 1e-3), and the mean
+    total-variation distance between the two target distributions (codes / their sum) over the
+    rows both code to non-zero."""
+    codes = {"fista100": fista_fixed(H, D, lam, 100), "exact": sparse_code(H, D, lam)}
+    out = {}
+    for name, A in codes.items():
+        out[f"{name}_nnz"] = (A > 0).sum(1).float().mean().item()
+        out[f"{name}_zero_rate"] = (A.sum(1) == 0).float().mean().item()
+    a, b = codes["fista100"], codes["exact"]
+    both = (a.sum(1) > 0) & (b.sum(1) > 0)
+    p, q = a[both] / a[both].sum(1, keepdim=True), b[both] / b[both].sum(1, keepdim=True)
+    out["tv"] = (0.5 * (p - q).abs().sum(1)).mean().item() if both.any() else float("nan")
+    return out
 
 
 def objective(H, D, A, lam) -> torch.Tensor:
@@ -322,12 +364,12 @@ def collect(model, tokens: np.ndarray, layer: int, n: int, seq_len: int, max_fre
 @dataclass
 class DictConfig:
     layer: int = -1           # hidden layer: 0 = embeddings, 1..n_layer, negative from the end
-    k: int = 2500             # dictionary atoms: the size of the distribution MLSM predicts
+    k: int = 3000             # dictionary atoms: the size of the distribution MLSM predicts
     lam: float = 0.05         # l1 penalty lambda of the codes, eq. (1) of sparse.py
     vectors: int = 100000     # hidden states the dictionary is learned from
     epochs: int = 4           # passes of dictionary learning over them
     batch_size: int = 1024    # vectors per mini-batch
-    max_freq: float = 1e-3    # leave out tokens at least this frequent (1 keeps every token)
+    max_freq: float = 1.0     # leave out tokens at least this frequent (1: keep every token)
     seq_len: int = 128        # window length the model reads
     forget: float = 50.0      # past mini-batches weigh (1-1/t)^forget at mini-batch t; 0: equally
     iters: int = 1000         # FISTA iteration cap per mini-batch
@@ -378,16 +420,20 @@ def learn_from_checkpoint(ckpt_path, data, cfg: DictConfig, device, out) -> dict
         D, history = learn_dictionary(H, cfg.k, cfg.lam, cfg.epochs, cfg.batch_size, cfg.seed,
                                       cfg.forget, cfg.iters, cfg.tol)
         t2 = time.time()
+        coders = compare_coders(H[:1000], D, cfg.lam)  # what the two target coders make of D
         last = history[-1]
         print(f"dictionary: {cfg.k} atoms of layer {layer} from {cfg.vectors} vectors "
               f"(d {H.shape[1]}) | objective {history[0]['objective']:.4f} -> "
               f"{last['objective']:.4f} | {last['nnz']:.1f} non-zeros per code | "
               f"{100 * last['zero_rate']:.2f}% all-zero codes | states {t1 - t0:.0f} s, "
-              f"learning {t2 - t1:.0f} s")
+              f"learning {t2 - t1:.0f} s\n"
+              f"targets on 1000 of those vectors: {coders['fista100_nnz']:.1f} non-zeros with "
+              f"fista100 (the MLSM code's), {coders['exact_nnz']:.1f} exact; total variation "
+              f"between the two {coders['tv']:.3f}")
         about = dict(lam=cfg.lam, ckpt=str(ckpt_path), ckpt_step=ckpt.get("step"), history=history,
                      args={**asdict(cfg), "ckpt": str(ckpt_path), "data": data,
                            "device": str(device)},
-                     seconds={"states": t1 - t0, "learning": t2 - t1})
+                     seconds={"states": t1 - t0, "learning": t2 - t1}, coders=coders)
         return save_dictionary(out, D, layer, **about)
 
 

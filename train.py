@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import sparse
-from data.prepare import VOCAB_SIZE, Segments, load_meta, prepare, span_mask
+from data.prepare import VOCAB_SIZE, Segments, load_meta, prepare, span_mask, uniform_mask
 from model import (PARTS, PRESETS, REPO, BootHeads, Encoder, Lamb, ModelConfig, RunFolder,
                    autocast, boot_states, check_config, code_version, ema_update, field_help,
                    load_checkpoint, load_weights, peak_memory_gb, pick_device, read_checkpoint,
@@ -57,7 +57,10 @@ CODE = ["model.py", "train.py", "sparse.py", "data/prepare.py"]  # a run's code/
 # Batches: a token stream's segments, span-masked on the device (data/prepare.py)
 
 def make_batch(ids, args, vocab_size, gen):
-    inputs, labels = span_mask(ids, args.mask_p, vocab_size, gen)
+    if args.masking == "uniform":  # the MLSM code's: int(p T) tokens per row, all [MASK]
+        inputs, labels = uniform_mask(ids, args.mask_p, gen)
+    else:                          # LTG-BERT's spans, 80/10/10 per span
+        inputs, labels = span_mask(ids, args.mask_p, vocab_size, gen)
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), inputs=inputs, labels=labels)
 
 
@@ -172,14 +175,20 @@ def kd(model, batch, ctx, with_mlm=False):
     return kl + (args.mlm_weight * ce if with_mlm else 0.0), figures
 
 
-def setup_kd(encoder, args, run_dir, device) -> Parts:
-    """The frozen teacher: this run's phase-1 model, or --teacher."""
+def load_teacher(encoder, args, run_dir, device, encoder_only=False):
+    """(the frozen teacher, its path): this run's phase-1 model, or --teacher. kd reads its
+    predictions (a boot checkpoint's through its decoder), mlsm its encoder's states."""
     path = args.teacher or Path(run_dir) / "phase1.pt"
-    teacher, _ = load_checkpoint(path, device)
+    teacher, _ = load_checkpoint(path, device, encoder_only)
     if teacher.config.vocab_size != encoder.config.vocab_size:
         raise SystemExit(f"error: the teacher {path} has a {teacher.config.vocab_size}-token "
                          f"vocabulary, the data {encoder.config.vocab_size}")
-    return Parts(ctx={"teacher": teacher.requires_grad_(False)})
+    return teacher.requires_grad_(False), path
+
+
+def setup_kd(encoder, args, run_dir, device) -> Parts:
+    """The frozen teacher."""
+    return Parts(ctx={"teacher": load_teacher(encoder, args, run_dir, device)[0]})
 
 
 def mlsm(model, batch, ctx, with_mlm=False):
@@ -197,8 +206,12 @@ def mlsm(model, batch, ctx, with_mlm=False):
         states = ctx["teacher"](batch["input_ids"], batch["attention_mask"], all_layers=True)
         h = states[ctx["layer"]][predict]                                 # (N, d)
         with ctx["stopwatch"](model.training), torch.autocast(h.device.type, enabled=False):
-            codes = sparse.sparse_code(F.normalize(h.float(), dim=-1), ctx["dict"],
-                                       args.mlsm_lam, args.mlsm_iters, args.mlsm_tol)  # (N, k)
+            h = F.normalize(h.float(), dim=-1)
+            if args.mlsm_coder == "fista100":  # the MLSM code's targets
+                codes = sparse.fista_fixed(h, ctx["dict"], args.mlsm_lam, 100)     # (N, k)
+            else:
+                codes = sparse.sparse_code(h, ctx["dict"], args.mlsm_lam, args.mlsm_iters,
+                                           args.mlsm_tol)
         mass = codes.sum(1, keepdim=True)                                 # (N, 1)
         target = codes / mass.clamp(min=torch.finfo(codes.dtype).tiny)  # rows sum to 1, or stay 0
         coded = (mass.squeeze(1) > 0).float()
@@ -220,7 +233,7 @@ def mlsm(model, batch, ctx, with_mlm=False):
 
 # train.py's mlsm flags -> the sparse.DictConfig fields they set (their defaults come from there)
 DICT_FLAGS = {"mlsm_layer": "layer", "mlsm_k": "k", "mlsm_lam": "lam", "dict_vectors": "vectors",
-              "dict_epochs": "epochs"}
+              "dict_epochs": "epochs", "dict_max_freq": "max_freq"}
 DICT_FLAG_NAMES = {f: "--" + a.replace("_", "-") for a, f in DICT_FLAGS.items()}
 
 
@@ -236,8 +249,7 @@ def setup_mlsm(encoder, args, run_dir, device) -> Parts:
     rather than k extra tied rows, so the MLM head stays as it is). The dictionary is
     RUN/dict.pt: --dict is copied there; without one, it is learned from the teacher (rank 0; the
     others wait), so a resumed run and its code/ folder keep the very dictionary it trained on."""
-    teacher = setup_kd(encoder, args, run_dir, device).ctx["teacher"]
-    teacher_path = args.teacher or Path(run_dir) / "phase1.pt"
+    teacher, teacher_path = load_teacher(encoder, args, run_dir, device, encoder_only=True)
     path = Path(run_dir) / "dict.pt"
     if (not dist.is_initialized() or dist.get_rank() == 0) and not path.exists():
         if args.dict:
@@ -305,15 +317,18 @@ class Objective(NamedTuple):
     defaults: dict | None = None    # shared flags whose default differs, as its paper trained it
 
 
+UNIFORM = dict(masking="uniform")  # Berend 2023's masking, in both phases (szegedai/MLSM)
 OBJECTIVES = {
     "mlm": Objective(mlm),
     "boot": Objective(boot, setup_boot, defaults=dict(lr=5e-3, weight_decay=0.02,
                                                       weight_decay_end=0.2, mlm_weight=0.1,
                                                       final_norm=True)),
-    "kd": Objective(kd, setup_kd, two_phase=True),
-    "kd+mlm": Objective(functools.partial(kd, with_mlm=True), setup_kd, two_phase=True),
-    "mlsm": Objective(mlsm, setup_mlsm, two_phase=True),
-    "mlsm+mlm": Objective(functools.partial(mlsm, with_mlm=True), setup_mlsm, two_phase=True),
+    "kd": Objective(kd, setup_kd, two_phase=True, defaults=UNIFORM),
+    "kd+mlm": Objective(functools.partial(kd, with_mlm=True), setup_kd, two_phase=True,
+                        defaults=UNIFORM),
+    "mlsm": Objective(mlsm, setup_mlsm, two_phase=True, defaults=UNIFORM),
+    "mlsm+mlm": Objective(functools.partial(mlsm, with_mlm=True), setup_mlsm, two_phase=True,
+                          defaults=UNIFORM),
 }
 TWO_PHASE = sorted(name for name, o in OBJECTIVES.items() if o.two_phase)
 
@@ -417,6 +432,9 @@ def build_parser():
         "--weight-decay to this over the phase (default: constant; boot 0.2)")
     add("--clip", type=float, default=2.0, help="gradient-norm clipping, 0 = off (default 2.0)")
     add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict (default 0.15)")
+    add("--masking", default="span", choices=["span", "uniform"], help="span: LTG-BERT's spans, "
+        "80/10/10 per span; uniform: int(p T) tokens per sequence, all [MASK], as the MLSM code "
+        "(default span; kd, kd+mlm, mlsm, mlsm+mlm uniform)")
     add("--max-steps", type=int, default=10000, help="optimizer steps (default 10000)")
     add("--seed", type=int, default=0,
         help="seed for init, data order, masks and dropout (default 0)")
@@ -478,10 +496,13 @@ def build_parser():
         default = getattr(sparse.DictConfig, name)
         k("--" + flag.replace("_", "-"), type=type(default), default=default,
           help=f"mlsm: {dict_help[name]} (default {default})")
+    k("--mlsm-coder", default="fista100", choices=["fista100", "exact"],
+      help="mlsm: the targets' codes: fista100, 100 plain FISTA steps from zero as the MLSM code "
+      "(denser, softer); exact, the working-set FISTA run to --mlsm-tol (default fista100)")
     k("--mlsm-iters", type=int, default=200,
-      help="mlsm: FISTA iteration cap per batch of targets (default 200)")
-    k("--mlsm-tol", type=float, default=1e-2,
-      help="mlsm: FISTA stops when its gradient mapping is below tol*lam (default 1e-2)")
+      help="mlsm --mlsm-coder exact: FISTA iteration cap per batch of targets (default 200)")
+    k("--mlsm-tol", type=float, default=1e-2, help="mlsm --mlsm-coder exact: FISTA stops when "
+      "its gradient mapping is below tol*lam (default 1e-2)")
     model_flags = p.add_argument_group("model (ModelConfig fields; default: the --size preset)")
     for f, text in zip(fields(ModelConfig), field_help().values()):
         if f.name != "vocab_size":  # the tokenizer decides it

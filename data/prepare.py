@@ -355,6 +355,19 @@ def span_mask(ids, p, vocab_size, gen, mean_span=3.0):
     return inputs, labels
 
 
+def uniform_mask(ids, p, gen):
+    """ids (B, T) -> (inputs, labels) as span_mask, by the MLSM code's rule (szegedai/MLSM,
+    mlsm_pretrainer.py, July 2023): in each row exactly int(p * T) of the tokens that are not
+    special ([CLS], [SEP] and the rest are never chosen), drawn uniformly without replacement,
+    all replaced by [MASK]: no spans and no 80/10/10. T counts [CLS] and [SEP], as the
+    reference's count of a sequence's tokens does."""
+    B, T = ids.shape
+    score = torch.rand(B, T, generator=gen, device=ids.device)
+    score = score.masked_fill(ids < len(SPECIALS), 2.0)                # specials rank last
+    chosen = score.argsort(1).argsort(1) < int(p * T)                  # (B, T): the lowest ranks
+    return torch.where(chosen, MASK, ids), torch.where(chosen, ids, -100)
+
+
 # ---------------------------------------------------------------------------------------------
 # Labelled tasks ((Super)GLUE, MSGS jsonl files): evaluate.py fine-tunes on them, meta.py
 # meta-learns with them

@@ -53,6 +53,18 @@ def test_objective_defaults_yield_to_typed_flags():
     assert T.get_args(["--objective", "mlm"]).lr == 1e-2
 
 
+def test_masking_defaults_follow_each_paper():
+    masking = lambda *argv: T.get_args(list(argv)).masking
+    assert masking("--objective", "mlm") == masking("--objective", "boot") == "span"
+    assert all(masking("--objective", o) == "uniform" for o in T.TWO_PHASE)
+    assert masking("--objective", "kd", "--masking", "span") == "span"
+    args = T.get_args(["--objective", "kd"])
+    ids = torch.randint(5, 300, (4, 40))
+    batch = T.make_batch(ids, args, 300, torch.Generator().manual_seed(0))
+    assert ((batch["labels"] != -100).sum(1) == 6).all()  # int(0.15 * 40) per row, all [MASK]
+    assert (batch["inputs"][batch["labels"] != -100] == MASK).all()
+
+
 def test_phases():
     args = argparse.Namespace(objective="kd", teacher=None, phase1_steps=0.25, max_steps=40,
                               two_phase=False)
@@ -433,7 +445,7 @@ def test_student_init_continued_or_scratch(trained, prepared, tmp_path):
 MLSM_DICT = ["--mlsm-k", 48, "--dict-vectors", 300, "--dict-epochs", 1]  # learned in seconds
 
 
-def mlsm_setup(lam=0.05, with_mlm=False):
+def mlsm_setup(lam=0.05, with_mlm=False, coder="exact"):
     """A tiny student, a perturbed copy as the frozen teacher, a random 40-atom dictionary."""
     trainee, _, batch = objective_setup("mlm")
     teacher = copy.deepcopy(trainee.encoder).eval()
@@ -442,7 +454,7 @@ def mlsm_setup(lam=0.05, with_mlm=False):
             p.add_(0.05 * torch.randn_like(p))
     D = torch.nn.functional.normalize(torch.randn(32, 40), dim=0)
     args = T.get_args(["--objective", "mlsm+mlm" if with_mlm else "mlsm", "--mlsm-lam", str(lam),
-                       "--mlsm-tol", "1e-6"])
+                       "--mlsm-tol", "1e-6", "--mlsm-coder", coder])
     head = torch.nn.Linear(32, 40)
     ctx = {"teacher": teacher, "dict": D, "layer": 1, "stopwatch": T.Stopwatch(torch.device("cpu")),
            "args": args}
@@ -482,6 +494,30 @@ def test_mlsm_loss_against_a_per_position_loop():
     mlsm_mlm = T.Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["mlsm+mlm"].loss)
     mixed, mfigs = mlsm_mlm(batch, ctx)
     assert mixed.item() == pytest.approx(mfigs["kl"].item() + mfigs["mlm"].item(), rel=1e-6)
+
+
+def test_mlsm_fista100_targets_are_the_mlsm_codes_coder():
+    """--mlsm-coder fista100 (the default): each target is the l1-normalised code of 100 FISTA
+    steps from zero (a float64 transcription of the MLSM code's rule, in test_sparse), and the
+    loss the mean KL over positions, recomputed position by position."""
+    from test_sparse import mlsm_code_fista
+    trainee, ctx, batch = mlsm_setup(coder="fista100")
+    assert T.get_args(["--objective", "mlsm"]).mlsm_coder == "fista100"
+    trainee.eval()
+    loss, figs = trainee(batch, ctx)
+    predict = batch["labels"] != -100
+    states = ctx["teacher"](batch["input_ids"], all_layers=True)[1][predict]
+    units = (states / states.norm(dim=1, keepdim=True)).detach().double().numpy()
+    codes = mlsm_code_fista(units.T, ctx["dict"].double().numpy(), 0.05, 100).T       # (N, k)
+    feats = trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict])
+    logits = trainee.heads.latent(feats)
+    want = []
+    for code, z in zip(codes, logits):
+        t = code / code.sum()
+        logp = torch.log_softmax(z.double(), -1).detach().numpy()
+        want.append(float(np.sum(t[t > 0] * (np.log(t[t > 0]) - logp[t > 0]))))
+    assert loss.item() == pytest.approx(np.mean(want), rel=1e-4)
+    assert figs["nnz"].item() == pytest.approx((codes > 1e-12).sum(1).mean(), abs=0.5)
 
 
 def test_mlsm_skips_all_zero_codes_without_nan():
