@@ -361,13 +361,14 @@ class BootPredictor(nn.Module):
         self.encoder, self.heads, self.mask_id = encoder, heads, mask_id
         self.config = encoder.config
 
-    def forward(self, input_ids, attention_mask=None, predict=None):
-        """input_ids (B, T) with [MASK] at the hidden positions -> the decoder's states (B, T, D),
-        or with predict (B, T) bool, (states, logits (N, V)) as Encoder.forward."""
+    def forward(self, input_ids, attention_mask=None, predict=None, hide=None):
+        """input_ids (B, T) -> the decoder's states (B, T, D), or with predict (B, T) bool,
+        (states, logits (N, V)) as Encoder.forward. hide (B, T) bool: the positions the encoder
+        does not read (default: those holding [MASK]); a teacher given clean text is told them."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        x = boot_states(self.encoder, self.heads, input_ids, attention_mask,
-                        input_ids == self.mask_id)
+        hide = input_ids == self.mask_id if hide is None else hide
+        x = boot_states(self.encoder, self.heads, input_ids, attention_mask, hide)
         return x if predict is None else (x, self.encoder.head(x[predict]))
 
     def logits(self, input_ids, attention_mask=None):
@@ -625,6 +626,10 @@ def load_checkpoint(path, device="cpu", encoder_only=False):
         heads = ckpt["heads"]  # the decoder's depth and the student's kind, from its tensors
         n_layer = len({k.split(".")[2] for k in heads if k.startswith("decoder.layers.")})
         boot = BootHeads(model.config, n_layer, mae="mask" in heads)
+        if set(boot.state_dict()) != set(heads):
+            raise SystemExit(f"error: {path} is a boot checkpoint from before its decoder ended "
+                             f"in a LayerNorm (issue 16), so its trained path cannot be rebuilt; "
+                             f"load it with encoder_only=True")
         boot.load_state_dict(heads, strict=True)
         model = BootPredictor(model, boot, tok.piece_to_id("[MASK]"))
     model.train_args = ckpt.get("args", {})

@@ -29,8 +29,8 @@ frequent tokens (relative frequency >= --max-freq: the MLSM code's first version
 released version of July 2023 and later learns on all vectors, and so does the default here:
 every masked token is coded in training), learns D, and reports the objective, the mean number
 of non-zeros per code and the fraction of all-zero codes, and what each target coder (fista100,
-exact) makes of 1000 of the vectors. Unlike the MLSM code, it does not average sub-word pieces
-into words: each piece is one vector, as each masked piece is one target in training.
+exact) makes of 1000 of the vectors. As the MLSM code's July 2023 version (its first averaged
+sub-word pieces into words), each piece is one vector, as each masked piece is one target.
 """
 import argparse
 import time

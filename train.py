@@ -45,16 +45,16 @@ from tqdm import tqdm
 
 import sparse
 from data.prepare import VOCAB_SIZE, Segments, load_meta, prepare, span_mask, uniform_mask
-from model import (PARTS, PRESETS, REPO, BootHeads, Encoder, Lamb, ModelConfig, RunFolder,
-                   autocast, boot_states, check_config, code_version, ema_update, field_help,
-                   load_checkpoint, load_weights, peak_memory_gb, pick_device, read_checkpoint,
-                   seed_of, small_init)
+from model import (PARTS, PRESETS, REPO, BootHeads, BootPredictor, Encoder, Lamb, ModelConfig,
+                   RunFolder, autocast, boot_states, check_config, code_version, ema_update,
+                   field_help, load_checkpoint, load_weights, peak_memory_gb, pick_device,
+                   read_checkpoint, seed_of, small_init)
 
 CODE = ["model.py", "train.py", "sparse.py", "data/prepare.py"]  # a run's code/ and its hash
 
 
 # ---------------------------------------------------------------------------------------------
-# Batches: a token stream's segments, span-masked on the device (data/prepare.py)
+# Batches: a token stream's segments, masked on the device (data/prepare.py)
 
 def make_batch(ids, args, vocab_size, gen):
     if args.masking == "uniform":  # the MLSM code's: int(p T) tokens per row, all [MASK]
@@ -140,7 +140,7 @@ def boot(model, batch, ctx):
 
 def setup_boot(encoder, args, run_dir, device) -> Parts:
     """The student's extra parts, and the mean teacher: an EMA copy of the encoder (its
-    embeddings and layers, not the decoder), updated after every optimizer step."""
+    embeddings, layers and final norm, not the decoder), updated after every optimizer step."""
     heads = BootHeads(encoder.config, decoder_layers(args, encoder.config),
                       args.boot_student == "mae")
     ema = copy.deepcopy(encoder).eval().requires_grad_(False)
@@ -152,7 +152,7 @@ def setup_boot(encoder, args, run_dir, device) -> Parts:
 
 def decoder_layers(args, config) -> int:
     """--decoder-layers, by default a third of the encoder's, at least 1: the paper's 4 on 12."""
-    return args.decoder_layers or max(1, round(config.n_layer / 3))
+    return args.decoder_layers if args.decoder_layers is not None else max(1, config.n_layer // 3)
 
 
 def kd(model, batch, ctx, with_mlm=False):
@@ -165,7 +165,9 @@ def kd(model, batch, ctx, with_mlm=False):
     _, logits = model.encoder(batch["inputs"], batch["attention_mask"], predict=predict)  # (N, V)
     with torch.no_grad():
         seen = batch["input_ids"] if args.kd_teacher_input == "clean" else batch["inputs"]
-        _, teacher = ctx["teacher"](seen, batch["attention_mask"], predict=predict)
+        # a boot teacher hides what it predicts from its encoder, as it was trained to
+        hidden = {"hide": predict} if isinstance(ctx["teacher"], BootPredictor) else {}
+        _, teacher = ctx["teacher"](seen, batch["attention_mask"], predict=predict, **hidden)
     T = args.kd_temperature
     kl = F.kl_div(F.log_softmax(logits.float() / T, -1), F.log_softmax(teacher.float() / T, -1),
                   log_target=True, reduction="batchmean") * T * T
@@ -476,9 +478,9 @@ def build_parser():
       "(default: a third of --n-layer, at least 1; the paper's 4 on 12)")
     b("--boot-student", default="mae", choices=["mae", "bert"], help="mae: the encoder sees the "
       "kept tokens only; bert: the whole masked input (ablation) (default mae)")
-    k = p.add_argument_group("kd, kd+mlm, mlsm, mlsm+mlm (a phase of MLM, then the objective "
-                             "taught by that model; Berend 2023)").add_argument
-    k("--phase1-steps", type=float, default=0.2, help="MLM steps before distillation: a fraction "
+    k = p.add_argument_group("kd, kd+mlm, mlsm, mlsm+mlm, mlm --two-phase (a phase of MLM, then "
+                             "the objective, taught by that model; Berend 2023)").add_argument
+    k("--phase1-steps", type=float, default=0.2, help="MLM steps of phase 1: a fraction "
       "of --max-steps if < 1, else steps (default 0.2)")
     k("--two-phase", action="store_true", help="mlm only: train in kd's two phases, the second "
       "restarting optimizer and warm-up from the phase-1 weights (Better Together's baseline)")
@@ -524,6 +526,8 @@ def get_args(argv):
                          f"{3 if name == 'seq_len' else 1}")
     if not 0 < args.mask_p < 1:
         parser.error("--mask-p must be between 0 and 1")
+    if args.decoder_layers is not None and args.decoder_layers < 1:
+        parser.error("--decoder-layers must be at least 1")
     if args.teacher and args.objective not in TWO_PHASE:
         parser.error(f"--teacher only applies to {', '.join(TWO_PHASE)}")
     if args.two_phase and args.objective != "mlm":
@@ -613,6 +617,11 @@ class Phase:
     ctx: dict                  # what the loss reads besides the batch: parts.ctx and args
 
 
+# flags added since a run may have started whose default is not what such a run did: it goes
+# on as it began (issue 16 made the MLSM code's coder and all-token dictionaries the defaults)
+BEFORE = {"mlsm_coder": "exact", "dict_max_freq": 1e-3}
+
+
 def resumed_args(args, path):
     """(the saved settings of the run at `path`, its checkpoint). A resumed run keeps them: typed
     flags that would change them are refused (but the RESUMABLE ones), and flags newer than the
@@ -628,7 +637,8 @@ def resumed_args(args, path):
                          f"checkpoint's; drop them or start a new --out-dir")
     now = {k: getattr(args, k) for k in RESUMABLE if k in args.given or k in ("resume", "out_dir")}
     defaults = vars(build_parser().parse_args([]))
-    return argparse.Namespace(**{**defaults, **saved, **now, "given": args.given}), ckpt
+    return argparse.Namespace(**{**defaults, **BEFORE, **saved, **now, "given": args.given}), ckpt
+
 
 
 def build_encoder(args, vocab_size, ckpt):
@@ -730,6 +740,10 @@ def start_phase(run: Run, step: int) -> Phase:
                          f"{saved.get('objective', 'mlm')} phase, but step {step} belongs to the "
                          f"{objective} phase; it cannot be resumed with these settings")
     if saved is not None and step > start:  # resumed inside the phase, not at its start
+        if set(saved.get("heads", {})) != set(trainee.heads.state_dict()):
+            raise SystemExit(f"error: {run.folder.path / 'ckpt.pt'} holds other {objective} parts "
+                             f"than this code builds (it was written by older code); start a new "
+                             f"--out-dir")
         trainee.heads.load_state_dict(saved.get("heads", {}), strict=True)
         for name, module in parts.saved.items():
             module.load_state_dict(saved["ctx_state"][name], strict=True)

@@ -67,13 +67,13 @@ def test_batched_pll_equals_naive_loop(ckpt, sentences, scorer):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def boot_ckpt(prepared, tmp_path_factory):
+@pytest.fixture(scope="module", params=["relative", "absolute"])
+def boot_ckpt(prepared, tmp_path_factory, request):
     """A tiny BootBERT student (MAE encoder with a final norm, a 2-layer decoder, the mask vector),
     saved as train.py saves a boot run; its norms moved off their init so that they count."""
     torch.manual_seed(1)
     cfg = ModelConfig(**{**PRESETS["tiny"], "vocab_size": 2000, "d_model": 64, "d_ff": 128,
-                         "final_norm": True})
+                         "final_norm": True, "position": request.param})
     model, heads = Encoder(cfg).eval(), BootHeads(cfg, 2, mae=True)
     with torch.no_grad():
         for p in [model.norm.weight, model.norm.bias, *heads.decoder.norm.parameters()]:
@@ -98,6 +98,8 @@ def naive_boot_pll(encoder, heads, seq, l2r, starts):
         seen = torch.arange(L)[~hide]
         states = encoder(torch.tensor(seq)[seen][None], positions=seen[None])[0]  # (L - h, D)
         x = heads.mask.expand(L, -1).clone()
+        if encoder.config.position == "absolute":  # a hidden slot: the vector at its position
+            x = x + encoder.pos.weight[:L]
         x[seen] = states
         z = encoder.head(heads.decoder(x[None], encoder.attention_inputs(torch.ones(1, L)))[0, i])
         total += torch.log_softmax(z, -1)[seq[i]].item()
@@ -120,6 +122,21 @@ def test_boot_is_scored_through_its_decoder(boot_ckpt, sentences, scorer):
     np.testing.assert_allclose(got[:, 0], want, rtol=0, atol=1e-4)
     encoder, _ = E.load_checkpoint(boot_ckpt, encoder_only=True)  # what fine-tuning reads
     assert type(encoder) is Encoder and encoder.norm is not None
+
+
+def test_checkpoints_from_before_the_final_norms(boot_ckpt, tmp_path):
+    """A checkpoint written before ModelConfig had final_norm loads as the model it was; a boot
+    checkpoint whose decoder has no final norm is refused in one line, and loads encoder-only."""
+    ckpt = torch.load(boot_ckpt, weights_only=True)
+    ckpt["heads"] = {k: v for k, v in ckpt["heads"].items() if not k.startswith("decoder.norm")}
+    ckpt["model"] = {k: v for k, v in ckpt["model"].items() if not k.startswith("norm.")}
+    del ckpt["config"]["final_norm"]
+    old = tmp_path / "old.pt"
+    save_checkpoint(ckpt, old)
+    with pytest.raises(SystemExit, match="before its decoder ended in a LayerNorm"):
+        E.load_checkpoint(old)
+    encoder, _ = E.load_checkpoint(old, encoder_only=True)
+    assert encoder.norm is None and not encoder.config.final_norm
 
 
 def test_word_l2r_differs_only_inside_multi_piece_words(ckpt, sentences):

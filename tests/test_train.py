@@ -15,6 +15,7 @@ import sparse
 import train as T
 from conftest import TINY, run_train
 from data.prepare import CLS, MASK, SEP, prepare
+from model import save_checkpoint
 
 
 # --- optimizer and schedule ----------------------------------------------------------------------
@@ -376,6 +377,37 @@ def test_kd_loss(temperature):
     kd_mlm = T.Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["kd+mlm"].loss)
     mixed, mfigs = kd_mlm(batch, ctx)
     assert mixed.item() == pytest.approx(mfigs["kd"].item() + mfigs["mlm"].item())
+
+
+def test_kd_from_a_boot_teacher_hides_what_it_predicts():
+    """A boot teacher reads clean text (kd's default), but its encoder is not shown the tokens
+    it predicts: its logits are those of the [MASK]-filled input, its trained path."""
+    trainee, ctx, batch = objective_setup("boot")
+    teacher = T.BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
+    kd = T.Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), T.OBJECTIVES["kd"].loss)
+    args = T.get_args(["--objective", "kd"])
+    predict = batch["labels"] != -100
+    _, want = teacher(batch["input_ids"].masked_fill(predict, MASK), predict=predict)
+    _, clean = teacher(batch["input_ids"], predict=predict, hide=torch.zeros_like(predict))
+    assert not torch.allclose(want, clean)  # showing the tokens would change the teacher
+    loss, _ = kd(batch, {"teacher": teacher, "args": args})
+    _, s = kd.encoder(batch["inputs"], predict=predict)
+    p_t = torch.softmax(want.double(), -1)
+    ref = (p_t * (torch.log(p_t) - torch.log_softmax(s.double(), -1))).sum(-1).mean()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_a_run_started_before_new_flags_keeps_its_behaviour(prepared, tmp_path):
+    """Flags added by issue 16 whose defaults changed what a run does: a resumed older run goes
+    on as it began (the exact coder, the frequency filter)."""
+    args = T.get_args(["--objective", "mlsm", "--out-dir", str(tmp_path), "--resume"])
+    saved = {k: v for k, v in vars(T.get_args(["--objective", "mlsm"])).items()
+             if k not in ("given", "mlsm_coder", "dict_max_freq", "masking")}
+    save_checkpoint({"model": {}, "config": {}, "tokenizer": b"spm", "args": saved},
+                      tmp_path / "ckpt.pt")
+    resumed, _ = T.resumed_args(args, tmp_path / "ckpt.pt")
+    assert (resumed.mlsm_coder, resumed.dict_max_freq, resumed.masking) == ("exact", 1e-3, "span")
+    assert T.get_args(["--objective", "mlsm"]).mlsm_coder == "fista100"  # a new run: the default
 
 
 def test_kd_with_a_given_teacher_skips_phase_one(trained, prepared, tmp_path):
