@@ -1,4 +1,4 @@
-"""Pretrain the shared encoder with one objective: batches -> span masking -> its loss -> step.
+"""Pretrain the shared encoder with one objective: batches -> masking -> its loss -> step.
 
     python train.py --objective mlm --data babylm_10m --size tiny --max-steps 2000   # CPU demo
     python train.py --objective mlm --data babylm_10m --size small            # one GPU, compiled
@@ -7,6 +7,7 @@
     python train.py --objective boot --data babylm_10m                         # BootBERT
     python train.py --objective kd+mlm --data babylm_10m --phase1-steps 0.2    # MLM, then KD
     python train.py --objective mlsm+mlm --data babylm_10m                     # MLM, then MLSM
+    python train.py --objective mlm --two-phase --masking uniform              # their baseline
 
 The data is prepared on first use (data/prepare.py). A run folder (--out-dir) holds args.json,
 config.json, data.json (the corpus' meta.json), log.jsonl (every logged figure), ckpt.pt (model,
@@ -18,7 +19,9 @@ function if it trains extra modules or needs a teacher) + one OBJECTIVES entry; 
 objective. Two-phase objectives (kd, kd+mlm, mlsm, mlsm+mlm) train plain MLM for
 --phase1-steps, keep that model as phase1.pt, then continue with the objective against it as a
 frozen teacher: one command, one schedule per phase. mlsm learns its dictionary between the
-phases (sparse.learn_from_checkpoint, into RUN/dict.pt).
+phases (sparse.learn_from_checkpoint, into RUN/dict.pt). mlm --two-phase runs the same schedule
+with MLM in phase 2: the baseline they are compared with. Each objective defaults to its paper's
+recipe (OBJECTIVES[...].defaults; docs/objectives/ has the recipe cards).
 
 Reproducibility: batches and masks are functions of (seed, step, micro-batch), and dropout is
 reseeded the same way at every micro-batch, so a run resumed from any checkpoint follows the very
