@@ -127,13 +127,14 @@ def sparse_code(H, D, lam: float, iters: int = 1000, tol: float = 1e-3, work: in
 
 
 @torch.no_grad()
-def fista_fixed(H, D, lam: float, iters: int = 100):
+def fista_fixed(H, D, lam: float, iters: int = 100, L=None):
     """Codes as the MLSM code computes its targets (szegedai/MLSM, sparser.py FISTA, 100 steps):
     `iters` FISTA steps (Beck & Teboulle 2009) from a = 0 over all k atoms, step 1/L with L the
     largest eigenvalue of D D^T, no restart and no stopping test. H (n, d), D (d, k) -> (n, k) >= 0.
     On coherent dictionaries 100 steps are far from the optimum of (1): the codes keep more,
-    smaller non-zeros than sparse_code's."""
-    L = torch.linalg.matrix_norm(D, ord=2) ** 2                  # = the top eigenvalue of D D^T
+    smaller non-zeros than sparse_code's. L may be passed in, computed once for a frozen D."""
+    if L is None:
+        L = torch.linalg.matrix_norm(D, ord=2) ** 2              # = the top eigenvalue of D D^T
     HD = H @ D                                                   # (n, k)
     a = y = torch.zeros_like(HD)
     t = 1.0

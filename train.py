@@ -213,7 +213,7 @@ def mlsm(model, batch, ctx, with_mlm=False):
         with ctx["stopwatch"](model.training), torch.autocast(h.device.type, enabled=False):
             h = F.normalize(h.float(), dim=-1)
             if args.mlsm_coder == "fista100":  # the MLSM code's targets
-                codes = sparse.fista_fixed(h, ctx["dict"], args.mlsm_lam, 100)     # (N, k)
+                codes = sparse.fista_fixed(h, ctx["dict"], args.mlsm_lam, 100, ctx["L"])  # (N, k)
             else:
                 codes = sparse.sparse_code(h, ctx["dict"], args.mlsm_lam, args.mlsm_iters,
                                            args.mlsm_tol)
@@ -280,7 +280,9 @@ def setup_mlsm(encoder, args, run_dir, device) -> Parts:
         small_init(encoder.config.d_model)(head.weight)
         head.bias.zero_()
     stopwatch = Stopwatch(device)  # logs code_share: the share of training time spent coding
-    ctx = {"teacher": teacher, "dict": D.to(device), "layer": layer, "stopwatch": stopwatch}
+    D = D.to(device)
+    L = torch.linalg.matrix_norm(D, ord=2) ** 2  # fista_fixed's step 1/L, of the frozen D: once
+    ctx = {"teacher": teacher, "dict": D, "L": L, "layer": layer, "stopwatch": stopwatch}
     return Parts(nn.ModuleDict({"latent": head}), ctx=ctx,
                  figures=lambda seconds: {"code_share": stopwatch.read() / seconds})
 
@@ -338,9 +340,13 @@ OBJECTIVES = {
 TWO_PHASE = sorted(name for name, o in OBJECTIVES.items() if o.two_phase)
 
 
+def has_phase1(args) -> bool:
+    """Whether an MLM phase comes first: kd and mlsm (unless --teacher), mlm --two-phase."""
+    return (OBJECTIVES[args.objective].two_phase or args.two_phase) and not args.teacher
+
+
 def phase1_steps(args) -> int:
-    """Steps of the MLM phase that comes first: kd and mlsm (unless --teacher), mlm --two-phase."""
-    if not (OBJECTIVES[args.objective].two_phase or args.two_phase) or args.teacher:
+    if not has_phase1(args):
         return 0
     p = args.phase1_steps
     return round(p * args.max_steps) if p < 1 else int(p)
@@ -545,9 +551,7 @@ def get_args(argv):
             parser.error(f"--{flag}: unknown part {bad[0]!r} (choose from {', '.join(allowed)})")
     if args.reset and not args.init_from:
         parser.error("--reset only applies with --init-from")
-    p1 = phase1_steps(args)
-    two = args.objective in TWO_PHASE or args.two_phase
-    if two and not args.teacher and not 0 < p1 < args.max_steps:
+    if has_phase1(args) and not 0 < phase1_steps(args) < args.max_steps:
         parser.error(f"--phase1-steps must leave both phases at least one of the "
                      f"{args.max_steps} steps")
     if args.out_dir is None:
@@ -641,7 +645,6 @@ def resumed_args(args, path):
     now = {k: getattr(args, k) for k in RESUMABLE if k in args.given or k in ("resume", "out_dir")}
     defaults = vars(build_parser().parse_args([]))
     return argparse.Namespace(**{**defaults, **BEFORE, **saved, **now, "given": args.given}), ckpt
-
 
 
 def build_encoder(args, vocab_size, ckpt):

@@ -488,8 +488,8 @@ def mlsm_setup(lam=0.05, with_mlm=False, coder="exact"):
     args = T.get_args(["--objective", "mlsm+mlm" if with_mlm else "mlsm", "--mlsm-lam", str(lam),
                        "--mlsm-tol", "1e-6", "--mlsm-coder", coder])
     head = torch.nn.Linear(32, 40)
-    ctx = {"teacher": teacher, "dict": D, "layer": 1, "stopwatch": T.Stopwatch(torch.device("cpu")),
-           "args": args}
+    ctx = {"teacher": teacher, "dict": D, "L": torch.linalg.matrix_norm(D, ord=2) ** 2, "layer": 1,
+           "stopwatch": T.Stopwatch(torch.device("cpu")), "args": args}
     heads = torch.nn.ModuleDict({"latent": head})
     return T.Trainee(trainee.encoder, heads, T.OBJECTIVES[args.objective].loss), ctx, batch
 
