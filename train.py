@@ -408,7 +408,7 @@ def ema_decay_at(step, args, start, end):
 # Arguments
 
 RESUMABLE = {"resume", "out_dir", "device", "compile", "bf16", "log_every", "eval_every",
-             "save_every", "stop_at"}  # the flags a resumed run may change
+             "save_every", "stop_at", "spike"}  # the flags a resumed run may change
 
 
 def build_parser():
@@ -442,6 +442,9 @@ def build_parser():
     add("--weight-decay-end", type=float, default=None, help="cosine weight decay from "
         "--weight-decay to this over the phase (default: constant; boot 0.2)")
     add("--clip", type=float, default=2.0, help="gradient-norm clipping, 0 = off (default 2.0)")
+    add("--spike", type=float, default=10.0, help="stop a diverging run: when a log interval's "
+        "mean gradient norm exceeds this multiple of its median over the phase so far, or its "
+        "loss stays 1 nat above the phase's lowest for two log lines; 0 = off (default 10)")
     add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict (default 0.15)")
     add("--masking", default="span", choices=["span", "uniform"], help="span: LTG-BERT's spans, "
         "80/10/10 per span; uniform: int(p T) tokens per sequence, all [MASK], as the MLSM code "
@@ -816,6 +819,32 @@ def validate(run: Run, phase: Phase) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Training
 
+def last_good(run: Run, last_saved) -> str:
+    """Where a stopped run's last checkpoint is, in words."""
+    if last_saved is None:
+        return "no checkpoint had been saved yet"
+    return f"the last good checkpoint (step {last_saved}) is kept at {run.folder.path / 'ckpt.pt'}"
+
+
+def diverging(history: list[dict], record: dict, factor: float) -> str:
+    """What spiked in this log line, or ''. history: the phase's earlier log records (5 at
+    least before anything is judged). A spike is a mean gradient norm (before clipping) above
+    `factor` times its median so far, or a training loss 1 nat above the lowest so far in this
+    line and the one before (one noisy line is not enough). It is the failure seen at `small` on
+    a GPU (issue 17): with LAMB at lr 1e-2 the gradient norm went 0.8 -> 38 -> 446 within 500
+    steps and the loss rose from 4.7 to 6.6, never to recover."""
+    if factor <= 0 or len(history) < 5:
+        return ""
+    norms = sorted(h["grad_norm"] for h in history)
+    median, best = norms[len(norms) // 2], min(h["loss"] for h in history[:-1])
+    if record["grad_norm"] > factor * median:
+        return (f"the gradient norm is {record['grad_norm']:.3g}, "
+                f"{record['grad_norm'] / median:.0f}x its median {median:.3g} so far")
+    if min(record["loss"], history[-1]["loss"]) > best + 1.0:
+        return f"the loss is {record['loss']:.3f}, up from {best:.3f}"
+    return ""
+
+
 def main(argv=None):
     args = get_args(argv)
     run = open_run(args)
@@ -824,14 +853,14 @@ def main(argv=None):
     run.say(describe(run))
 
     last_saved = step if run.ckpt is not None else None
-    sums, since_log = {}, 0
+    sums, since_log, history = {}, 0, []  # history: this phase's log records, for diverging()
     nonfinite = torch.tensor(-1, device=run.device)  # the first step with a NaN/inf loss or grad
     t_log, t0, step0 = time.time(), time.time(), step
     bar = tqdm(total=args.max_steps, initial=step, disable=None if run.rank == 0 else True,
                unit="step", dynamic_ncols=True)
     while step < args.max_steps:
         if step == phase.end:  # phase 2 begins; phase1.pt was written as phase 1 ended
-            phase = start_phase(run, step)
+            phase, history = start_phase(run, step), []
             t_log = time.time()  # its set-up (a teacher, a dictionary...) is no training time
         lr = lr_at(step, args, phase.start, phase.end)
         for group in phase.optimizer.param_groups:
@@ -872,12 +901,10 @@ def main(argv=None):
             if run.ddp:
                 dist.all_reduce(nonfinite, dist.ReduceOp.MAX)
             if nonfinite.item() >= 0:
-                where = (f"the last good checkpoint (step {last_saved}) is kept at "
-                         f"{run.folder.path / 'ckpt.pt'}" if last_saved is not None
-                         else "no checkpoint had been saved yet")
                 run.folder.log({"step": int(nonfinite), "error": "non-finite loss or gradient"})
                 raise SystemExit(f"error: the loss or gradient became NaN/inf at step "
-                                 f"{int(nonfinite)}; stopped, {where}. Try a lower --lr or --clip.")
+                                 f"{int(nonfinite)}; stopped, {last_good(run, last_saved)}. "
+                                 f"Try a lower --lr or --clip.")
         if is_log:  # means over the steps since the last log line, across all processes
             names = list(sums)
             values = torch.stack([sums[k] for k in names]) / since_log
@@ -890,6 +917,14 @@ def main(argv=None):
                       "tok_per_s": since_log * run.global_batch * args.seq_len / elapsed,
                       "peak_mem_gb": peak_memory_gb(run.device), **extra}
             run.folder.log(record)
+            spike = diverging(history, record, args.spike)
+            if spike:
+                run.folder.log({"step": step, "error": "diverging: " + spike})
+                raise SystemExit(
+                    f"error: the run is diverging at step {step}: {spike}; stopped, "
+                    f"{last_good(run, last_saved)}. Start again with a lower --lr (this run: "
+                    f"{args.lr:g}), or --resume --spike 0 to train on.")
+            history.append(record)
             eta = (time.time() - t0) / (step - step0) * (args.max_steps - step)
             terms = "".join(f" | {k} {record[k]:.4f}" for k in [*figs, *extra] if k != "acc")
             run.say(f"step {step}/{args.max_steps} | loss {record['loss']:.4f}{terms} | "

@@ -292,6 +292,34 @@ def test_error_nan_loss_keeps_last_good_checkpoint(prepared, tmp_path):
     assert read_log(out)[-1] == {"step": bad_step, "error": "non-finite loss or gradient"}
 
 
+
+def test_divergence_rule_by_hand():
+    hist = [{"grad_norm": g, "loss": l} for g, l in [(1, 5), (2, 4), (3, 6), (4, 6), (5, 5.5)]]
+    ok = {"grad_norm": 29.9, "loss": 4.9}  # median norm 3, so the bound is 30; best loss 4
+    assert T.diverging(hist[:4], {"grad_norm": 1e9, "loss": 1e9}, 10) == ""  # too soon to tell
+    assert T.diverging(hist, ok, 10) == ""
+    assert T.diverging(hist, {**ok, "grad_norm": 1e9}, 0) == ""               # --spike 0: off
+    assert "gradient norm is 30.1, 10x its median 3" in T.diverging(hist, {**ok, "grad_norm": 30.1},
+                                                                    10)
+    assert "loss is 5.200, up from 4.000" in T.diverging(hist, {**ok, "loss": 5.2}, 10)
+    low = hist[:4] + [{"grad_norm": 5, "loss": 4.8}]  # one line above the bound is not enough
+    assert T.diverging(low, {**ok, "loss": 9.0}, 10) == ""
+
+
+def test_divergence_stops_the_run_and_a_healthy_run_trains_on(prepared, tmp_path):
+    flags = ["--data", prepared, "--max-steps", 80, *TINY, "--save-every", 10]
+    r = run_train(*flags, "--out-dir", tmp_path / "bad", "--lr", 1.0)  # LAMB at 100x its lr
+    assert_clean_error(r, r"the run is diverging at step (\d+): the (loss|gradient norm) is .*; "
+                          r"stopped, the last good checkpoint \(step \d+\) is kept")
+    stop = int(__import__("re").search(r"at step (\d+)", r.stderr).group(1))
+    assert read_log(tmp_path / "bad")[-1]["error"].startswith("diverging: the ")
+    assert torch.load(tmp_path / "bad" / "ckpt.pt", weights_only=True)["step"] < stop < 80
+    r = run_train("--out-dir", tmp_path / "bad", "--resume", "--spike", 0, "--stop-at", stop + 5)
+    assert r.returncode == 0, r.stderr  # the cure the message names trains on
+    r = run_train(*flags, "--out-dir", tmp_path / "good")  # the default lr, 16 log lines
+    assert r.returncode == 0, r.stderr
+    assert sum("grad_norm" in rec for rec in read_log(tmp_path / "good")) == 16
+
 # --- objectives, in process ----------------------------------------------------------------------
 
 def objective_setup(objective, **flags):
