@@ -323,7 +323,8 @@ class BootHeads(nn.Module):
                 lin.bias.zero_()
 
 
-def boot_states(encoder: "Encoder", heads: BootHeads, inputs, attention_mask, hide):
+def boot_states(encoder: "Encoder", heads: BootHeads, inputs, attention_mask, hide,
+                compact: bool = True):
     """A BootBERT student's states, up to its decoder's output (B, T, D): the path its MLM head
     is trained on, and so the one that scores it (Samuel 2023, sec. 3). inputs (B, T) token ids,
     attention_mask (B, T), hide (B, T) bool: the positions to predict.
@@ -331,23 +332,34 @@ def boot_states(encoder: "Encoder", heads: BootHeads, inputs, attention_mask, hi
     MAE student (heads.mask set): the encoder reads only the kept tokens, each at its position
     in the sequence (so [MASK] never reaches it); its states are scattered back to full length,
     the learned vector fills the hidden positions, and the decoder reads all of it. BERT-style
-    student (the ablation): the encoder reads `inputs` whole, [MASK]s included."""
+    student (the ablation): the encoder reads `inputs` whole, [MASK]s included.
+
+    compact: the encoder reads the kept tokens gathered into the batch's longest kept row, a
+    width known only by reading the masks (a host sync, and a new shape per batch under
+    torch.compile). Otherwise it reads all T slots, the hidden ones attention-masked and holding
+    a kept token: the same kept states at a static shape, for ~1/(1 - p) of the encoder's work.
+    """
     if heads.mask is None:
-        x = encoder(inputs, attention_mask)
-    else:
-        B, T = inputs.shape
-        keep = ~hide & (attention_mask == 1)
+        return heads.decoder(encoder(inputs, attention_mask),
+                             encoder.attention_inputs(attention_mask))
+    B, T = inputs.shape
+    keep = ~hide & (attention_mask == 1)
+    if compact:
         n = int(keep.sum(1).max())
         order = torch.argsort((~keep).int(), dim=1, stable=True)[:, :n]  # (B, n): kept first
-        seen = keep.gather(1, order)       # (B, n): False on the slots that pad shorter rows
-        tokens = inputs.gather(1, order)   # those slots repeat the row's first kept token
-        tokens = torch.where(seen, tokens, tokens[:, :1])  # (attention-masked), never a [MASK]
-        kept = encoder(tokens, seen.long(), positions=order)            # (B, n, D)
-        x = torch.zeros(B, T, kept.shape[-1], device=inputs.device, dtype=kept.dtype)
-        x = x.scatter(1, order[..., None].expand_as(kept), kept)        # back to (B, T, D)
-        relative = encoder.config.position == "relative"
-        fill = heads.mask if relative else heads.mask + encoder.pos.weight[:T]
-        x = torch.where(hide[..., None], fill, x)
+    else:
+        order = torch.arange(T, device=inputs.device).expand(B, T)        # (B, T): as they are
+    seen = keep.gather(1, order)       # (B, n): False on the slots that are not kept tokens
+    tokens = inputs.gather(1, order)   # those slots repeat the row's first kept token
+    first = tokens.gather(1, seen.int().argmax(1, keepdim=True))        # (B, 1)
+    tokens = torch.where(seen, tokens, first)  # (attention-masked), never a [MASK]
+    kept = encoder(tokens, seen.long(), positions=order)                # (B, n, D)
+    kept = kept.masked_fill(~seen[..., None], 0.0)  # padding slots: zeros, whichever layout
+    x = torch.zeros(B, T, kept.shape[-1], device=inputs.device, dtype=kept.dtype)
+    x = x.scatter(1, order[..., None].expand_as(kept), kept)            # back to (B, T, D)
+    relative = encoder.config.position == "relative"
+    fill = heads.mask if relative else heads.mask + encoder.pos.weight[:T]
+    x = torch.where(hide[..., None], fill, x)
     return heads.decoder(x, encoder.attention_inputs(attention_mask))
 
 
@@ -456,6 +468,11 @@ def use_bf16(device: torch.device, bf16: bool | None = None) -> bool:
     """Whether to autocast to bfloat16: `bf16` if given, else on with CUDA and off on the CPU
     (where only some CPUs gain from it: see train.py --bf16)."""
     return device.type == "cuda" if bf16 is None else bf16
+
+
+def use_compile(device: torch.device, compile: bool | None = None) -> bool:
+    """Whether to torch.compile: `compile` if given, else on with CUDA and off on the CPU."""
+    return device.type == "cuda" if compile is None else compile
 
 
 def autocast(device: torch.device, bf16: bool | None = None):

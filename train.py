@@ -51,7 +51,7 @@ from data.prepare import VOCAB_SIZE, Segments, load_meta, prepare, span_mask, un
 from model import (PARTS, PRESETS, REPO, BootHeads, BootPredictor, Encoder, Lamb, ModelConfig,
                    RunFolder, autocast, boot_states, check_config, code_version, ema_update,
                    field_help, load_checkpoint, load_weights, peak_memory_gb, pick_device,
-                   read_checkpoint, seed_of, small_init)
+                   read_checkpoint, seed_of, small_init, use_compile)
 
 CODE = ["model.py", "train.py", "sparse.py", "data/prepare.py"]  # a run's code/ and its hash
 
@@ -123,7 +123,7 @@ def boot(model, batch, ctx):
     args, enc, heads = ctx["args"], model.encoder, model.heads
     ids, mask = batch["input_ids"], batch["attention_mask"]
     hide = batch["labels"] != -100                                       # (B, T)
-    out = boot_states(enc, heads, batch["inputs"], mask, hide)[hide]     # (N, D)
+    out = boot_states(enc, heads, batch["inputs"], mask, hide, ctx["compact"])[hide]  # (N, D)
     if out.shape[0] == 0:  # the smooth-L1 and cross-entropy means would be 0/0 = NaN
         raise SystemExit("error: boot: no token of this batch is masked, so there is nothing to "
                          "reconstruct; raise --mask-p or --seq-len")
@@ -150,7 +150,9 @@ def setup_boot(encoder, args, run_dir, device) -> Parts:
 
     def follow(step, start, end):  # one fused update, its decay scheduled over the phase
         ema_update(ema, encoder, ema_decay_at(step, args, start, end))
-    return Parts(heads, ctx={"ema": ema}, saved={"ema": ema}, after_step=follow)
+    # compiled, the student reads all T slots: the kept count varies per batch (boot_states)
+    ctx = {"ema": ema, "compact": not use_compile(torch.device(device), args.compile)}
+    return Parts(heads, ctx=ctx, saved={"ema": ema}, after_step=follow)
 
 
 def decoder_layers(args, config) -> int:
@@ -740,7 +742,7 @@ def start_phase(run: Run, step: int) -> Phase:
         ids = [run.device.index] if run.device.type == "cuda" else None
         model = nn.parallel.DistributedDataParallel(trainee, device_ids=ids,
                                                     broadcast_buffers=False)
-    if args.compile if args.compile is not None else run.device.type == "cuda":
+    if use_compile(run.device, args.compile):
         model = torch.compile(model)
     optimizer = make_optimizer(trainee, args)
     saved = run.ckpt if run.ckpt is not None and run.ckpt["step"] == step else None

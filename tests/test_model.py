@@ -11,8 +11,9 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
-from model import (PRESETS, Decoder, Encoder, Lamb, ModelConfig, check_config, ema_update,
-                   load_checkpoint, read_checkpoint, relative_buckets, save_checkpoint)
+from model import (PRESETS, BootHeads, Decoder, Encoder, Lamb, ModelConfig, boot_states,
+                   check_config, ema_update, load_checkpoint, read_checkpoint, relative_buckets,
+                   save_checkpoint)
 
 V = 300
 
@@ -260,6 +261,35 @@ def test_subset_at_original_positions_equals_masking_the_rest(position):
         sub = model(ids[b, pos][None], positions=pos[None])
         torch.testing.assert_close(sub[0], full[b, pos], rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("position", ["relative", "absolute"])
+def test_boot_states_in_both_layouts_equal_one_row_at_a_time(position):
+    """The MAE student's states, with the kept tokens gathered (compact) or left in place at a
+    static width, both equal a naive loop: per row, the encoder on that row's kept tokens alone
+    at their positions, the mask vector at the hidden ones, then the decoder over the row."""
+    torch.manual_seed(0)
+    enc = Encoder(tiny(position=position, n_layer=2, final_norm=True)).double().eval()
+    heads = BootHeads(enc.config, 1, mae=True).double().eval()
+    B, T = 3, 12
+    ids = torch.randint(5, V, (B, T))
+    att = torch.ones(B, T, dtype=torch.long)
+    att[1, 9:] = 0                                  # padding, right
+    hide = torch.rand(B, T) < 0.4
+    hide[:, 0] = False
+    hide[2, 1:] = True                              # a row with a single kept token
+    hide &= att == 1
+    got = {c: boot_states(enc, heads, ids, att, hide, compact=c) for c in (True, False)}
+    for b in range(B):
+        n = int(att[b].sum())
+        pos = (~hide[b, :n]).nonzero()[:, 0]
+        x = torch.zeros(1, n, enc.config.d_model, dtype=torch.float64)
+        x[0, pos] = enc(ids[b, pos][None], positions=pos[None])[0]
+        fill = heads.mask if position == "relative" else heads.mask + enc.pos.weight[:n]
+        x = torch.where(hide[b, :n, None], fill, x)
+        want = heads.decoder(x, enc.attention_inputs(torch.ones(1, n, dtype=torch.long)))[0]
+        for compact, states in got.items():
+            torch.testing.assert_close(states[b, :n], want, msg=f"compact={compact}")
 
 # --- EMA -----------------------------------------------------------------------------------------
 

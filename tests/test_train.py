@@ -353,8 +353,11 @@ def test_boot_teacher_starts_as_the_student_and_gets_no_gradient():
     assert loss.item() == pytest.approx(figs["lb"].item() + 0.1 * figs["mlm"].item())
 
 
-def test_mae_student_never_embeds_mask():
+@pytest.mark.parametrize("compact", [True, False])  # False: the static layout compiled runs use
+def test_mae_student_never_embeds_mask(compact):
     trainee, ctx, batch = objective_setup("boot")
+    assert ctx["compact"]  # on the CPU, not compiled
+    ctx["compact"] = compact
     assert (batch["inputs"] == MASK).any()  # the masked input has some, so the check can fail
     seen = []
     trainee.encoder.word.register_forward_pre_hook(lambda m, a: seen.append(a[0].flatten()))
@@ -689,3 +692,44 @@ def test_reset_and_freeze_change_exactly_the_intended_tensors(prepared, small_ra
     bad = run_train("--data", other, "--out-dir", tmp_path / "bad", "--max-steps", 1,
                     "--init-from", src / "ckpt.pt", *common)
     assert_clean_error(bad, "vocab_size=2000 there but 1500 here")
+
+
+# --- torch.compile: shapes that settle ---------------------------------------------------------
+
+def compiled_trainee(objective):
+    """(Trainee, ctx, args) for `objective` as a compiled run holds them: tiny, on the CPU, with a
+    perturbed copy as the frozen teacher and a random dictionary where the objective needs them."""
+    if objective.startswith("mlsm"):
+        trainee, ctx, _ = mlsm_setup(with_mlm=objective == "mlsm+mlm", coder="fista100")
+    elif objective.startswith("kd"):
+        trainee, ctx, _ = objective_setup("mlm")
+        args = T.get_args(["--objective", objective])
+        ctx = {"teacher": copy.deepcopy(trainee.encoder).eval(), "args": args}
+        trainee = T.Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES[objective].loss)
+    else:
+        trainee, ctx, _ = objective_setup(objective)
+    ctx["compact"] = False  # what setup_boot picks for a compiled run
+    return trainee, ctx, ctx["args"]
+
+
+@pytest.mark.parametrize("objective", sorted(T.OBJECTIVES))
+def test_compiled_objectives_stop_recompiling(objective):
+    """dynamo's counters over 25 steps of fresh masks: every graph is built in the first 10 steps
+    (a shape that depends on the batch, such as boot's count of kept tokens read into a Python
+    int, would add graphs to the end), and no tensor becomes a Python number in the step. The
+    eager backend: the graphs and breaks are dynamo's, whichever backend compiles them."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    trainee, ctx, args = compiled_trainee(objective)
+    step = torch.compile(trainee, backend="eager")
+    graphs = []
+    for i in range(25):
+        gen = torch.Generator().manual_seed(i)
+        ids = torch.randint(5, 300, (4, 24), generator=gen)
+        ids[:, 0], ids[:, -1] = CLS, SEP
+        loss, _ = step(T.make_batch(ids, args, 300, gen), ctx)
+        loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[9] == graphs[-1] <= 16, graphs
+    assert not [k for k in counters["graph_break"] if ".item()" in k or "Tensor.tolist" in k]
