@@ -79,27 +79,28 @@ def row(bench, case, unit, ours, ref_name="-", ref=None, **extra):
 # Training steps: train.py for every objective; ours against BertForMaskedLM
 
 def bench_step(args, device, tmp):
-    """One train.py run per (size, objective); mlm first, whose checkpoint kd and mlsm distil
-    from (mlsm: a dictionary of random unit atoms, which codes faster than a learned one, see
-    sparse)."""
+    """One train.py run per (size, objective); mlm first, whose checkpoint the two-phase
+    objectives distil from (mlsm: a dictionary of random unit atoms, which codes faster than a
+    learned one, see sparse). Beside tokens/s: the recompilations torch.compile logged (dynamo's
+    TORCH_LOGS=recompiles) and, for mlsm, the share of training time spent coding targets."""
     rows = []
-    k, reps = (2, 2) if args.quick else (2, 4)  # steps per log interval, intervals timed
+    k = max(1, args.steps // 5)  # steps per log interval: 5 intervals, the first not timed
     for size in args.sizes:
         base = None
         for objective in args.objectives:
             run = Path(tmp) / f"{objective}_{size}"
             flags = ["--objective", objective, "--data", args.data, "--size", size,
                      "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-                     "--max-steps", str(k * (reps + 1)), "--log-every", str(k),
+                     "--max-steps", str(5 * k), "--log-every", str(k),
                      "--eval-every", "100000", "--save-every", "100000",
                      "--device", device.type, "--out-dir", str(run)]
             if objective != "mlm":
                 if base is None:
                     raise SystemExit("error: bench step needs mlm first in --objectives (it is "
                                      "the reference and the teacher)")
-                if objective in ("kd", "mlsm"):
+                if objective in ("kd", "kd+mlm", "mlsm", "mlsm+mlm"):  # phase 2 alone
                     flags += ["--teacher", str(Path(tmp) / f"mlm_{size}" / "ckpt.pt")]
-            if objective == "mlsm":
+            if objective.startswith("mlsm"):
                 cfg = ModelConfig(**PRESETS[size])
                 g = torch.Generator().manual_seed(0)
                 D = torch.randn(cfg.d_model, args.mlsm_k, generator=g)
@@ -110,13 +111,18 @@ def bench_step(args, device, tmp):
                 if getattr(args, flag) is not None:
                     flags.append(f"--{flag}" if getattr(args, flag) else f"--no-{flag}")
             r = subprocess.run([sys.executable, str(REPO / "train.py"), *flags],
-                               capture_output=True, text=True)
+                               capture_output=True, text=True,
+                               env={**os.environ, "TORCH_LOGS": "recompiles"})
             if r.returncode:
                 raise SystemExit(f"error: train.py --objective {objective} --size {size} "
                                  f"failed:\n{r.stderr[-2000:]}")
             log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
             tps = [e["tok_per_s"] for e in log if "tok_per_s" in e][1:]  # the first warms up
-            extra = {"peak_mem_gb": max((e.get("peak_mem_gb", 0) for e in log), default=0)}
+            extra = {"peak_mem_gb": max((e.get("peak_mem_gb", 0) for e in log), default=0),
+                     "recompiles": r.stderr.count("Recompiling function")}
+            shares = [e["code_share"] for e in log if "code_share" in e][1:]
+            if shares:
+                extra["code_share"] = statistics.median(shares)
             if device.type == "cuda" and objective == "mlm":
                 cfg = ModelConfig(**PRESETS[size], vocab_size=V)
                 extra["mfu"] = mfu(cfg, args.seq_len, statistics.median(tps), device)
@@ -417,14 +423,19 @@ def main(argv=None):
         help=f"comma-separated benches (default all: {','.join(BENCHES)})")
     add("--sizes", default=None,
         help="model presets (default tiny on CPU, tiny,small,base on CUDA)")
-    add("--objectives", default="mlm,boot,kd,mlsm",
-        help="step: train.py objectives, mlm first (default mlm,boot,kd,mlsm)")
+    add("--objectives", default="mlm,boot,kd+mlm,mlsm+mlm",
+        help="step: train.py objectives, mlm first; the two-phase ones run phase 2 alone, "
+        "taught by mlm's run (default mlm,boot,kd+mlm,mlsm+mlm)")
+    add("--steps", type=int, default=10,
+        help="step: optimizer steps per train.py run, timed in 4 intervals after a first one "
+        "that warms up (default 10; a few hundred on a GPU, past torch.compile's warm-up)")
     add("--data", default="babylm_10m", help="step: train.py --data (default babylm_10m)")
     add("--batch-size", type=int, default=None,
         help="step, bert: sequences per step (default 32 on CPU, 128 on CUDA; --quick 4)")
     add("--seq-len", type=int, default=128,
         help="step, bert: tokens per sequence (default 128; --quick 32)")
-    add("--mlsm-k", type=int, default=2500, help="step: mlsm dictionary atoms (default 2500)")
+    add("--mlsm-k", type=int, default=sparse.DictConfig().k,
+        help=f"step: mlsm dictionary atoms (default {sparse.DictConfig().k}, train.py's)")
     add("--variants", action="store_true", help="bert: also ours with absolute positions, both "
         "without dropout, and both in bf16")
     add("--sparse-all", action="store_true",
@@ -450,7 +461,7 @@ def main(argv=None):
     args.objectives = args.objectives.split(",")
     args.batch_size = args.batch_size or (4 if args.quick else 32 if cpu else 128)
     if args.quick:
-        args.seq_len = min(args.seq_len, 32)
+        args.seq_len, args.steps = min(args.seq_len, 32), min(args.steps, 5)
     unknown = set(args.only.split(",")) - set(BENCHES)
     if unknown:
         raise SystemExit(f"error: --only {','.join(sorted(unknown))}: not one of "

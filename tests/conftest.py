@@ -51,10 +51,13 @@ def prepared(small_raw, tmp_path_factory) -> Path:
         return prepare(str(small_raw), vocab_size=2000, quiet=True)
 
 
-def run_train(*args, cwd=REPO, launcher=None, timeout=600) -> subprocess.CompletedProcess:
-    """train.py in a fresh process, as a user runs it; returns the finished process."""
+def run_train(*args, cwd=REPO, launcher=None, timeout=600,
+              env=None) -> subprocess.CompletedProcess:
+    """train.py in a fresh process, as a user runs it (env: variables to add); returns the
+    finished process."""
     cmd = (launcher or [sys.executable]) + [str(REPO / "train.py"), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 gloo processes on 2 cores: no oversubscription
+    # OMP_NUM_THREADS: 2 gloo processes on 2 cores, no oversubscription
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

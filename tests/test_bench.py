@@ -10,14 +10,15 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NANOMLM_RAW", str(shared_data()))  # the sampler reads UD treebanks there
     out = tmp_path / "bench.json"
     rows = bench.main(["--quick", "--device", "cpu", "--data", str(prepared), "--objectives",
-                       "mlm,kd", "--out", str(out)])
+                       "mlm,kd+mlm,mlsm+mlm", "--out", str(out)])
     text = capsys.readouterr().out
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and saved["device"] == "cpu"
     benches = [r["bench"] for r in rows]
     for name in ("step", "ema", "pll", "sparse", "sampler"):
         assert name in benches
-    assert [r["case"].split()[0] for r in rows if r["bench"] == "step"] == ["mlm", "kd"]
+    assert [r["case"].split()[0] for r in rows if r["bench"] == "step"] == ["mlm", "kd+mlm",
+                                                                           "mlsm+mlm"]
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(rows)                                   # header + one line per row
     for r, line in zip(rows, table[1:]):
@@ -26,7 +27,9 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
         if r["ref"] is not None:
             assert r["ratio"] == r["ours"] / r["ref"]
     kd = next(r for r in rows if r["case"].startswith("kd"))
-    assert kd["reference"] == "mlm" and kd["peak_mem_gb"] > 0
+    assert kd["reference"] == "mlm" and kd["peak_mem_gb"] > 0 and kd["recompiles"] == 0  # eager
+    mlsm = next(r for r in rows if r["case"].startswith("mlsm"))
+    assert 0 < mlsm["code_share"] < 1 and "code_share" not in kd
     pll = next(r for r in rows if r["bench"] == "pll")
     assert pll["max_abs_diff"] < 1e-3                                    # batched and naive agree
 

@@ -66,6 +66,13 @@ def test_masking_defaults_follow_each_paper():
     assert (batch["inputs"][batch["labels"] != -100] == MASK).all()
 
 
+def test_learning_rate_by_size_then_objective_then_flag():
+    lr = lambda *argv: T.get_args(list(argv)).lr
+    assert lr() == lr("--size", "small") == lr("--size", "base") == 5e-3  # small is the default
+    assert lr("--size", "tiny") == 1e-2 and lr("--size", "tiny", "--objective", "boot") == 5e-3
+    assert lr("--size", "tiny", "--lr", "3e-3") == lr("--objective", "boot", "--lr", "3e-3")
+
+
 def test_phases():
     args = argparse.Namespace(objective="kd", teacher=None, phase1_steps=0.25, max_steps=40,
                               two_phase=False)

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU check: what only shows at scale, in one device call, bundled for the trip back.
+#
+#     bash ../shared/gpu/carry.sh                 # here, first: .gpu_data/ (see ../shared/GPU.md)
+#     bash gpu_check.sh                           # there: tests, objectives, mlm10 (in that order)
+#     bash gpu_check.sh mlm10                     # there: some parts only
+#
+# Parts:
+#   tests       tests/test_cuda.py: every objective compiled in bf16, PLL against the CPU, resume
+#   objectives  bench.py's step rows at small: mlm, boot, kd+mlm, mlsm+mlm for 200 steps each,
+#               tokens/s against mlm, recompilations, mlsm's code_share; and ours against BERT
+#   mlm10       train.py mlm at small for 10 epochs of babylm_10m (7,250 steps of 128 x 128),
+#               then evaluate.py blimp on the filtered BLiMP and its supplement
+# Each part has its own time limit inside a budget of $BUDGET seconds (default 570: a device
+# call is cut at 600); a part that no longer fits is skipped and says so. Everything lands in
+# $OUT/gpu_check.tgz: the logs, bench.json, the run's args/config/log.jsonl, summary.json.
+set -uo pipefail
+export NANOMLM_DATA=$PWD/.gpu_data/prep NANOMLM_RAW=$PWD/.gpu_data/noraw PYTHONUNBUFFERED=1
+E=$PWD/.gpu_data/eval
+if [ ! -f "$NANOMLM_DATA/babylm_10m/meta.json" ]; then
+    echo "error: no prepared corpus at $NANOMLM_DATA/babylm_10m; run bash ../shared/gpu/carry.sh" \
+         "in the checkout first and carry .gpu_data" >&2
+    exit 1
+fi
+W=$(mktemp -d)/gpu_check
+mkdir -p "$W"
+budget=${BUDGET:-570}
+parts=${*:-tests objectives mlm10}
+left() { echo $(( budget - SECONDS - 20 )); }  # 20 s kept for the summary and the tar
+
+# part NAME MIN MAX CMD...: run CMD with a limit of MAX seconds (less if the budget is short),
+# or skip it when fewer than MIN seconds are left; its output goes to $W/NAME.log
+part() {
+    local name=$1 min=$2 max=$3 limit
+    shift 3
+    limit=$(( $(left) < max ? $(left) : max ))
+    if (( limit < min )); then
+        echo "$name: skipped, ${limit}s left of the budget" | tee -a "$W/parts.txt"
+        return
+    fi
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$W/$name.log" 2>&1
+    echo "$name: exit $?, $(( SECONDS - t0 ))s (limit ${limit}s)" | tee -a "$W/parts.txt"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$W/gpu.txt" 2>&1
+python -c "import torch; print('torch', torch.__version__)" >> "$W/gpu.txt" 2>&1
+git log -1 --format='%H %s' > "$W/commit.txt" 2>&1
+for p in $parts; do
+    case $p in
+        tests) part tests 60 180 python -m pytest -q -rs tests/test_cuda.py ;;
+        objectives) part objectives 120 240 python bench.py --device cuda --sizes small \
+                        --only step,bert --steps 200 --out "$W/bench.json" ;;
+        mlm10)
+            part mlm10 300 480 python train.py --objective mlm --data babylm_10m --size small \
+                --max-steps 7250 --out-dir "$W/mlm10"
+            part blimp 20 90 python evaluate.py blimp --ckpt "$W/mlm10/ckpt.pt" \
+                --blimp-dir "$E/blimp_filtered" "$E/supplement_filtered" ;;
+        *) echo "error: no part '$p' (tests, objectives, mlm10)" >&2; exit 2 ;;
+    esac
+done
+
+# the summary: what each part measured, in one JSON
+python - "$W" <<'EOF' > "$W/summary.json"
+import json, pathlib, re, sys
+w = pathlib.Path(sys.argv[1])
+read = lambda name: (w / name).read_text() if (w / name).exists() else ""
+out = {"gpu": read("gpu.txt").strip(), "commit": read("commit.txt").strip(),
+       "parts": read("parts.txt").splitlines()}
+tests = read("tests.log").strip().splitlines()
+out["tests"] = tests[-1] if tests else None
+if (w / "bench.json").exists():
+    keep = ("case", "ours", "unit", "reference", "ratio", "recompiles", "code_share", "mfu")
+    out["bench"] = [{k: r.get(k) for k in keep} for r in json.loads(read("bench.json"))["rows"]]
+if (w / "mlm10" / "log.jsonl").exists():
+    log = [json.loads(line) for line in read("mlm10/log.jsonl").splitlines()]
+    out["mlm10_last_val"] = next((e for e in reversed(log) if "val_loss" in e), None)
+    out["mlm10_errors"] = [e for e in log if "error" in e]
+    out["mlm10_done"] = re.findall(r"done: .*", read("mlm10.log"))
+out["blimp"] = re.findall(r"^  \S+: over .*$", read("blimp.log"), flags=re.M)
+print(json.dumps(out, indent=1))
+EOF
+rm -f "$W"/mlm10/*.pt && rm -rf "$W"/mlm10/code "$W"/mlm10/eval  # checkpoints do not travel
+cat "$W/summary.json"
+tar czf "${OUT:-.}/gpu_check.tgz" -C "$(dirname "$W")" gpu_check &&
+    echo "wrote ${OUT:-.}/gpu_check.tgz"

@@ -1,0 +1,85 @@
+"""On a CUDA device: every objective compiled and in bf16, PLL against the CPU's, resume. Skipped
+without one (CI has none); gpu_check.sh runs this file where a GPU is lent (../shared/GPU.md).
+There the corpus is the carried, prepared babylm_10m ($NANOMLM_DATA); elsewhere the tests' own."""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+import torch
+
+import evaluate
+import train as T
+from conftest import TINY, run_train
+from data.prepare import CLS, SEP
+from model import PRESETS, Encoder, ModelConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+CUDA = [*TINY[:-1], "cuda"]  # the tests' tiny model, on the GPU
+assert TINY[-2:] == ["--device", "cpu"]
+MLSM_DICT = ["--mlsm-k", 48, "--dict-vectors", 300, "--dict-epochs", 1]
+
+
+@pytest.fixture(scope="module")
+def corpus(request) -> Path:
+    carried = Path(os.environ.get("NANOMLM_DATA", "/nonexistent")) / "babylm_10m"
+    if (carried / "meta.json").is_file():
+        return carried
+    return request.getfixturevalue("prepared")
+
+
+def read_log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("objective", sorted(T.OBJECTIVES))
+def test_every_objective_compiled_in_bf16(corpus, tmp_path, objective):
+    """30 steps, phase 2 from step 10: finite losses, and torch.compile settles (dynamo logs
+    each recompilation; a shape that changes with the batch would log one per step)."""
+    r = run_train("--data", corpus, "--out-dir", tmp_path / "run", "--objective", objective,
+                  "--max-steps", 30, "--phase1-steps", 10, *CUDA, "--compile", "--bf16",
+                  *(MLSM_DICT if objective.startswith("mlsm") else []),
+                  env={"TORCH_LOGS": "recompiles"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [e["loss"] for e in read_log(tmp_path / "run") if "loss" in e]
+    assert len(losses) == 6 and np.isfinite(losses).all()
+    assert r.stderr.count("Recompiling function") <= 8, r.stderr[-3000:]
+
+
+def test_pll_on_cuda_matches_the_cpu(corpus):
+    """The batched PLL of 40 sentences on the GPU (bf16 autocast, evaluate.py's default there)
+    against the CPU in float32: within 0.05 nats per scored token."""
+    tok = spm.SentencePieceProcessor(model_file=str(corpus / "tokenizer.model"))
+    V = tok.get_piece_size()
+    torch.manual_seed(0)
+    model = Encoder(ModelConfig(**{**PRESETS["tiny"], "vocab_size": V})).eval()
+    rng = np.random.default_rng(0)
+    seqs = [[CLS, *rng.integers(5, V, n).tolist(), SEP] for n in rng.integers(3, 30, 40)]
+    starts = evaluate.word_starts(tok)
+    got = {}
+    for device in ("cpu", "cuda"):
+        m = model.to(device)
+        got[device] = evaluate.pll(m, seqs, [1.0, 2.0], True, 4096, torch.device(device),
+                                   starts.to(device), progress=False)
+    scored = np.array([len(s) - 2 for s in seqs])[:, None]
+    assert (np.abs(got["cuda"] - got["cpu"]) <= 0.05 * scored).all()
+
+
+def test_resume_on_cuda(corpus, tmp_path):
+    """20 steps in one go against 10, stop, resume: as close as two uninterrupted runs are to
+    each other (bit for bit where the GPU's kernels are deterministic; some backward passes
+    add with atomics, whose order varies)."""
+    common = ["--data", corpus, "--max-steps", 20, *CUDA, "--no-compile"]
+    for name in "ab":
+        assert run_train(*common, "--out-dir", tmp_path / name).returncode == 0
+    r = run_train(*common, "--out-dir", tmp_path / "c", "--stop-at", 10)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_train("--out-dir", tmp_path / "c", "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b, c = (torch.load(tmp_path / x / "ckpt.pt", weights_only=True)["model"] for x in "abc")
+    for k in a:
+        noise = (a[k] - b[k]).abs().max().item()
+        assert (a[k] - c[k]).abs().max().item() <= 2 * noise, k
