@@ -98,7 +98,7 @@ def bench_step(args, device, tmp):
                 if base is None:
                     raise SystemExit("error: bench step needs mlm first in --objectives (it is "
                                      "the reference and the teacher)")
-                if objective in ("kd", "kd+mlm", "mlsm", "mlsm+mlm"):  # phase 2 alone
+                if objective not in ("mlm", "boot"):  # a two-phase objective: phase 2 alone
                     flags += ["--teacher", str(Path(tmp) / f"mlm_{size}" / "ckpt.pt")]
             if objective.startswith("mlsm"):
                 cfg = ModelConfig(**PRESETS[size])
@@ -112,7 +112,8 @@ def bench_step(args, device, tmp):
                     flags.append(f"--{flag}" if getattr(args, flag) else f"--no-{flag}")
             r = subprocess.run([sys.executable, str(REPO / "train.py"), *flags],
                                capture_output=True, text=True,
-                               env={**os.environ, "TORCH_LOGS": "recompiles"})
+                               env={**os.environ, "TORCH_LOGS": ",".join(filter(None, (
+                                   os.environ.get("TORCH_LOGS"), "recompiles")))})
             if r.returncode:
                 raise SystemExit(f"error: train.py --objective {objective} --size {size} "
                                  f"failed:\n{r.stderr[-2000:]}")
@@ -427,8 +428,9 @@ def main(argv=None):
         help="step: train.py objectives, mlm first; the two-phase ones run phase 2 alone, "
         "taught by mlm's run (default mlm,boot,kd+mlm,mlsm+mlm)")
     add("--steps", type=int, default=10,
-        help="step: optimizer steps per train.py run, timed in 4 intervals after a first one "
-        "that warms up (default 10; a few hundred on a GPU, past torch.compile's warm-up)")
+        help="step: optimizer steps per train.py run, in 5 log intervals (rounded down to a "
+        "multiple of 5, at least 5); the first warms up, 4 are timed (default 10; a few hundred "
+        "on a GPU, past torch.compile's warm-up)")
     add("--data", default="babylm_10m", help="step: train.py --data (default babylm_10m)")
     add("--batch-size", type=int, default=None,
         help="step, bert: sequences per step (default 32 on CPU, 128 on CUDA; --quick 4)")

@@ -835,23 +835,24 @@ def last_good(run: Run, last_saved) -> str:
     return f"the last good checkpoint (step {last_saved}) is kept at {run.folder.path / 'ckpt.pt'}"
 
 
-def diverging(history: list[dict], record: dict, factor: float) -> str:
-    """What spiked in this log line, or ''. history: the phase's earlier log records (5 at
-    least before anything is judged). A spike is a mean gradient norm (before clipping) above
-    `factor` times its median so far, or a training loss 1 nat above the lowest so far in this
-    line and the one before (one noisy line is not enough). It is the failure seen at `small` on
-    a GPU (issue 17): with LAMB at lr 1e-2 the gradient norm went 0.8 -> 38 -> 446 within 500
-    steps and the loss rose from 4.7 to 6.6, never to recover."""
+def diverging(history: list[dict], record: dict, factor: float) -> tuple[str, bool]:
+    """(what spiked in this log line, or ''; whether the line is suspect). history: the phase's
+    earlier log records (5 at least before anything is judged). A spike is a mean gradient norm
+    (before clipping) above `factor` times its median so far, or a training loss 1 nat above the
+    lowest so far in this line and the one before (one noisy line is not enough: a line with
+    only this one above is suspect, and its state is not saved until the next line clears it).
+    It is the failure seen at `small` on a GPU (issue 17): with LAMB at lr 1e-2 the gradient
+    norm went 0.8 -> 38 -> 446 within 500 steps and the loss rose from 4.7 to 6.6, for good."""
     if factor <= 0 or len(history) < 5:
-        return ""
+        return "", False
     norms = sorted(h["grad_norm"] for h in history)
     median, best = norms[len(norms) // 2], min(h["loss"] for h in history[:-1])
     if record["grad_norm"] > factor * median:
         return (f"the gradient norm is {record['grad_norm']:.3g}, "
-                f"{record['grad_norm'] / median:.0f}x its median {median:.3g} so far")
+                f"{record['grad_norm'] / median:.0f}x its median {median:.3g} so far"), True
     if min(record["loss"], history[-1]["loss"]) > best + 1.0:
-        return f"the loss is {record['loss']:.3f}, up from {best:.3f}"
-    return ""
+        return f"the loss is {record['loss']:.3f}, up from {best:.3f}", True
+    return "", record["loss"] > min(best, history[-1]["loss"]) + 1.0
 
 
 def main(argv=None):
@@ -863,6 +864,7 @@ def main(argv=None):
 
     last_saved = step if run.ckpt is not None else None
     sums, since_log, history = {}, 0, []  # history: this phase's log records, for diverging()
+    suspect = deferred = False  # a state diverging() may yet condemn is saved only once cleared
     nonfinite = torch.tensor(-1, device=run.device)  # the first step with a NaN/inf loss or grad
     t_log, t0, step0 = time.time(), time.time(), step
     bar = tqdm(total=args.max_steps, initial=step, disable=None if run.rank == 0 else True,
@@ -904,8 +906,9 @@ def main(argv=None):
         since_log += 1
         bar.update()
 
-        is_log = step % args.log_every == 0 or step == phase.end
-        is_save = step % args.save_every == 0 or step in (phase.end, args.stop_at)
+        is_save = (step % args.save_every == 0 or step in (phase.end, args.stop_at)
+                   or deferred and step % args.log_every == 0)
+        is_log = step % args.log_every == 0 or step == phase.end or is_save  # saves are checked
         if is_log or is_save:  # the only places the loop waits for the device
             if run.ddp:
                 dist.all_reduce(nonfinite, dist.ReduceOp.MAX)
@@ -926,7 +929,7 @@ def main(argv=None):
                       "tok_per_s": since_log * run.global_batch * args.seq_len / elapsed,
                       "peak_mem_gb": peak_memory_gb(run.device), **extra}
             run.folder.log(record)
-            spike = diverging(history, record, args.spike)
+            spike, suspect = diverging(history, record, args.spike)
             if spike:
                 run.folder.log({"step": step, "error": "diverging: " + spike})
                 raise SystemExit(
@@ -949,7 +952,8 @@ def main(argv=None):
             save(run, phase, step, "phase1.pt")
             if run.ddp:
                 dist.barrier()  # every process loads it as the teacher next
-        if is_save:
+        deferred = is_save and suspect and step not in (phase.end, args.stop_at)
+        if is_save and not deferred:
             last_saved = save(run, phase, step)
             t_log = time.time()
         if step == args.stop_at:

@@ -46,7 +46,9 @@ def test_every_objective_compiled_in_bf16(corpus, tmp_path, objective):
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [e["loss"] for e in read_log(tmp_path / "run") if "loss" in e]
     assert len(losses) == 6 and np.isfinite(losses).all()
-    assert r.stderr.count("Recompiling function") <= 8, r.stderr[-3000:]
+    # at its limit (8 per function) dynamo stops compiling and says so: that must not happen
+    assert "recompile_limit" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("Recompiling function") <= 6, r.stderr[-3000:]
 
 
 def test_pll_on_cuda_matches_the_cpu(corpus):
@@ -63,7 +65,7 @@ def test_pll_on_cuda_matches_the_cpu(corpus):
     for device in ("cpu", "cuda"):
         m = model.to(device)
         got[device] = evaluate.pll(m, seqs, [1.0, 2.0], True, 4096, torch.device(device),
-                                   starts.to(device), progress=False)
+                                   starts, progress=False)  # starts: on the CPU, as evaluate.py
     scored = np.array([len(s) - 2 for s in seqs])[:, None]
     assert (np.abs(got["cuda"] - got["cpu"]) <= 0.05 * scored).all()
 
@@ -74,12 +76,12 @@ def test_resume_on_cuda(corpus, tmp_path):
     add with atomics, whose order varies)."""
     common = ["--data", corpus, "--max-steps", 20, *CUDA, "--no-compile"]
     for name in "ab":
-        assert run_train(*common, "--out-dir", tmp_path / name).returncode == 0
+        r = run_train(*common, "--out-dir", tmp_path / name)
+        assert r.returncode == 0, r.stderr[-3000:]
     r = run_train(*common, "--out-dir", tmp_path / "c", "--stop-at", 10)
     assert r.returncode == 0, r.stderr[-3000:]
     r = run_train("--out-dir", tmp_path / "c", "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     a, b, c = (torch.load(tmp_path / x / "ckpt.pt", weights_only=True)["model"] for x in "abc")
-    for k in a:
-        noise = (a[k] - b[k]).abs().max().item()
-        assert (a[k] - c[k]).abs().max().item() <= 2 * noise, k
+    gap = lambda x, y: max((x[k] - y[k]).abs().max().item() for k in a)
+    assert gap(a, c) <= 2 * gap(a, b), (gap(a, c), gap(a, b))
