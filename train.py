@@ -952,10 +952,11 @@ def main(argv=None):
             save(run, phase, step, "phase1.pt")
             if run.ddp:
                 dist.barrier()  # every process loads it as the teacher next
-        deferred = is_save and suspect and step not in (phase.end, args.stop_at)
-        if is_save and not deferred:
-            last_saved = save(run, phase, step)
-            t_log = time.time()
+        if is_save:  # a deferred save stays pending until a log line clears it
+            deferred = suspect and step not in (phase.end, args.stop_at)
+            if not deferred:
+                last_saved = save(run, phase, step)
+                t_log = time.time()
         if step == args.stop_at:
             break
     bar.close()

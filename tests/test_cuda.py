@@ -1,7 +1,6 @@
 """On a CUDA device: every objective compiled and in bf16, PLL against the CPU's, resume. Skipped
 without one (CI has none); gpu_check.sh runs this file where a GPU is lent (../shared/GPU.md).
 There the corpus is the carried, prepared babylm_10m ($NANOMLM_DATA); elsewhere the tests' own."""
-import json
 import os
 from pathlib import Path
 
@@ -15,12 +14,12 @@ import train as T
 from conftest import TINY, run_train
 from data.prepare import CLS, SEP
 from model import PRESETS, Encoder, ModelConfig
+from test_train import MLSM_DICT, read_log
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 CUDA = [*TINY[:-1], "cuda"]  # the tests' tiny model, on the GPU
 assert TINY[-2:] == ["--device", "cpu"]
-MLSM_DICT = ["--mlsm-k", 48, "--dict-vectors", 300, "--dict-epochs", 1]
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +28,6 @@ def corpus(request) -> Path:
     if (carried / "meta.json").is_file():
         return carried
     return request.getfixturevalue("prepared")
-
-
-def read_log(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("objective", sorted(T.OBJECTIVES))
