@@ -292,7 +292,9 @@ def setup_mlsm(encoder, args, run_dir, device) -> Parts:
 class Stopwatch:
     """Seconds spent in a block, summed between two reads without making the host wait for the
     device: CUDA events on a GPU (read at log steps, where the loop waits anyway), perf_counter
-    on a CPU."""
+    on a CPU. Under torch.compile each end of the block is a graph break that runs eagerly, so
+    the clock is read (the event recorded) where the block starts and ends, never traced into
+    a graph as a constant; the block itself still compiles."""
 
     def __init__(self, device):
         self.cuda, self.spans = torch.device(device).type == "cuda", []
@@ -301,20 +303,30 @@ class Stopwatch:
     def __call__(self, on=True):
         if not on:
             yield
-        elif self.cuda:
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            yield
-            end.record()
-            self.spans.append((start, end))
+            return
+        self._start()
+        yield
+        self._stop()
+
+    @torch.compiler.disable
+    def _start(self):
+        if self.cuda:
+            self.spans.append([torch.cuda.Event(enable_timing=True)])
+            self.spans[-1][0].record()
         else:
-            t = time.perf_counter()
-            yield
-            self.spans.append(time.perf_counter() - t)
+            self.spans.append([time.perf_counter()])
+
+    @torch.compiler.disable
+    def _stop(self):
+        if self.cuda:
+            self.spans[-1].append(torch.cuda.Event(enable_timing=True))
+            self.spans[-1][1].record()
+        else:
+            self.spans[-1].append(time.perf_counter())
 
     def read(self) -> float:
         cuda = self.cuda
-        total = sum(s.elapsed_time(e) / 1e3 for s, e in self.spans) if cuda else sum(self.spans)
+        total = sum(s.elapsed_time(e) / 1e3 if cuda else e - s for s, e in self.spans)
         self.spans = []
         return total
 

@@ -33,14 +33,19 @@ def corpus(request) -> Path:
 @pytest.mark.parametrize("objective", sorted(T.OBJECTIVES))
 def test_every_objective_compiled_in_bf16(corpus, tmp_path, objective):
     """30 steps, phase 2 from step 10: finite losses, and torch.compile settles (dynamo logs
-    each recompilation; a shape that changes with the batch would log one per step)."""
+    each recompilation; a shape that changes with the batch would log one per step). mlsm's
+    code_share is a real share of the step (CUDA events recorded outside the compiled graphs)."""
     r = run_train("--data", corpus, "--out-dir", tmp_path / "run", "--objective", objective,
                   "--max-steps", 30, "--phase1-steps", 10, *CUDA, "--compile", "--bf16",
                   *(MLSM_DICT if objective.startswith("mlsm") else []),
                   env={"TORCH_LOGS": "recompiles"})
     assert r.returncode == 0, r.stderr[-3000:]
-    losses = [e["loss"] for e in read_log(tmp_path / "run") if "loss" in e]
+    log = read_log(tmp_path / "run")
+    losses = [e["loss"] for e in log if "loss" in e]
     assert len(losses) == 6 and np.isfinite(losses).all()
+    shares = [e["code_share"] for e in log if "code_share" in e]
+    assert len(shares) == (4 if objective.startswith("mlsm") else 0)
+    assert all(0 < share < 1 for share in shares), shares
     # at its limit (8 per function) dynamo stops compiling and says so: that must not happen
     assert "recompile_limit" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.count("Recompiling function") <= 6, r.stderr[-3000:]
