@@ -470,7 +470,11 @@ def build_parser():
     add("--masking", default="span", choices=["span", "uniform"], help="span: LTG-BERT's spans, "
         "80/10/10 per span; uniform: int(p T) tokens per sequence, all [MASK], as the MLSM code "
         "(default span; kd, kd+mlm, mlsm, mlsm+mlm uniform)")
-    add("--max-steps", type=int, default=10000, help="optimizer steps (default 10000)")
+    add("--max-steps", type=int, default=None,
+        help="optimizer steps (default: --epochs of the training data at the global batch)")
+    add("--epochs", type=float, default=10.0, help="the budget when --max-steps is not given: "
+        "passes over the training segments, rounded down to whole steps (default 10, BabyLM's "
+        "limit: 7,246 steps of 128 x 128 on babylm_10m)")
     add("--seed", type=int, default=0,
         help="seed for init, data order, masks and dropout (default 0)")
     add("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -554,7 +558,8 @@ def get_args(argv):
     args = parser.parse_args(argv)
     for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "eval_every",
                  "eval_batches", "save_every"):
-        if getattr(args, name) < (3 if name == "seq_len" else 1):
+        value = getattr(args, name)
+        if value is not None and value < (3 if name == "seq_len" else 1):
             parser.error(f"--{name.replace('_', '-')} must be at least "
                          f"{3 if name == 'seq_len' else 1}")
     if not 0 < args.mask_p < 1:
@@ -575,9 +580,10 @@ def get_args(argv):
             parser.error(f"--{flag}: unknown part {bad[0]!r} (choose from {', '.join(allowed)})")
     if args.reset and not args.init_from:
         parser.error("--reset only applies with --init-from")
-    if has_phase1(args) and not 0 < phase1_steps(args) < args.max_steps:
-        parser.error(f"--phase1-steps must leave both phases at least one of the "
-                     f"{args.max_steps} steps")
+    if args.epochs <= 0:
+        parser.error("--epochs must be positive")
+    if args.max_steps is not None:
+        check_phases(args)
     if args.out_dir is None:
         args.out_dir = str(REPO / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
     # which flags were typed (a resumed run keeps its saved settings and refuses new ones);
@@ -589,6 +595,13 @@ def get_args(argv):
         if k not in args.given:
             setattr(args, k, v)
     return args
+
+
+def check_phases(args):
+    """Both phases of a two-phase run get at least one step (once --max-steps is known)."""
+    if has_phase1(args) and not 0 < phase1_steps(args) < args.max_steps:
+        raise SystemExit(f"error: --phase1-steps must leave both phases at least one of the "
+                         f"{args.max_steps} steps")
 
 
 def model_config(args, vocab_size) -> ModelConfig:
@@ -718,6 +731,10 @@ def open_run(args) -> Run:
     meta = load_meta(data_dir)
     train = Segments(data_dir / "train.bin", args.seq_len - 2, args.seed, shuffle=True).to(device)
     val = Segments(data_dir / "val.bin", args.seq_len - 2, args.seed, shuffle=False)
+    if args.max_steps is None:  # --epochs: saved in args.json as steps, so a resume keeps them
+        args.max_steps = max(1, math.floor(args.epochs * train.n /
+                                           (args.batch_size * args.grad_accum * world)))
+        check_phases(args)
     encoder, step = build_encoder(args, meta["vocab_size"], ckpt)
     encoder.to(device)
     version = code_version(CODE)

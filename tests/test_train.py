@@ -89,6 +89,24 @@ def read_log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
+def test_epochs_budget_sets_the_steps(prepared, tmp_path):
+    """Without --max-steps, --epochs E trains floor(E n / global batch) steps, n the training
+    segments of seq_len - 2 tokens (counted here from train.bin's size); args.json keeps the
+    steps, so a resume keeps them. A budget too short for two phases is one line."""
+    tokens = (prepared / "train.bin").stat().st_size // 2                 # uint16
+    n = (tokens - 1) // (32 - 2)                                          # TINY: --seq-len 32
+    epochs = 5.5 * 8 / n                                                  # TINY: --batch-size 8
+    out = tmp_path / "run"
+    r = run_train("--data", prepared, "--out-dir", out, "--epochs", epochs, *TINY)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "args.json").read_text())["max_steps"] == 5
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 5
+    r = run_train("--data", prepared, "--out-dir", tmp_path / "kd", "--objective", "kd",
+                  "--epochs", 1.5 * 8 / n, *TINY)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        "error: --phase1-steps must leave both phases at least one of the 1 steps")
+
+
 def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     out = tmp_path / "run"
     r = run_train("--data", prepared, "--out-dir", out, "--max-steps", 10, *TINY)
