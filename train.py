@@ -731,15 +731,14 @@ def open_run(args) -> Run:
     meta = load_meta(data_dir)
     train = Segments(data_dir / "train.bin", args.seq_len - 2, args.seed, shuffle=True).to(device)
     val = Segments(data_dir / "val.bin", args.seq_len - 2, args.seed, shuffle=False)
-    if args.max_steps is None:  # --epochs: saved in args.json as steps, so a resume keeps them
-        args.max_steps = max(1, math.floor(args.epochs * train.n /
-                                           (args.batch_size * args.grad_accum * world)))
-        check_phases(args)
     encoder, step = build_encoder(args, meta["vocab_size"], ckpt)
     encoder.to(device)
     version = code_version(CODE)
     run = Run(args, ddp, rank, world, device, amp, folder, meta, train, val, encoder, step, ckpt,
               (data_dir / "tokenizer.model").read_bytes(), version)
+    if args.max_steps is None:  # --epochs: saved in args.json as steps, so a resume keeps them
+        args.max_steps = max(1, math.floor(args.epochs * train.n / run.global_batch))
+        check_phases(args)
     if ckpt is None:
         saved_args = {k: v for k, v in vars(args).items() if k != "given"}
         folder.start(CODE, args=saved_args, config=asdict(encoder.config), data=meta)
