@@ -6,6 +6,7 @@
         --blimp-dir $E/fast_eval/blimp_fast $E/fast_eval/supplement_fast
     python evaluate.py finetune --ckpt runs/X/ckpt.pt --task rte \
         --data-dir $E/full_eval/glue_filtered --seeds 1,2,3
+    python evaluate.py mlm --ckpt runs/X/ckpt.pt       # masked-token loss and accuracy
     python evaluate.py compare "runs/mlm_s*/eval/blimp.json" "runs/boot_s*/eval/blimp.json"
     python evaluate.py weights --ckpt runs/X/ckpt.pt
 
@@ -21,6 +22,7 @@ the pairs (a fixed split by pair id) and reported on the other half only.
 import argparse
 import copy
 import glob
+import gzip
 import json
 import math
 import time
@@ -33,9 +35,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from data.prepare import (CLS, MASK, MSGS, PAD, SEP, TASKS, Examples, pad, read_jsonl,
-                          read_task)
-from model import autocast, load_checkpoint, pick_device
+from data.prepare import (CLS, MASK, MSGS, PAD, SEP, TASKS, Examples, Segments, pad, prepare,
+                          read_jsonl, read_task, uniform_mask)
+from model import autocast, load_checkpoint, pick_device, seed_of
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,6 +48,17 @@ def write_result(result: dict, out, ckpt, name: str, indent=None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=indent))
     return path
+
+
+def read_result(path) -> dict:
+    """A result JSON, plain or gzipped (study.py keeps its portable result files as .json.gz)."""
+    path = Path(path)
+    try:
+        opener = gzip.open if path.read_bytes()[:2] == b"\x1f\x8b" else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, EOFError, ValueError) as e:
+        raise SystemExit(f"error: {path} is not a readable result file ({e})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,6 +289,54 @@ def blimp(args):
 
 
 # ---------------------------------------------------------------------------------------------
+# Masked-token loss and accuracy on held-out text: one yardstick for every objective
+
+@torch.no_grad()
+def masked_lm(args):
+    """Cross-entropy and accuracy of the hidden tokens of the first --segments validation
+    segments of the corpus the checkpoint trained on, each hidden by the same fixed draw for every
+    model: 15% of each segment's tokens, all [MASK] (uniform_mask: no spans, no random
+    replacements, so every arm, whatever masking it trained with, is asked the same question).
+    Scored through load_checkpoint's path, so a boot model predicts through its decoder. One
+    example per segment (its mean over its hidden tokens), so `compare` resamples segments."""
+    device = pick_device(args.device)
+    model, tok = load_checkpoint(args.ckpt, device)
+    data, vocab = args.data or model.train_args.get("data"), model.config.vocab_size
+    if data is None:
+        raise SystemExit(f"error: {args.ckpt} does not say what it trained on; pass --data")
+    folder = prepare(data, vocab, quiet=True)
+    if (folder / "tokenizer.model").read_bytes() != tok.serialized_model_proto():
+        raise SystemExit(f"error: the data prepared at {folder} has another tokenizer than "
+                         f"{args.ckpt}")
+    seq_len = args.seq_len or model.train_args.get("seq_len", 128)
+    val = Segments(folder / "val.bin", seq_len - 2, 0, shuffle=False)
+    n = min(args.segments, val.n)
+    losses, accs = np.zeros(n), np.zeros(n)
+    for i in tqdm(range(0, n, args.batch_size), desc="mlm", unit="batch", disable=None):
+        ids = val.batch(i, min(args.batch_size, n - i)).to(device)     # (b, T)
+        gen = torch.Generator(device).manual_seed(seed_of(args.seed, i))
+        inputs, labels = uniform_mask(ids, args.mask_p, gen)
+        hidden = labels != -100                                        # (b, T), int(p T) per row
+        with autocast(device):
+            _, logits = model(inputs, predict=hidden)                  # (b * int(p T), V)
+        target = labels[hidden]
+        nll = F.cross_entropy(logits.float(), target, reduction="none").view(len(ids), -1)
+        hit = (logits.argmax(-1) == target).float().view(len(ids), -1)
+        losses[i:i + len(ids)] = nll.mean(1).cpu().numpy()
+        accs[i:i + len(ids)] = hit.mean(1).cpu().numpy()
+    print(f"{data}: {n} validation segments of {seq_len} tokens, {int(args.mask_p * seq_len)} "
+          f"hidden in each: loss {losses.mean():.4f}, accuracy {100 * accs.mean():.2f}%")
+    ids = [f"val/{k}" for k in range(n)]
+    section = lambda values, better: {"id": ids, "label": [0] * n, "pred": [values.tolist()],
+                                      "metric": "mean", "k": 0, "better": better}
+    result = {"kind": "mlm", "ckpt": str(args.ckpt), "pretrain_seed": model.train_args.get("seed"),
+              "data": str(data), "segments": n, "seq_len": seq_len, "mask_p": args.mask_p,
+              "loss": float(losses.mean()), "accuracy": float(accs.mean()),
+              "examples": section(accs, "higher"), "examples_loss": section(losses, "lower")}
+    print(f"wrote {write_result(result, args.out, args.ckpt, 'mlm')}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Fine-tuning on (Super)GLUE and MSGS
 
 class Classifier(nn.Module):
@@ -417,13 +478,20 @@ def finetune(args):
 # ---------------------------------------------------------------------------------------------
 # Multi-Bootstrap (Sellam et al. 2022, "The MultiBERTs", section 3)
 
-def load_examples(path: Path, key: str) -> dict:
-    result = json.loads(Path(path).read_text())
+def examples_of(result: dict, key: str, path="the result") -> dict:
+    """One per-example section of a result (evaluate.py's or study.py's) as multibootstrap reads
+    it: label (N,), pred (F, N) (F fine-tuning seeds; one row elsewhere), the metric, and whether
+    higher or lower is better."""
     if key not in result:
         raise SystemExit(f"error: {path} has no '{key}' section (not written by evaluate.py?)")
     ex = result[key]
     return {"seed": result.get("pretrain_seed"), "id": ex["id"], "label": np.array(ex["label"]),
-            "pred": np.array(ex["pred"]), "metric": ex["metric"], "k": ex["k"], "path": str(path)}
+            "pred": np.array(ex["pred"]), "metric": ex["metric"], "k": ex["k"],
+            "better": ex.get("better", "higher"), "path": str(path)}
+
+
+def load_examples(path: Path, key: str) -> dict:
+    return examples_of(read_result(path), key, path)
 
 
 def bootstrap_counts(rng, n, size) -> np.ndarray:
@@ -437,9 +505,11 @@ def multibootstrap(A: list[dict], B: list[dict], nboot=1000, seed=0, block=100) 
     """A, B: per-pretraining-seed results (load_examples). The statistic of a procedure is the
     mean over its seeds (and their fine-tuning seeds) of the metric on the examples. Resample
     seeds and examples jointly, nboot times: paired (the same draw for A and B) where A and B have
-    the same pretraining seeds / the same examples, independently otherwise."""
-    metric, k = A[0]["metric"], A[0]["k"]
-    if any((r["metric"], r["k"]) != (metric, k) for r in A + B):
+    the same pretraining seeds / the same examples, independently otherwise. metric "mean": pred
+    holds one number per example (a segment's loss) and the statistic is their mean."""
+    metric, k, better = A[0]["metric"], A[0]["k"], A[0].get("better", "higher")
+    if any((r["metric"], r["k"], r.get("better", "higher")) != (metric, k, better)
+           for r in A + B):
         raise SystemExit("error: the results to compare use different metrics or label sets")
     for side in (A, B):
         if any(r["id"] != side[0]["id"] for r in side):
@@ -455,16 +525,21 @@ def multibootstrap(A: list[dict], B: list[dict], nboot=1000, seed=0, block=100) 
     paired_seeds = distinct and sorted(seeds_a) == sorted(seeds_b)
     if paired_seeds:
         B = sorted(B, key=lambda r: seeds_a.index(r["seed"]))
-    fn = METRICS[metric]
+    fn = METRICS.get(metric)
 
     def indicators(r):  # (F * k*k, N): one row per (fine-tuning seed, confusion cell)
+        if fn is None:  # "mean": (F, N), the values themselves
+            return r["pred"].astype(np.float64)
         cells = r["label"][None, :] * k + r["pred"]                               # (F, N)
         hits = cells[:, None, :] == np.arange(k * k)[None, :, None]               # (F, k*k, N)
         return hits.reshape(-1, cells.shape[1]).astype(np.float32)
 
     def stat(side, rows, U, W):  # U (N, b) example counts, W (S, b) seed counts -> (b,)
-        cms = [np.moveaxis((R @ U).reshape(-1, k, k, U.shape[1]), -1, 0) for R in rows]
-        per_seed = [fn(cm).mean(1) for cm in cms]                      # S x (b,): mean over F
+        if fn is None:
+            per_seed = [(R @ U / U.sum(0)).mean(0) for R in rows]      # S x (b,): mean over F
+        else:
+            cms = [np.moveaxis((R @ U).reshape(-1, k, k, U.shape[1]), -1, 0) for R in rows]
+            per_seed = [fn(cm).mean(1) for cm in cms]                  # S x (b,): mean over F
         return (W * np.stack(per_seed)).sum(0) / len(side)
 
     rows_a, rows_b = [indicators(r) for r in A], [indicators(r) for r in B]
@@ -483,11 +558,13 @@ def multibootstrap(A: list[dict], B: list[dict], nboot=1000, seed=0, block=100) 
         diffs.append(stat(B, rows_b, U_b, W_b) - stat(A, rows_a, U_a, W_a))
     diffs = np.concatenate(diffs)
     lo, hi = np.percentile(diffs, [2.5, 97.5])
+    worse = diffs < 0 if better == "higher" else diffs > 0
     return {"metric": metric, "mean_a": mean_a, "mean_b": mean_b, "diff": mean_b - mean_a,
             "ci95": [float(lo), float(hi)],
             # one-sided: how often B is not better than A; exact ties count half (mid-p), so
             # identical inputs give 0.5 rather than 1
-            "p": float((diffs < 0).mean() + 0.5 * (diffs == 0).mean()), "nboot": nboot,
+            "p": float(worse.mean() + 0.5 * (diffs == 0).mean()), "better": better,
+            "nboot": nboot,
             "paired_seeds": paired_seeds, "paired_examples": paired_examples,
             "seeds_a": seeds_a, "seeds_b": seeds_b}
 
@@ -497,7 +574,8 @@ def expand(patterns) -> list[list[Path]]:
     shell's expansion of two globs, split by parent folder."""
     def one(p):
         path = Path(p)
-        files = sorted(path.glob("*.json")) if path.is_dir() else sorted(map(Path, glob.glob(p)))
+        files = (sorted([*path.glob("*.json"), *path.glob("*.json.gz")]) if path.is_dir()
+                 else sorted(map(Path, glob.glob(p))))
         if not files:
             raise SystemExit(f"error: no result files match {p}")
         return files
@@ -520,10 +598,13 @@ def compare(args):
     paired = lambda key: "paired" if r[key] else "unpaired"
     print(f"A: {len(A)} seeds {r['seeds_a']}, B: {len(B)} seeds {r['seeds_b']}; {r['metric']}; "
           f"seeds {paired('paired_seeds')}, examples {paired('paired_examples')}")
-    lo, hi = (100 * x for x in r["ci95"])
-    print(f"mean A {100 * r['mean_a']:.2f} | mean B {100 * r['mean_b']:.2f} | B - A "
-          f"{100 * r['diff']:+.2f} (95% CI {lo:+.2f} .. {hi:+.2f}) | p = P(B - A <= 0) = "
-          f"{r['p']:.4f}  [{r['nboot']} resamples]")
+    # rates in percent with 2 decimals, losses as they are with 4
+    show = ((lambda x: f"{100 * x:.2f}") if r["better"] == "higher" else (lambda x: f"{x:.4f}"))
+    sign = lambda x: ("+" if x >= 0 else "-") + show(abs(x))
+    print(f"mean A {show(r['mean_a'])} | mean B {show(r['mean_b'])} | B - A {sign(r['diff'])} "
+          f"(95% CI {sign(r['ci95'][0])} .. {sign(r['ci95'][1])}) | p = P(B - A "
+          f"{'<=' if r['better'] == 'higher' else '>='} 0) = {r['p']:.4f}  "
+          f"[{r['nboot']} resamples; {r['better']} is better]")
     if args.out:
         files = {"a": list(map(str, a_files)), "b": list(map(str, b_files))}
         Path(args.out).write_text(json.dumps({**r, **files}, indent=1))
@@ -563,7 +644,7 @@ def weights(args):
 # ---------------------------------------------------------------------------------------------
 # Command line
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -588,6 +669,20 @@ def main(argv=None):
         "on CPU, the fastest of 2k/4k/16k measured; 32768 on CUDA)")
     device(b)
     b.set_defaults(func=blimp)
+
+    m = sub.add_parser("mlm", help="masked-token loss and accuracy on the validation split, the "
+                       "same hidden tokens for every model")
+    common(m, "mlm")
+    add = m.add_argument
+    add("--data", default=None, help="corpus (default: the one the checkpoint trained on)")
+    add("--segments", type=int, default=1024,
+        help="validation segments scored, from the first (default 1024)")
+    add("--seq-len", type=int, default=None, help="(default: the checkpoint's)")
+    add("--mask-p", type=float, default=0.15, help="fraction of each segment hidden (default 0.15)")
+    add("--batch-size", type=int, default=64, help="segments per batch (default 64)")
+    add("--seed", type=int, default=0, help="seed of the hidden positions (default 0)")
+    device(m)
+    m.set_defaults(func=masked_lm)
 
     f = sub.add_parser("finetune",
                        help="fine-tune on a (Super)GLUE or MSGS task and score its validation set")
@@ -630,8 +725,11 @@ def main(argv=None):
     w = sub.add_parser("weights", help="per-module parameter mean / std / max |w| of a checkpoint")
     common(w, "weights")
     w.set_defaults(func=weights)
+    return ap
 
-    args = ap.parse_args(argv)
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     args.func(args)
 
 

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import json
 import math
 import os
 import shutil
@@ -500,6 +501,8 @@ def build_parser():
     add("--eval-batches", type=int, default=20,
         help="validation batches, always the same ones (default 20)")
     add("--save-every", type=int, default=1000, help="steps between checkpoints (default 1000)")
+    add("--check", action="store_true", help="check the flags, print the settings they resolve "
+        "to (defaults applied) as JSON, and exit without training (study.py's pre-flight)")
     add("--stop-at", type=int, default=None, help="checkpoint and exit after this step; the "
         "schedule still runs to --max-steps (for time-limited jobs)")
     b = p.add_argument_group("boot (latent bootstrapping, Samuel 2023)").add_argument
@@ -885,6 +888,9 @@ def diverging(history: list[dict], record: dict, factor: float) -> tuple[str, bo
 
 def main(argv=None):
     args = get_args(argv)
+    if args.check:
+        print(json.dumps({k: v for k, v in vars(args).items() if k not in ("given", "check")}))
+        return
     run = open_run(args)
     args, step, V = run.args, run.step, run.meta["vocab_size"]
     phase = start_phase(run, step)

@@ -480,3 +480,62 @@ def test_weight_stats_hand_computed():
     assert rows["layers.0.attn"]["std"] == pytest.approx(attn.std().item())
     assert rows["layers.0.attn"]["max_abs"] == 127.0
     assert rows["word"] == dict(module="word", params=400, mean=1.0, std=0.0, max_abs=1.0)
+
+
+# --- masked-token loss: `evaluate.py mlm` and the Multi-Bootstrap of a mean ----------------------
+
+def test_mean_metric_matches_brute_force_enumeration():
+    """Per-example values (a segment's loss), lower is better: 2 seeds x 2 examples, unpaired
+    seeds, paired examples, every one of the 4 x 4 x 4 draws enumerated."""
+    value = lambda seed, v: {"seed": seed, "id": ["a", "b"], "label": np.zeros(2),
+                             "pred": np.array([v], float), "metric": "mean", "k": 0,
+                             "better": "lower", "path": "x"}
+    A = [value(1, [3.0, 2.0]), value(2, [2.5, 2.5])]
+    B = [value(3, [2.0, 2.4]), value(4, [2.6, 2.2])]
+    diffs = []
+    for sa, sb, ex in itertools.product(itertools.product(range(2), repeat=2), repeat=3):
+        mean = lambda side, seeds: np.mean([side[s]["pred"][0][list(ex)].mean() for s in seeds])
+        diffs.append(mean(B, sb) - mean(A, sa))
+    diffs = np.array(diffs)
+    exact_p = (diffs > 0).mean() + 0.5 * (diffs == 0).mean()  # B not better: a higher loss
+    r = E.multibootstrap(A, B, nboot=40000, block=5000)
+    assert r["mean_a"] == pytest.approx(2.5) and r["mean_b"] == pytest.approx(2.3)
+    assert r["better"] == "lower" and r["p"] == pytest.approx(exact_p, abs=0.01)
+    with pytest.raises(SystemExit, match="different metrics"):
+        E.multibootstrap(A, [{**b, "better": "higher"} for b in B], nboot=10)
+
+
+def test_masked_lm_against_a_loop_over_hidden_tokens(ckpt, small_raw, prepared, tmp_path,
+                                                     monkeypatch, capsys):
+    """Each segment's loss and accuracy equal a loop that reads every logit at every position
+    and scores the [MASK]ed ones one by one; int(0.15 T) hidden per segment, the same ones for
+    any model."""
+    monkeypatch.setenv("NANOMLM_DATA", str(prepared.parent))
+    out = tmp_path / "mlm.json"
+    E.main(["mlm", "--ckpt", str(ckpt), "--data", str(small_raw), "--segments", "6",
+            "--seq-len", "32", "--batch-size", "4", "--device", "cpu", "--out", str(out)])
+    r = json.loads(out.read_text())
+    model, _ = E.load_checkpoint(ckpt)
+    tokens = np.fromfile(prepared / "val.bin", dtype=np.uint16).astype(np.int64)
+    losses, accs = [], []
+    hidden_sets = []
+    for k, (first, size) in enumerate([(0, 4), (4, 2)]):  # the batches the command drew
+        gen = torch.Generator().manual_seed(E.seed_of(0, first))
+        body = torch.from_numpy(tokens[:6 * 30].reshape(6, 30)[first:first + size])
+        ids = torch.cat([torch.full((size, 1), CLS), body, torch.full((size, 1), SEP)], 1)
+        inputs, _ = E.uniform_mask(ids, 0.15, gen)
+        with torch.no_grad():
+            logits = model.logits(inputs).log_softmax(-1)                 # (b, T, V)
+        for row in range(size):
+            hidden = [t for t in range(32) if inputs[row, t] == MASK]
+            hidden_sets.append(hidden)
+            nll = [-logits[row, t, ids[row, t]].item() for t in hidden]
+            hit = [float(logits[row, t].argmax() == ids[row, t]) for t in hidden]
+            losses.append(np.mean(nll))
+            accs.append(np.mean(hit))
+    assert all(len(h) == int(0.15 * 32) and 0 not in h and 31 not in h for h in hidden_sets)
+    assert r["examples_loss"]["pred"][0] == pytest.approx(losses, rel=1e-5)
+    assert r["examples"]["pred"][0] == pytest.approx(accs)
+    assert r["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+    assert r["examples_loss"]["better"] == "lower" and r["pretrain_seed"] == 7
+    assert "6 validation segments" in capsys.readouterr().out

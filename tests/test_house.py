@@ -13,7 +13,7 @@ from conftest import REPO
 
 # ground floor: the model and the data; middle: libraries with a CLI; top: scripts
 FLOOR = {"model": 0, "data": 0, "sparse": 1, "evaluate": 1,
-         "train": 2, "meta": 2, "bench": 2, "synth": 2}
+         "train": 2, "meta": 2, "bench": 2, "synth": 2, "study": 2}
 
 
 def unit(path) -> str:
@@ -55,10 +55,11 @@ def test_imports_point_down_only(path):
 
 
 def test_no_stage_launches_another_for_internal_work():
-    """bench.py times train.py's and synth.py's commands as users run them, on purpose; model.py
+    """bench.py times train.py's and synth.py's commands as users run them, on purpose; study.py
+    runs each step of a study as the command a user would type (and its report lists); model.py
     asks git for the code's version. Nothing else starts a process."""
     users = {str(p.relative_to(REPO)) for p in sources() if "subprocess" in imported(p)}
-    assert users == {"bench.py", "model.py"}
+    assert users == {"bench.py", "model.py", "study.py"}
     calls = re.findall(r"subprocess\.run\(\[([^,\]]+)", (REPO / "model.py").read_text())
     assert calls == ['"git"']
 

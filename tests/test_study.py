@@ -1,0 +1,187 @@
+"""study.py: a two-arm, two-seed tiny study end to end, its report checked against
+`evaluate.py compare` on the same result files; a study merged from two folders equals the same
+study run in one; a killed training run resumed and finished runs skipped; every bad study file
+one line naming the file and the key."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import evaluate as E
+import study
+from conftest import REPO, TINY, run_train, shared_data
+
+ARMS = """
+name = "tiny"
+baseline = "mlm"
+[arms.mlm]
+objective = "mlm"
+[arms.kd]
+objective = "kd+mlm"
+"""
+
+
+def study_file(tmp, raw, extra="", arms=ARMS, evaluations=True):
+    """The tiny study: TINY's model, 12 steps, evaluated by mlm, a 2-paradigm BLiMP cut from
+    the shared data into tmp, and WSC fine-tuned for one epoch with two seeds."""
+    blimp = tmp / "blimp_mini"
+    if not blimp.exists():
+        blimp.mkdir()
+        src = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
+        for name in ("anaphor_gender_agreement", "regular_plural_subject_verb_agreement_1"):
+            lines = (src / f"{name}.jsonl").read_text().splitlines(True)
+            (blimp / f"{name}.jsonl").write_text("".join(lines[:24]))
+    flags = " ".join(TINY).replace("--eval-every 1000", "--eval-every 6")
+    path = tmp / "tiny.toml"
+    path.write_text(arms + f"""
+[scales.cpu]
+data = "{raw}"
+seeds = [0, 1]
+steps = 12
+flags = "{flags} --save-every 6 --vocab-size 2000"
+""" + extra + ("" if not evaluations else f"""
+[scales.cpu.evaluate]
+mlm = {{ segments = 8 }}
+blimp = ["{blimp}"]
+[scales.cpu.evaluate.finetune]
+data_dir = "{shared_data() / 'babylm_eval' / 'full_eval' / 'glue_filtered'}"
+tasks = ["wsc"]
+seeds = [1, 2]
+flags = "--epochs 1 --max-len 64"
+"""))
+    return path
+
+
+def run_study(*args):
+    p = subprocess.run([sys.executable, str(REPO / "study.py"), *map(str, args), "--nboot",
+                        "300", "--no-figures"], cwd=REPO, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def env(small_raw, tmp_path_factory):
+    """The prepared corpus, shared by every study of this module."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOMLM_DATA", str(tmp_path_factory.mktemp("prepared")))
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield small_raw
+
+
+@pytest.fixture(scope="module")
+def whole(env, tmp_path_factory):
+    """The tiny study run in one folder."""
+    tmp = tmp_path_factory.mktemp("whole")
+    path = study_file(tmp, env)
+    out = run_study(path, "--out", tmp / "study")
+    return path, tmp / "study", out
+
+
+def test_report_equals_compare_on_the_result_files(whole, tmp_path):
+    path, folder, out = whole
+    assert "wrote" in out and (folder / "REPORT.md").exists()
+    report = json.loads((folder / "report.json").read_text())
+    assert report["runs"] == report["planned"] == 4 and not report["failed"]
+    for metric in ("val_loss", "val_acc", "blimp_mini", "wsc"):
+        E.main(["compare", str(folder / "results" / "mlm"), str(folder / "results" / "kd"),
+                "--examples", metric, "--nboot", "300", "--out", str(tmp_path / "c.json")])
+        direct = json.loads((tmp_path / "c.json").read_text())
+        mine = report["metrics"][metric]["kd"]
+        for key in ("mean_a", "mean_b", "diff", "ci95", "p", "better"):
+            assert mine[key] == direct[key], (metric, key)
+        assert direct["seeds_a"] == direct["seeds_b"] == [0, 1] and direct["paired_seeds"]
+        md = (folder / "REPORT.md").read_text()
+        show = E.read_result(folder / "results" / "kd" / "s0.json.gz")[metric]
+        fmt = study.fmt(direct["mean_b"], show.get("better", "higher"))
+        assert f"| kd | 2 | {fmt} |" in md
+    # a result file is small and holds what compare needs and what the report shows
+    r = E.read_result(folder / "results" / "kd" / "s1.json.gz")
+    assert (folder / "results" / "kd" / "s1.json.gz").stat().st_size < 100_000
+    assert r["pretrain_seed"] == 1 and len(r["wsc"]["pred"]) == 2  # two fine-tuning seeds
+    assert r["compute"]["steps"] == 12 and r["curve"] and "python train.py" in r["commands"][0]
+    assert set(r["blimp_mini"]["phenomenon"]) <= {"anaphor_agreement", "subject_verb_agreement"}
+    assert "train.py --objective kd+mlm" in md and "## blimp_mini per phenomenon" in md
+
+
+def test_merged_from_two_folders_equals_one_folder(whole, tmp_path):
+    """mlm's seed 1 again in a folder of its own, cut off mid-training and resumed there; its
+    result file and the one-folder study's others, copied together, give that study's report.
+    A finished run is skipped, and a lost evaluation is redone alone."""
+    path, one, _ = whole
+    b, merged = tmp_path / "b", tmp_path / "merged"
+    # b: "mlm s1" was killed after its checkpoint at step 6
+    job = next(j for j in study.plan(study.load_study(path), "cpu", b) if j.name == "mlm s1")
+    p = run_train(*job.steps[0].argv[1:], "--stop-at", "6")
+    assert p.returncode == 0, p.stderr
+    slice_ = ("--out", b, "--seeds", "1", "--only", "mlm")
+    out = run_study(path, *slice_)
+    assert "mlm s1: train (resuming)" in out and "mlm s1: wsc" in out
+    again = run_study(path, *slice_)
+    assert "0 of 1 jobs to run" in again and ": train" not in again
+    (b / "mlm" / "s1" / "eval" / "blimp.json").unlink()  # a lost evaluation
+    (b / "results" / "mlm" / "s1.json.gz").unlink()
+    redo = run_study(path, *slice_)
+    assert "mlm s1: blimp" in redo and ": train" not in redo and ": mlm\n" not in redo
+    shutil.copytree(one / "results", merged / "results")
+    shutil.copy(b / "results" / "mlm" / "s1.json.gz", merged / "results" / "mlm")
+    run_study(path, "--out", merged, "--report")
+    got = json.loads((merged / "report.json").read_text())
+    want = json.loads((one / "report.json").read_text())
+    assert got["runs"] == 4
+    for metric, by_arm in want["metrics"].items():
+        for key in ("mean_a", "mean_b", "diff", "ci95", "p"):
+            assert got["metrics"][metric]["kd"][key] == by_arm["kd"][key], (metric, key)
+    assert got["phenomena"] == want["phenomena"]
+
+
+BAD = [  # (change to the study file, what the one line must say)
+    (lambda s: s.replace('objective = "kd+mlm"', 'objective = "kdd"'),
+     "arms.kd: argument --objective: invalid choice: 'kdd'"),
+    (lambda s: s.replace('objective = "kd+mlm"', 'objective = "kd+mlm"\nflags = "--lrr 3"'),
+     "arms.kd: unrecognized arguments: --lrr 3"),
+    (lambda s: s.replace('baseline = "mlm"', 'baseline = "mlm"\nmetrics = ["val_los"]'),
+     "metrics[0]: unknown metric 'val_los'"),
+    (lambda s: s.replace('tasks = ["wsc"]', 'tasks = ["wsc", "rtee"]'),
+     "scales.cpu.evaluate.finetune.tasks[1]: unknown task 'rtee'"),
+    (lambda s: s.replace('flags = "--epochs 1 --max-len 64"', 'flags = "--epocs 1"'),
+     "scales.cpu.evaluate.finetune.flags: unrecognized arguments: --epocs 1"),
+    (lambda s: re.sub(r'data = ".*babylm_small"', 'data = "/nowhere/absent"', s),
+     "arms.mlm: no corpus"),
+    (lambda s: s.replace('[arms.kd]', '[arms.kd]\nobjectiv = "mlm"'),
+     "arms.kd.objectiv: unknown key"),
+    (lambda s: s.replace('baseline = "mlm"', 'baseline = "bert"'),
+     "baseline: 'bert' is not one of the arms"),
+    (lambda s: s.replace("steps = 12", "steps = 12\nepochs = 1"),
+     "scales.cpu: give one budget of steps, epochs"),
+    (lambda s: s.replace("seeds = [0, 1]", 'seeds = "0"'), "scales.cpu.seeds: must be a list"),
+    (lambda s: s.replace("blimp_mini", "blimp_none"), "evaluate.blimp[0]: no BLiMP folder"),
+    (lambda s: s.replace("[arms.kd]", "[arms.kd"), "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("change,says", BAD, ids=[b[1][:30] for b in BAD])
+def test_bad_study_files_fail_in_one_line(env, tmp_path, change, says):
+    path = study_file(tmp_path, env)
+    path.write_text(change(path.read_text()))
+    with pytest.raises(SystemExit) as e:
+        study.main([str(path), "--dry-run"])
+    line = str(e.value)
+    assert line.startswith(f"error: {path}: ") and says in line and "\n" not in line, line
+
+
+def test_a_failed_run_is_reported_and_the_others_go_on(env, tmp_path):
+    """A run that crashes (here: kd told to start from a checkpoint that is not there, which
+    only training finds out) is listed in REPORT.md; the baseline's run still finishes."""
+    extra = '[scales.cpu.arm_flags]\nkd = "--init-from /nowhere/ckpt.pt"\n'
+    path = study_file(tmp_path, env, extra=extra, evaluations=False)
+    p = subprocess.run([sys.executable, str(REPO / "study.py"), str(path), "--out",
+                        tmp_path / "s", "--seeds", "0", "--no-figures", "--nboot", "50"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1 and "1 jobs failed: kd s0" in p.stdout, p.stdout[-3000:]
+    md = (tmp_path / "s" / "REPORT.md").read_text()
+    assert "`kd` seed 0 failed: train exited with 1: error:" in md
+    assert (tmp_path / "s" / "results" / "mlm" / "s0.json.gz").exists()
