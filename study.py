@@ -515,8 +515,10 @@ def build_report(spec, scale_name, folder, jobs, nboot, figures=True) -> str:
     lines += [f"Holds {held} of the {len(planned)} runs planned ({len(arms)} arms x "
               f"{len(scale['seeds'])} seeds {scale['seeds']}); made on {', '.join(devices) or '-'}"
               f", {', '.join(dates) or '-'}. Baseline: `{base}`. Built by `python study.py "
-              f"{spec['path']} --scale {scale_name} --report` from "
-              f"`results/` alone.", ""]
+              f"{spec['path']} --scale {scale_name} --report"
+              + ("" if folder == REPO / "runs" / spec["name"] / scale_name else
+                 f" --out {os.path.relpath(folder.resolve(), REPO)}") + "` from "
+              "`results/` alone.", ""]
     if scale.get("notes"):
         lines += [scale["notes"].strip(), ""]
     lines += ["B - A is each arm minus the baseline, with its 95% Multi-Bootstrap interval "
@@ -597,7 +599,9 @@ def build_report(spec, scale_name, folder, jobs, nboot, figures=True) -> str:
     for j in jobs:
         if j.seed == scale["seeds"][0] or (j.arm is None and j.name.endswith(
                 f"s{scale['seeds'][0]}")) or j.name.startswith("corpus"):
-            lines += [f"`{j.name}`:", "```bash", *[shown(s.argv) for s in j.steps], "```"]
+            ran = [r for r in results.get(j.arm, []) if r["seed"] == j.seed]  # as it was run
+            commands = ran[0]["commands"] if ran else [shown(s.argv) for s in j.steps]
+            lines += [f"`{j.name}`:", "```bash", *commands, "```"]
     if figures:
         lines += ["", *draw_figures(folder, spec, results, comp)]
     (folder / "report.json").write_text(json.dumps(
@@ -634,7 +638,7 @@ def draw_figures(folder, spec, results, comp) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for arm in spec["arms"]:
         curves = [mlm_curve(r["curve"]) for r in results.get(arm, [])]
-        curves = [c for c in curves if c[0]]
+        curves = [c for c in curves if len(c[0]) > 1]  # mlsm: phase 1's last point alone
         if not curves:
             continue
         steps = sorted(set.intersection(*(set(c[0]) for c in curves)))
