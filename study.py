@@ -157,6 +157,12 @@ class Job:
     after: list = field(default_factory=list)  # jobs (by name) that must finish first
 
 
+def raw_path(p) -> Path:
+    """An evaluation folder: as given if absolute, else under $NANOMLM_RAW (made absolute, as the
+    commands run in the repository)."""
+    return Path(p) if Path(p).is_absolute() else raw_root().resolve() / p
+
+
 def fingerprint(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -172,7 +178,7 @@ def plan(spec: dict, scale_name: str, folder: Path, only=None, seeds=None) -> li
     scale, arms = spec["scales"][scale_name], spec["arms"]
     ev = scale.get("evaluate", {})
     device = ["--device", scale["device"]] if "device" in scale else []
-    raw = lambda p: str(Path(p) if Path(p).is_absolute() else raw_root() / p)
+    raw = lambda p: str(raw_path(p))
     corpora = {name: folder / "corpora" / f"{name}.{spec['name']}.{scale_name}"
                for name in scale.get("corpora", {})}
     data = lambda name: str(corpora.get(name, name))
@@ -271,15 +277,15 @@ def preflight(spec, scale_name, jobs, path) -> dict:
         if m not in known:
             raise fail(f"metrics[{i}]", f"unknown metric {m!r} (this study's: {', '.join(known)})")
     for i, d in enumerate(scale.get("evaluate", {}).get("blimp", [])):
-        if not (raw_root() / d).is_dir() and not Path(d).is_dir():
+        if not raw_path(d).is_dir():
             raise fail(f"scales.{scale_name}.evaluate.blimp[{i}]", f"no BLiMP folder at "
-                       f"{raw_root() / d}")
+                       f"{raw_path(d)}")
     ft = scale.get("evaluate", {}).get("finetune")
     if ft:
         key = f"scales.{scale_name}.evaluate.finetune"
         if "data_dir" not in ft:
             raise fail(key, "needs data_dir")
-        folder = raw_root() / ft["data_dir"]
+        folder = raw_path(ft["data_dir"])
         if not folder.is_dir():
             raise fail(f"{key}.data_dir", f"no task folder at {folder}")
         for i, task in enumerate(ft.get("tasks", [])):
@@ -299,13 +305,18 @@ def preflight(spec, scale_name, jobs, path) -> dict:
             raise fail(f"scales.{scale_name}.corpora.{name}", f"no script {script!r} here")
     # train.py --check resolves each distinct command's flags; run them side by side
     trains = {j.name: j.steps[0].argv for j in jobs if j.steps[0].label == "train"}
+    # seeds differ in --seed and --out-dir alone: check one command per arm
+    same = lambda argv: tuple(a for i, a in enumerate(argv)
+                              if i == 0 or argv[i - 1] not in ("--seed", "--out-dir"))
+    distinct = {same(argv): argv for argv in trains.values()}
 
     def check(argv):
         p = subprocess.run([sys.executable, *argv, "--check"], cwd=REPO, capture_output=True,
                            text=True)
         return p.returncode, p.stdout, (p.stderr.strip().splitlines() or ["?"])[-1]
     with ThreadPoolExecutor(4) as pool:
-        checked = dict(zip(trains, pool.map(check, trains.values())))
+        once = dict(zip(distinct, pool.map(check, distinct.values())))
+    checked = {name: once[same(argv)] for name, argv in trains.items()}
     resolved = {}
     generated = {str(j.steps[0].done.parent) for j in jobs if j.name.startswith("corpus")}
     for job in jobs:
