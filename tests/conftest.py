@@ -4,6 +4,7 @@ import gzip
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,13 @@ def run_train(*args, cwd=REPO, launcher=None, timeout=600,
     # OMP_NUM_THREADS: 2 gloo processes on 2 cores, no oversubscription
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def run_trains(*commands, **kw) -> list[subprocess.CompletedProcess]:
+    """Several independent train.py commands side by side (each on one thread: two at once on
+    CI's two cores take about the time of one); their finished processes, in order."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: run_train(*args, **kw), commands))
 
 
 # a model small enough that a CLI run takes seconds on a CPU

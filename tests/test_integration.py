@@ -10,12 +10,13 @@ def test_tiny_mlm_learns_past_the_unigram_entropy(small_raw, tmp_path, monkeypat
     monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prepared"))
     out = tmp_path / "run"
     r = run_train("--data", small_raw, "--vocab-size", 2000, "--size", "tiny", "--seq-len", 64,
-                  "--batch-size", 32, "--max-steps", 300, "--lr", 1e-2, "--eval-every", 100,
+                  "--batch-size", 32, "--max-steps", 200, "--lr", 1e-2, "--eval-every", 100,
                   "--eval-batches", 4, "--log-every", 50, "--device", "cpu", "--out-dir", out)
     assert r.returncode == 0, r.stderr
     meta = json.loads((tmp_path / "prepared" / "babylm_small" / "meta.json").read_text())
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     val = [e["val_loss"] for e in log if "val_loss" in e]
-    assert len(val) == 3 and val[0] > val[-1]  # validation loss falls...
-    # ...well below the entropy of the tokens' unigram distribution (5.89 nats here; 4.2 measured)
+    assert len(val) == 2 and val[0] > val[-1]  # validation loss falls...
+    # ...well below the entropy of the tokens' unigram distribution (5.89 nats here; 4.45
+    # measured at step 200)
     assert val[-1] < meta["unigram_entropy"] - 1.0, (val, meta["unigram_entropy"])

@@ -73,7 +73,7 @@ def whole(env, tmp_path_factory):
     """The tiny study run in one folder."""
     tmp = tmp_path_factory.mktemp("whole")
     path = study_file(tmp, env)
-    out = run_study(path, "--out", tmp / "study")
+    out = run_study(path, "--out", tmp / "study", "--parallel", 2)  # 2 cores, 1 thread each
     return path, tmp / "study", out
 
 
@@ -179,7 +179,8 @@ def test_a_failed_run_is_reported_and_the_others_go_on(env, tmp_path):
     extra = '[scales.cpu.arm_flags]\nkd = "--init-from /nowhere/ckpt.pt"\n'
     path = study_file(tmp_path, env, extra=extra, evaluations=False)
     p = subprocess.run([sys.executable, str(REPO / "study.py"), str(path), "--out",
-                        tmp_path / "s", "--seeds", "0", "--no-figures", "--nboot", "50"],
+                        tmp_path / "s", "--seeds", "0", "--no-figures", "--nboot", "50",
+                        "--parallel", "2"],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 1 and "1 jobs failed: kd s0" in p.stdout, p.stdout[-3000:]
     md = (tmp_path / "s" / "REPORT.md").read_text()

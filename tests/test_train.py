@@ -13,7 +13,7 @@ import torch
 
 import sparse
 import train as T
-from conftest import TINY, run_train
+from conftest import TINY, run_train, run_trains
 from data.prepare import CLS, MASK, SEP, prepare
 from model import save_checkpoint
 
@@ -137,9 +137,9 @@ def test_resume_is_exact(prepared, tmp_path, objective, stop):
               "--phase1-steps", 0.25, *TINY]
     if objective.startswith("mlsm"):
         common += MLSM_DICT
-    assert run_train(*common, "--out-dir", tmp_path / "a").returncode == 0
-    first = run_train(*common, "--out-dir", tmp_path / "b", "--stop-at", stop)
-    assert first.returncode == 0, first.stderr
+    whole, first = run_trains([*common, "--out-dir", tmp_path / "a"],
+                              [*common, "--out-dir", tmp_path / "b", "--stop-at", stop])
+    assert whole.returncode == 0 and first.returncode == 0, whole.stderr + first.stderr
     assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["step"] == stop
     second = run_train("--out-dir", tmp_path / "b", "--resume", "--device", "cpu")
     assert second.returncode == 0, second.stderr
@@ -171,7 +171,9 @@ def test_mlm_two_phase_restarts_optimizer_and_warmup(prepared, tmp_path):
     the boundary changes nothing."""
     common = ["--data", prepared, "--max-steps", 12, "--two-phase", "--phase1-steps", 4,
               "--warmup", 2, *TINY, "--log-every", 1]
-    assert run_train(*common, "--out-dir", tmp_path / "a").returncode == 0
+    runs = run_trains([*common, "--out-dir", tmp_path / "a"],
+                      [*common, "--out-dir", tmp_path / "b", "--stop-at", 4])
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
     log = read_log(tmp_path / "a")
     lr = {e["step"]: e["lr"] for e in log if "lr" in e}
     # hand-computed: warm-up steps 0 and 1 of each phase at lr * 1/2 and lr * 2/2
@@ -180,7 +182,6 @@ def test_mlm_two_phase_restarts_optimizer_and_warmup(prepared, tmp_path):
     last = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)
     steps = lambda ckpt: {int(s["step"]) for s in ckpt["optimizer"]["state"].values()}
     assert (phase1["step"], steps(phase1), steps(last)) == (4, {4}, {8})  # a fresh optimizer
-    assert run_train(*common, "--out-dir", tmp_path / "b", "--stop-at", 4).returncode == 0
     r = run_train("--out-dir", tmp_path / "b", "--resume", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     b = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)
@@ -215,8 +216,8 @@ def test_bf16_autocast_on_the_cpu_tracks_float32(prepared, tmp_path):
     """--bf16 runs the forward in bfloat16 on the CPU too: it must change the arithmetic (else the
     flag did nothing) yet follow the float32 run closely, and leave the weights in float32."""
     common = ["--data", prepared, "--max-steps", 10, "--log-every", 2, "--dropout", 0.0, *TINY]
-    for flag in ("--bf16", "--no-bf16"):
-        r = run_train(*common, flag, "--out-dir", tmp_path / flag)
+    for r in run_trains(*([*common, flag, "--out-dir", tmp_path / flag]
+                          for flag in ("--bf16", "--no-bf16"))):
         assert r.returncode == 0, r.stderr
     (a, la), (b, lb) = ((torch.load(tmp_path / f / "ckpt.pt", weights_only=True)["model"],
                          [e["loss"] for e in read_log(tmp_path / f) if "loss" in e])
