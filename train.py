@@ -299,8 +299,8 @@ class Stopwatch:
 
     def __init__(self, device):
         self.cuda, self.spans = torch.device(device).type == "cuda", []
-        # wrapped here, not decorated: torch.compiler.disable imports dynamo (1.5 s of every
-        # train.py start, measured), which only a run that times a block needs
+        # wrapped here, not decorated: torch.compiler.disable imports dynamo (about 2 s of
+        # every train.py start on our CPU, measured), which only a run that times a block needs
         self._start, self._stop = map(torch.compiler.disable, (self._start, self._stop))
 
     @contextlib.contextmanager
