@@ -4,7 +4,7 @@
     python bench.py --sizes tiny,small --sparse-all    # docs/bench.md's table (37 min, 2 cores)
     python bench.py --device cuda     # on a GPU: adds MFU against the GPU's bf16 peak
     python bench.py --quick           # seconds: tiny shapes, few repetitions (the tests run this)
-    python bench.py --only step,bert  # some of: step, bert, ema, pll, sparse, sampler
+    python bench.py --only step,bert  # some of: step, bert, ltg, ema, pll, sparse, sampler
     python bench.py --table docs/bench/cpu.json   # the table of a saved run (docs/bench.md's)
 
 Every row is ours against a reference measured in the same run, so the ratio holds on a noisy
@@ -15,6 +15,9 @@ machine: rates (higher is better), median over repetitions after warm-up, with m
            shape (layers, hidden, heads, FFN width, vocabulary, sequence, batch), only if
            transformers is installed (never a requirement); flops_ratio is ours / theirs in
            matrix FLOPs per token (flops_per_token, bert_flops_per_token)
+  ltg      our MLM training step against LTG-BERT's own model code, re-implemented here from
+           ltgoslo/ltg-bert (LtgBert below) and loaded with the same weights; max_abs_diff is
+           the largest difference of their logits in float32
   ema      fused EMA (one torch._foreach_lerp_) against a per-tensor loop
   pll      evaluate.py's batched pseudo-log-likelihood (every masked copy of equal-length
            sentences in one forward) against one forward per masked copy, on the same sentences
@@ -28,6 +31,7 @@ import argparse
 import copy
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -38,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import evaluate
@@ -218,15 +223,174 @@ def bench_bert(args, device, tmp):
                 opts[1].step()
                 opts[1].zero_grad(set_to_none=True)
 
-            a, b = [], []
-            for i in range(warmup + repeat):
-                a += rates(step_ours, B * T, device, int(i < warmup), int(i >= warmup))
-                b += rates(step_theirs, B * T, device, int(i < warmup), int(i >= warmup))
+            a, b = alternate(step_ours, step_theirs, B * T, device, warmup, repeat)
             name += ", compiled (both)" if args.compile else ""
             params = f"{ours.num_params() / 1e6:.1f}M vs {theirs.num_parameters() / 1e6:.1f}M"
             rows.append(row("bert", f"mlm step {size} {B}x{T}{name} ({params} params)",
                             "tokens/s", a, "BertForMaskedLM", b,
                             flops_ratio=flops_per_token(cfg, T) / bert_flops_per_token(cfg, T)))
+    return rows
+
+
+def alternate(fn_a, fn_b, work, device, warmup, repeat):
+    """rates() of two functions called in turn, so that a slow spell of the machine hits both."""
+    a, b = [], []
+    for i in range(warmup + repeat):
+        a += rates(fn_a, work, device, int(i < warmup), int(i >= warmup))
+        b += rates(fn_b, work, device, int(i < warmup), int(i >= warmup))
+    return a, b
+
+
+# ---------------------------------------------------------------------------------------------
+# LTG-BERT's model code, re-implemented from reading ltgoslo/ltg-bert (babylm/train/model.py,
+# commit 4fe9e6f) for the `ltg` rows and tests/test_model.py: its layout (sequence first), its
+# order of work (each pair's position vectors gathered first, a (T, T, 2D) tensor, then two
+# einsums), its bucket formula and its masked softmax. The function is our Encoder's, so one
+# state dict loads into both (parameter names follow ours); the kernels are theirs.
+
+class _MaskedSoftmax(torch.autograd.Function):
+    """LTG-BERT's: padding to -inf, softmax, padding to 0; the backward reads the output only."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        y = torch.softmax(x.masked_fill(mask, float("-inf")), -1).masked_fill(mask, 0.0)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, y, -1, y.dtype), None
+
+
+def ltg_buckets(T, buckets, max_position):
+    """(T, T) bucket index of query i, key j, by LTG-BERT's make_log_bucket_position."""
+    rel = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+    mid = buckets // 2
+    a = torch.where(rel.abs() < mid, mid - 1, rel.abs()).clamp(max=max_position - 1)
+    log_pos = torch.ceil(torch.log(a / mid) / math.log((max_position - 1) / mid)
+                         * (mid - 1)).long() + mid
+    return torch.where(a <= mid, rel, rel.sign() * log_pos) + buckets - 1
+
+
+class LtgAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.H, self.d, self.eps = cfg.n_head, cfg.d_model // cfg.n_head, cfg.layer_norm_eps
+        self.scale = 1 / math.sqrt(3 * self.d)
+        self.qk = nn.Linear(cfg.d_model, 2 * cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model)
+        self.post_norm = nn.LayerNorm(cfg.d_model, cfg.layer_norm_eps)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, pad, rel, idx):  # x (T, B, D), pad (B, 1, 1, T) True at padding
+        T, B, D = x.shape
+        H, d = self.H, self.d
+        h = F.layer_norm(x, (D,), eps=self.eps)
+        q, k = self.qk(h).chunk(2, dim=-1)
+        q, k, v = (t.reshape(T, B * H, d).transpose(0, 1) for t in (q, k, self.v(h)))
+        qp, kp = F.embedding(idx, self.qk(self.drop(rel))).chunk(2, dim=-1)  # (T, T, D) each
+        qp, kp = qp.view(T, T, H, d), kp.view(T, T, H, d)
+        s = torch.bmm(q, k.transpose(1, 2) * self.scale).view(B, H, T, T)
+        q, k = q.view(B, H, T, d), k.view(B, H, T, d)
+        s = s + torch.einsum("bhqd,qkhd->bhqk", q, kp * self.scale)
+        s = s + torch.einsum("bhkd,qkhd->bhqk", k * self.scale, qp)
+        p = self.drop(_MaskedSoftmax.apply(s, pad))
+        y = torch.bmm(p.flatten(0, 1), v).transpose(0, 1).reshape(T, B, D)
+        return self.drop(self.post_norm(self.out(y)))
+
+
+class LtgLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn, self.eps = LtgAttention(cfg), cfg.layer_norm_eps
+        self.drop = nn.Dropout(cfg.dropout)
+        self.ffn = nn.Module()
+        self.ffn.up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.ffn.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x, pad, rel, idx):
+        x = x + self.attn(x, pad, rel, idx)
+        a, gate = self.ffn.up(F.layer_norm(x, x.shape[-1:], eps=self.eps)).chunk(2, dim=-1)
+        a = F.layer_norm(a * F.gelu(gate, approximate="tanh"), a.shape[-1:], eps=self.eps)
+        return x + self.drop(self.ffn.down(a))
+
+
+class LtgBert(nn.Module):
+    """Relative positions only. forward(ids (B, T), attention_mask (B, T), predict (B, T) bool)
+    -> logits (N, V) of the predicted positions in sequence-major order (T, then B), as
+    LTG-BERT's head selects them."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        D, self.cfg = cfg.d_model, cfg
+        self.word = nn.Embedding(cfg.vocab_size, D)
+        self.rel = nn.Parameter(torch.zeros(2 * cfg.position_buckets - 1, D))
+        self.rel_norm = nn.LayerNorm(D, cfg.layer_norm_eps)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(LtgLayer(cfg) for _ in range(cfg.n_layer))
+        norm = lambda: nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False)
+        self.head_in = nn.Sequential(norm(), nn.Linear(D, D), nn.GELU(), norm(),
+                                     nn.Dropout(cfg.dropout))
+        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        self.register_buffer("buckets", ltg_buckets(cfg.max_position, cfg.position_buckets,
+                                                    cfg.max_position), persistent=False)
+
+    def forward(self, ids, attention_mask, predict):
+        T, D = ids.shape[1], self.cfg.d_model
+        x = self.drop(F.layer_norm(self.word(ids.t()), (D,), eps=self.cfg.layer_norm_eps))
+        pad = (attention_mask == 0)[:, None, None, :]
+        rel, idx = self.rel_norm(self.rel), self.buckets[:T, :T]
+        for layer in self.layers:
+            x = layer(x, pad, rel, idx)
+        x = x.flatten(0, 1).index_select(0, predict.t().flatten().nonzero().squeeze(1))
+        return F.linear(self.head_in(x), self.word.weight, self.head_bias)
+
+
+def bench_ltg(args, device, tmp):
+    """Our MLM step against LTG-BERT's model code (above) with the same weights, the two timed
+    alternately; max_abs_diff: their logits against ours in float32, dropout off."""
+    rows = []
+    B, T = args.batch_size, args.seq_len
+    warmup, repeat = (1, 3) if args.quick else (3, 10)
+    amp = autocast(device, args.bf16)
+    fused = {"fused": True} if device.type == "cuda" else {}
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(len(SPECIALS), V, (B, T), generator=g)
+    masked = torch.rand(B, T, generator=g) < 0.15
+    inp, ids, masked = ids.masked_fill(masked, MASK).to(device), ids.to(device), masked.to(device)
+    att = torch.ones(B, T, dtype=torch.long, device=device)
+    # theirs predicts in (T, B) order, ours in (B, T): `back` puts their rows in our order
+    back = torch.arange(B * T, device=device).view(B, T).t()[masked.t()].argsort()
+    for size in args.sizes:
+        cfg = ModelConfig(**PRESETS[size], vocab_size=V)
+        ours = Encoder(cfg).to(device).eval()
+        theirs = LtgBert(cfg).to(device).eval()
+        theirs.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            diff = (ours(inp, att, predict=masked)[1] - theirs(inp, att, masked)[back]).abs()
+        opts = [torch.optim.AdamW(m.train().parameters(), lr=1e-4, **fused)
+                for m in (ours, theirs)]
+        if args.compile:
+            ours.compile()
+            theirs.compile()
+
+        def step(model, opt, logits, targets):
+            with amp:
+                out = logits(model)
+            F.cross_entropy(out.float(), targets).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        a, b = alternate(lambda: step(ours, opts[0], lambda m: m(inp, att, predict=masked)[1],
+                                      ids[masked]),
+                         lambda: step(theirs, opts[1], lambda m: m(inp, att, masked),
+                                      ids.t()[masked.t()]),
+                         B * T, device, warmup, repeat)
+        name = ", compiled (both)" if args.compile else ""
+        rows.append(row("ltg", f"mlm step {size} {B}x{T}{name}", "tokens/s", a,
+                        "LTG-BERT model code", b, max_abs_diff=diff.max().item()))
     return rows
 
 
@@ -370,8 +534,8 @@ def bench_sampler(args, device, tmp):
     return [row("sampler", f"PCFG from French UD, {n} sentences, zipf", "sentences/s", speeds)]
 
 
-BENCHES = {"step": bench_step, "bert": bench_bert, "ema": bench_ema, "pll": bench_pll,
-           "sparse": bench_sparse, "sampler": bench_sampler}
+BENCHES = {"step": bench_step, "bert": bench_bert, "ltg": bench_ltg, "ema": bench_ema,
+           "pll": bench_pll, "sparse": bench_sparse, "sampler": bench_sampler}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and saved["device"] == "cpu"
     benches = [r["bench"] for r in rows]
-    for name in ("step", "ema", "pll", "sparse", "sampler"):
+    for name in ("step", "ltg", "ema", "pll", "sparse", "sampler"):
         assert name in benches
     assert [r["case"].split()[0] for r in rows if r["bench"] == "step"] == ["mlm", "kd+mlm",
                                                                            "mlsm+mlm"]
@@ -32,6 +32,8 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
     assert 0 < mlsm["code_share"] < 1 and "code_share" not in kd
     pll = next(r for r in rows if r["bench"] == "pll")
     assert pll["max_abs_diff"] < 1e-3                                    # batched and naive agree
+    ltg = next(r for r in rows if r["bench"] == "ltg")
+    assert ltg["max_abs_diff"] < 1e-4                # the same function as LTG-BERT's own code
 
 
 def test_docs_tables_are_generated_from_their_json():

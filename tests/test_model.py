@@ -11,6 +11,7 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
+from bench import LtgBert, ltg_buckets
 from model import (PRESETS, BootHeads, Decoder, Encoder, Lamb, ModelConfig, boot_states,
                    check_config, ema_update, load_checkpoint, read_checkpoint, relative_buckets,
                    save_checkpoint)
@@ -98,6 +99,34 @@ def test_relative_attention_matches_pair_by_pair_reference():
     want = naive_attention(att, x, mask, rel, model.buckets)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
+
+
+def test_encoder_equals_ltg_bert_model_code():
+    """bench.py's LtgBert re-implements LTG-BERT's own model code (sequence first, each pair's
+    position vectors gathered before two einsums, its bucket formula, its masked softmax): with
+    one state dict, the MLM logits and every parameter's gradient agree in float64, padding in
+    two of three rows."""
+    torch.manual_seed(0)
+    cfg = tiny(n_head=4, position_buckets=8, max_position=64, dropout=0.0)
+    ours = Encoder(cfg).double()
+    theirs = LtgBert(cfg).double()
+    theirs.load_state_dict(ours.state_dict())
+    assert (ltg_buckets(128, 32, 512) == relative_buckets(512, 32, 512)[:128, :128]).all()
+    B, T = 3, 20
+    ids = torch.randint(5, V, (B, T))
+    att = torch.ones(B, T, dtype=torch.long)
+    att[1, 14:], att[2, 5:] = 0, 0
+    predict = att.bool()
+    back = torch.arange(B * T).view(B, T).t()[predict.t()].argsort()  # their (T, B) order to ours
+    got, want = ours(ids, att, predict=predict)[1], theirs(ids, att, predict)[back]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    w = torch.randn_like(got)
+    (got * w).sum().backward()
+    (want * w).sum().backward()
+    theirs_params = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs_params[name].grad, rtol=1e-9, atol=1e-10,
+                                   msg=name)
 
 # --- padding, translation, hidden states ---------------------------------------------------------
 
