@@ -4,7 +4,7 @@
     python bench.py --sizes tiny,small --sparse-all    # docs/bench.md's table (37 min, 2 cores)
     python bench.py --device cuda     # on a GPU: adds MFU against the GPU's bf16 peak
     python bench.py --quick           # seconds: tiny shapes, few repetitions (the tests run this)
-    python bench.py --only step,bert  # some of: step, bert, ltg, ema, pll, sparse, sampler
+    python bench.py --only step,bert  # some of: step, bert, ltg, attn, ema, ...
     python bench.py --table docs/bench/cpu.json   # the table of a saved run (docs/bench.md's)
 
 Every row is ours against a reference measured in the same run, so the ratio holds on a noisy
@@ -18,6 +18,10 @@ machine: rates (higher is better), median over repetitions after warm-up, with m
   ltg      our MLM training step against LTG-BERT's own model code, re-implemented here from
            ltgoslo/ltg-bert (LtgBert below) and loaded with the same weights; max_abs_diff is
            the largest difference of their logits in float32
+  attn     one attention layer's relative-position core, forward and backward, dropout off:
+           the model's gather path against other formulations (the relative shift; on CUDA
+           also SDPA's efficient kernel with a bias gradient and flex_attention); each row's
+           max_abs_diff is its largest difference from the gather path, output and gradients
   ema      fused EMA (one torch._foreach_lerp_) against a per-tensor loop
   pll      evaluate.py's batched pseudo-log-likelihood (every masked copy of equal-length
            sentences in one forward) against one forward per masked copy, on the same sentences
@@ -49,7 +53,7 @@ import evaluate
 import sparse
 from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
 from model import (PRESETS, REPO, Encoder, ModelConfig, autocast, ema_update, pick_device,
-                   use_bf16)
+                   relative_buckets, use_bf16)
 
 V = VOCAB_SIZE
 # dense bf16 peak FLOP/s, for MFU (vendor datasheets; SXM parts)
@@ -226,9 +230,12 @@ def bench_bert(args, device, tmp):
             a, b = alternate(step_ours, step_theirs, B * T, device, warmup, repeat)
             name += ", compiled (both)" if args.compile else ""
             params = f"{ours.num_params() / 1e6:.1f}M vs {theirs.num_parameters() / 1e6:.1f}M"
-            rows.append(row("bert", f"mlm step {size} {B}x{T}{name} ({params} params)",
-                            "tokens/s", a, "BertForMaskedLM", b,
+            case = f"mlm step {size} {B}x{T}{name} ({params} params)"
+            rows.append(row("bert", case, "tokens/s", a, "BertForMaskedLM", b,
                             flops_ratio=flops_per_token(cfg, T) / bert_flops_per_token(cfg, T)))
+            if args.profile:
+                PROFILES[f"bert: {case}"] = {"ours": profile_ops(step_ours, device),
+                                             "BertForMaskedLM": profile_ops(step_theirs, device)}
     return rows
 
 
@@ -239,6 +246,34 @@ def alternate(fn_a, fn_b, work, device, warmup, repeat):
         a += rates(fn_a, work, device, int(i < warmup), int(i >= warmup))
         b += rates(fn_b, work, device, int(i < warmup), int(i >= warmup))
     return a, b
+
+
+PROFILES = {}  # case -> {model: top operators of one step}, with --profile; saved in bench.json
+
+
+def profile_ops(fn, device, top=15) -> list[dict]:
+    """The operators of one call of fn, by self time (torch.profiler; device time on a GPU):
+    op, ms, calls, share of the call's total."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    ops = sorted(prof.key_averages(), key=lambda e: -getattr(e, attr))
+    total = sum(getattr(e, attr) for e in ops)
+    return [{"op": e.key, "ms": getattr(e, attr) / 1e3, "calls": e.count,
+             "share": getattr(e, attr) / total} for e in ops[:top]]
+
+
+def print_profiles():
+    for case, models in PROFILES.items():
+        for name, ops in models.items():
+            print(f"\n{case}, {name}: one step's top operators by self time")
+            for o in ops:
+                print(f"  {o['op'][:44]:44s} {o['ms']:9.1f} ms {o['share']:6.1%} "
+                      f"{o['calls']:5d} calls")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,16 +418,123 @@ def bench_ltg(args, device, tmp):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        a, b = alternate(lambda: step(ours, opts[0], lambda m: m(inp, att, predict=masked)[1],
-                                      ids[masked]),
-                         lambda: step(theirs, opts[1], lambda m: m(inp, att, masked),
-                                      ids.t()[masked.t()]),
-                         B * T, device, warmup, repeat)
-        name = ", compiled (both)" if args.compile else ""
-        rows.append(row("ltg", f"mlm step {size} {B}x{T}{name}", "tokens/s", a,
-                        "LTG-BERT model code", b, max_abs_diff=diff.max().item()))
+        step_ours = lambda: step(ours, opts[0], lambda m: m(inp, att, predict=masked)[1],
+                                 ids[masked])
+        step_ltg = lambda: step(theirs, opts[1], lambda m: m(inp, att, masked),
+                                ids.t()[masked.t()])
+        a, b = alternate(step_ours, step_ltg, B * T, device, warmup, repeat)
+        case = f"mlm step {size} {B}x{T}" + (", compiled (both)" if args.compile else "")
+        rows.append(row("ltg", case, "tokens/s", a, "LTG-BERT model code", b,
+                        max_abs_diff=diff.max().item()))
+        if args.profile:
+            PROFILES[f"ltg: {case}"] = {name: profile_ops(fn, device) for name, fn in
+                                        (("ours", step_ours), ("LTG-BERT model code", step_ltg))}
     return rows
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Relative attention: the model's gather path against other ways to compute the same thing
+
+def skew(a):
+    """(..., T, 2T - 1) -> (..., T, T), out[i, j] = a[i, j - i + T - 1]: a row's scores by
+    offset, read off by flattening and re-slicing (Dai et al. 2019's relative shift; views only)."""
+    T = a.shape[-2]
+    if T == 1:
+        return a
+    return a.flatten(-2)[..., T - 1:T - 1 + T * (2 * T - 2)].unflatten(-1, (T, 2 * T - 2))[..., :T]
+
+
+def attention_variants(device):
+    """{name: fn(q, k, v, qp, kp, idx, keep, scale) -> (B, H, T, hd)}, dropout off: q, k, v
+    (B, H, T, hd); qp, kp (H, R, hd) projected position vectors; idx (T, T) buckets; keep (B, T)
+    bool, False at padding. `gather` is model.Attention's way."""
+    def bias_of(keep):
+        return torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, float("-inf"))
+
+    def gather(q, k, v, qp, kp, idx, keep, scale, backend=None):
+        B, H, T, _ = q.shape
+        i = idx.expand(B, H, T, T)
+        c2p = (q @ kp.transpose(-1, -2)).gather(-1, i)
+        p2c = (k @ qp.transpose(-1, -2)).gather(-1, i.transpose(-1, -2)).transpose(-1, -2)
+        bias = (bias_of(keep)[:, None, None, :] + (c2p + p2c) * scale).to(q.dtype)
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        with torch.nn.attention.sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+
+    def by_offset(q, k, v, qp, kp, idx, keep, scale):
+        T = q.shape[2]
+        off = torch.cat([idx[T - 1], idx[0, 1:]])    # bucket of offset i - j = T-1, ..., -(T-1)
+        c2p = skew(q @ kp[:, off].transpose(-1, -2))
+        p2c = skew(k @ qp[:, off.flip(0)].transpose(-1, -2)).transpose(-1, -2)
+        bias = (bias_of(keep)[:, None, None, :] + (c2p + p2c) * scale).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+
+    out = {"gather": gather, "by offset (relative shift)": by_offset}
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = torch.compile(flex_attention)
+
+        def flex_scores(q, k, v, qp, kp, idx, keep, scale):
+            c2p, p2c = q @ kp.transpose(-1, -2), k @ qp.transpose(-1, -2)   # (B, H, T, R)
+
+            def score_mod(score, b, h, i, j):
+                r = idx[i, j]
+                pos = (c2p[b, h, i, r] + p2c[b, h, j, r]) * scale
+                return torch.where(keep[b, j], score + pos, float("-inf"))
+            return flex(q, k, v, score_mod=score_mod, scale=scale)
+        out["gather, SDPA efficient kernel"] = lambda *a: gather(
+            *a, backend=SDPBackend.EFFICIENT_ATTENTION)
+        out["flex_attention, scores by bucket"] = flex_scores
+    return out
+
+
+def bench_attn(args, device, tmp):
+    """One attention layer's core, forward and backward, dropout off, a quarter of the rows
+    padded at the end: each variant against the gather path, with the largest difference from
+    it in the output and in every gradient (max_abs_diff). A variant that fails says why."""
+    rows = []
+    B, T = args.batch_size, args.seq_len
+    warmup, repeat = (1, 2) if args.quick else (3, 10)
+    dtype = torch.bfloat16 if use_bf16(device, args.bf16) else torch.float32
+    for size in args.sizes:
+        cfg = ModelConfig(**PRESETS[size])
+        H, hd, R = cfg.n_head, cfg.d_model // cfg.n_head, 2 * cfg.position_buckets - 1
+        g = torch.Generator().manual_seed(0)
+        make = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype).requires_grad_()
+        inputs = [make(B, H, T, hd) for _ in range(3)] + [make(H, R, hd) for _ in range(2)]
+        idx = relative_buckets(T, cfg.position_buckets, cfg.max_position).to(device)
+        keep = torch.ones(B, T, dtype=torch.bool, device=device)
+        keep[: B // 4, T * 3 // 4:] = False
+        grad = torch.randn(B, H, T, hd, generator=g).to(device, dtype)
+        scale = 1 / math.sqrt(3 * hd)
+
+        def run(fn):
+            for t in inputs:
+                t.grad = None
+            y = fn(*inputs, idx, keep, scale)
+            y.backward(grad)
+            return [y.detach()] + [t.grad for t in inputs]
+
+        variants = attention_variants(device)
+        want = run(variants["gather"])
+        ref = rates(lambda: run(variants["gather"]), B * T, device, warmup, repeat)
+        for name, fn in variants.items():
+            if name == "gather":
+                continue
+            try:
+                got = run(fn)
+                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+                a, b = alternate(lambda: run(fn), lambda: run(variants["gather"]), B * T, device,
+                                 warmup, repeat)
+                rows.append(row("attn", f"{size} {B}x{T}, {name}", "tokens/s", a, "gather", b,
+                                max_abs_diff=diff))
+            except Exception as e:  # a kernel that refuses these inputs: the row says so
+                rows.append(row("attn", f"{size} {B}x{T}, {name}", "tokens/s", [0.0], "gather",
+                                ref, failed=f"{type(e).__name__}: {str(e)[:120]}"))
+    return rows
 
 # ---------------------------------------------------------------------------------------------
 # EMA, PLL scoring, sparse coding, the sampler
@@ -460,7 +602,9 @@ def sparse_problem(kind, d, k, n, seed=0):
     """Unit-norm rows H (n, d) and a dictionary D (d, k), unit columns. `isotropic`: random atoms,
     each row a noisy positive mix of about 10 of them. `anisotropic`: rows share a common
     direction (mean cosine about 0.3, as the hidden states of our tiny model, measured: 0.30) and
-    the atoms are k of those rows, as learn_dictionary starts; its D^T D is badly conditioned."""
+    the atoms are k of those rows, as learn_dictionary starts; its D^T D is badly conditioned.
+    `learned`: the same rows, D learned from 2k others by learn_dictionary (one epoch), as MLSM
+    codes against: coherent, but less so than its starting point."""
     g = torch.Generator().manual_seed(seed)
     unit = lambda x, dim: x / x.norm(dim=dim, keepdim=True)
     if kind == "isotropic":
@@ -468,8 +612,12 @@ def sparse_problem(kind, d, k, n, seed=0):
         A = (torch.rand(n, k, generator=g) < 10 / k) * torch.rand(n, k, generator=g)
         return unit(A @ D.T + 0.1 * torch.randn(n, d, generator=g) / d ** 0.5, 1), D
     common = unit(torch.randn(d, generator=g), 0)
-    X = unit(0.55 * common + unit(torch.randn(n + k, d, generator=g), 1), 1)
-    return X[:n], X[n:].T.contiguous()
+    X = unit(0.55 * common + unit(torch.randn(n + 2 * k, d, generator=g), 1), 1)
+    if kind == "anisotropic":
+        return X[:n], X[n:n + k].T.contiguous()
+    D, _ = sparse.learn_dictionary(X[n:], k, 0.05, epochs=1, seed=seed, eval_vectors=256,
+                                   progress=False)
+    return X[:n], D
 
 
 def bench_sparse(args, device, tmp):
@@ -487,7 +635,7 @@ def bench_sparse(args, device, tmp):
     objective = lambda H, D, A: sparse.objective(H, D, A, lam).double().mean().item()
     rows = []
     for d in ([128] if args.quick else [384, 768]):
-        for kind in ("isotropic", "anisotropic"):
+        for kind in ("isotropic", "anisotropic", "learned"):
             H, D = sparse_problem(kind, d, k, n)
             H, D = H.to(device), D.to(device)
             refs = {}
@@ -534,8 +682,8 @@ def bench_sampler(args, device, tmp):
     return [row("sampler", f"PCFG from French UD, {n} sentences, zipf", "sentences/s", speeds)]
 
 
-BENCHES = {"step": bench_step, "bert": bench_bert, "ltg": bench_ltg, "ema": bench_ema,
-           "pll": bench_pll, "sparse": bench_sparse, "sampler": bench_sampler}
+BENCHES = {"step": bench_step, "bert": bench_bert, "ltg": bench_ltg, "attn": bench_attn,
+           "ema": bench_ema, "pll": bench_pll, "sparse": bench_sparse, "sampler": bench_sampler}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -604,6 +752,8 @@ def main(argv=None):
         help=f"step: mlsm dictionary atoms (default {sparse.DictConfig().k}, train.py's)")
     add("--variants", action="store_true", help="bert: also ours with absolute positions, both "
         "without dropout, and both in bf16")
+    add("--profile", action="store_true", help="bert, ltg: also profile one step of each model "
+        "and print its top operators by self time (saved in bench.json)")
     add("--sparse-all", action="store_true",
         help="sparse: also scikit-learn's lasso_lars and our plain FISTA (slow)")
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -641,6 +791,9 @@ def main(argv=None):
     machine = torch.cuda.get_device_name(device) if not cpu else cpu_name()
     saved = {"machine": machine, "device": device.type, "torch": torch.__version__,
              "date": str(datetime.date.today()), "args": vars(args), "rows": rows}
+    if PROFILES:
+        saved["profiles"] = PROFILES
+        print_profiles()
     print("\n" + table(saved))
     Path(args.out).write_text(json.dumps(saved, indent=1))
     print(f"wrote {args.out}")

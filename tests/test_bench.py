@@ -10,12 +10,12 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NANOMLM_RAW", str(shared_data()))  # the sampler reads UD treebanks there
     out = tmp_path / "bench.json"
     rows = bench.main(["--quick", "--device", "cpu", "--data", str(prepared), "--objectives",
-                       "mlm,kd+mlm,mlsm+mlm", "--out", str(out)])
+                       "mlm,kd+mlm,mlsm+mlm", "--profile", "--out", str(out)])
     text = capsys.readouterr().out
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and saved["device"] == "cpu"
     benches = [r["bench"] for r in rows]
-    for name in ("step", "ltg", "ema", "pll", "sparse", "sampler"):
+    for name in ("step", "ltg", "attn", "ema", "pll", "sparse", "sampler"):
         assert name in benches
     assert [r["case"].split()[0] for r in rows if r["bench"] == "step"] == ["mlm", "kd+mlm",
                                                                            "mlsm+mlm"]
@@ -32,8 +32,13 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
     assert 0 < mlsm["code_share"] < 1 and "code_share" not in kd
     pll = next(r for r in rows if r["bench"] == "pll")
     assert pll["max_abs_diff"] < 1e-3                                    # batched and naive agree
+    for ops in [o for models in saved["profiles"].values() for o in models.values()]:
+        assert ops and sum(o["share"] for o in ops) <= 1 + 1e-9 and "ms" in ops[0]
+    assert any(k.startswith("ltg") for k in saved["profiles"])
     ltg = next(r for r in rows if r["bench"] == "ltg")
     assert ltg["max_abs_diff"] < 1e-4                # the same function as LTG-BERT's own code
+    attn = [r for r in rows if r["bench"] == "attn"]  # the CPU's variants compute the same thing
+    assert attn and all(r.get("max_abs_diff", 1) < 1e-4 for r in attn)
 
 
 def test_docs_tables_are_generated_from_their_json():
