@@ -4,6 +4,7 @@
 #     bash ../shared/gpu/carry.sh                 # here, first: .gpu_data/ (see ../shared/GPU.md)
 #     bash gpu_check.sh                           # there, one device call: tests, objectives
 #     bash gpu_check.sh mlm10                     # there, a second call: the 10-epoch run
+#     bash gpu_check.sh kernels                   # there: what issue 19 needs measured
 #
 # At today's speed (MLM at small: ~410k tokens/s, 6.5 min for 10 epochs, on an H100 with the
 # code of 2026-11-22) the three parts need two 10-minute calls; a faster step brings them in one.
@@ -11,6 +12,9 @@
 #   tests       tests/test_cuda.py: every objective compiled in bf16, PLL against the CPU, resume
 #   objectives  bench.py's step rows at small: mlm, boot, kd+mlm, mlsm+mlm for 200 steps each,
 #               tokens/s against mlm, recompilations, mlsm's code_share; and ours against BERT
+#   kernels     bench.py's ltg and attn rows at small and base, with --profile: ours against
+#               LTG-BERT's model code, and the attention core's gather path against SDPA's
+#               efficient kernel, flex_attention and the relative shift (issue 19)
 #   mlm10       train.py mlm at small for 10 epochs of babylm_10m (7,246 steps of 128 x 128),
 #               then evaluate.py blimp on the filtered BLiMP and its supplement
 # Each part has its own time limit inside a budget of $BUDGET seconds (default 570: a device
@@ -53,6 +57,8 @@ for p in $parts; do
         tests) part tests 60 300 python -m pytest -q -rs tests/test_cuda.py ;;
         objectives) part objectives 120 260 python bench.py --device cuda --sizes small \
                         --only step,bert --steps 200 --out "$W/bench.json" ;;
+        kernels) part kernels 60 400 python bench.py --device cuda --sizes small,base \
+                     --only ltg,attn --profile --out "$W/bench_kernels.json" ;;
         mlm10)
             part mlm10 300 480 python train.py --objective mlm --data babylm_10m --size small \
                 --max-steps 7246 --out-dir "$W/mlm10"
@@ -62,7 +68,7 @@ for p in $parts; do
             else
                 echo "blimp: skipped, mlm10 left no checkpoint" | tee -a "$W/parts.txt"
             fi ;;
-        *) echo "error: no part '$p' (tests, objectives, mlm10)" >&2; exit 2 ;;
+        *) echo "error: no part '$p' (tests, objectives, kernels, mlm10)" >&2; exit 2 ;;
     esac
 done
 
@@ -75,9 +81,12 @@ out = {"gpu": read("gpu.txt").strip(), "commit": read("commit.txt").strip(),
        "parts": read("parts.txt").splitlines()}
 tests = read("tests.log").strip().splitlines()
 out["tests"] = tests[-1] if tests else None
-if (w / "bench.json").exists():
-    keep = ("case", "ours", "unit", "reference", "ratio", "recompiles", "code_share", "mfu")
-    out["bench"] = [{k: r.get(k) for k in keep} for r in json.loads(read("bench.json"))["rows"]]
+keep = ("case", "ours", "unit", "reference", "ratio", "recompiles", "code_share", "mfu",
+        "max_abs_diff", "failed")
+for name in ("bench", "bench_kernels"):
+    if (w / f"{name}.json").exists():
+        out[name] = [{k: r.get(k) for k in keep if k in r}
+                     for r in json.loads(read(f"{name}.json"))["rows"]]
 if (w / "mlm10" / "log.jsonl").exists():
     log = [json.loads(line) for line in read("mlm10/log.jsonl").splitlines()]
     out["mlm10_last_val"] = next((e for e in reversed(log) if "val_loss" in e), None)
