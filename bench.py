@@ -280,15 +280,17 @@ def print_profiles():
 # LTG-BERT's model code, re-implemented from reading ltgoslo/ltg-bert (babylm/train/model.py,
 # commit 4fe9e6f) for the `ltg` rows and tests/test_model.py: its layout (sequence first), its
 # order of work (each pair's position vectors gathered first, a (T, T, 2D) tensor, then two
-# einsums), its bucket formula and its masked softmax. The function is our Encoder's, so one
-# state dict loads into both (parameter names follow ours); the kernels are theirs.
+# einsums), its bucket formula, its masked softmax, its in-place adds and its per-layer copy of
+# the scores. The function is our Encoder's, so one state dict loads into both (parameter names
+# follow ours); the work is theirs. A reviewer ran their file against this: equal logits and
+# gradients. The step timed is forward, backward and AdamW for both, not their train.py's.
 
 class _MaskedSoftmax(torch.autograd.Function):
     """LTG-BERT's: padding to -inf, softmax, padding to 0; the backward reads the output only."""
 
     @staticmethod
-    def forward(ctx, x, mask):
-        y = torch.softmax(x.masked_fill(mask, float("-inf")), -1).masked_fill(mask, 0.0)
+    def forward(ctx, x, mask):  # in place, as theirs
+        y = torch.softmax(x.masked_fill_(mask, float("-inf")), -1).masked_fill_(mask, 0.0)
         ctx.save_for_backward(y)
         return y
 
@@ -329,8 +331,9 @@ class LtgAttention(nn.Module):
         qp, kp = qp.view(T, T, H, d), kp.view(T, T, H, d)
         s = torch.bmm(q, k.transpose(1, 2) * self.scale).view(B, H, T, T)
         q, k = q.view(B, H, T, d), k.view(B, H, T, d)
-        s = s + torch.einsum("bhqd,qkhd->bhqk", q, kp * self.scale)
-        s = s + torch.einsum("bhkd,qkhd->bhqk", k * self.scale, qp)
+        s.add_(torch.einsum("bhqd,qkhd->bhqk", q, kp * self.scale))
+        s.add_(torch.einsum("bhkd,qkhd->bhqk", k * self.scale, qp))
+        s.detach().clone().mean(dim=1)  # their layers return this copy; training drops it
         p = self.drop(_MaskedSoftmax.apply(s, pad))
         y = torch.bmm(p.flatten(0, 1), v).transpose(0, 1).reshape(T, B, D)
         return self.drop(self.post_norm(self.out(y)))
