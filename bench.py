@@ -53,7 +53,7 @@ import evaluate
 import sparse
 from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
 from model import (PRESETS, REPO, Encoder, ModelConfig, autocast, ema_update, pick_device,
-                   relative_buckets, use_bf16)
+                   relative_buckets, relative_scores, use_bf16)
 
 V = VOCAB_SIZE
 # dense bf16 peak FLOP/s, for MFU (vendor datasheets; SXM parts)
@@ -169,6 +169,17 @@ def mfu(cfg, seq_len, tokens_per_s, device):
     return None if peak is None else flops_per_token(cfg, seq_len) * tokens_per_s / peak
 
 
+def mlm_batch(B, T, device):
+    """A fixed random MLM batch on device: ids (B, T), masked (B, T) bool (15%), the inputs
+    with [MASK] there, and an all-ones attention mask."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(len(SPECIALS), V, (B, T), generator=g)
+    masked = torch.rand(B, T, generator=g) < 0.15
+    inp = ids.masked_fill(masked, MASK)
+    att = torch.ones(B, T, dtype=torch.long)
+    return ids.to(device), masked.to(device), inp.to(device), att.to(device)
+
+
 def bench_bert(args, device, tmp):
     """Our MLM step against BertForMaskedLM's at the same shape, the two timed alternately (so a
     slow spell of the machine hits both). --variants adds, per size, ours with absolute positions
@@ -184,13 +195,8 @@ def bench_bert(args, device, tmp):
     warmup, repeat = (1, 3) if args.quick else (3, 10)
     bf16 = use_bf16(device, args.bf16)
     fused = {"fused": True} if device.type == "cuda" else {}
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(len(SPECIALS), V, (B, T), generator=g)
-    masked = torch.rand(B, T, generator=g) < 0.15
-    inp = ids.masked_fill(masked, MASK).to(device)
-    att = torch.ones(B, T, dtype=torch.long, device=device)
-    masked, targets = masked.to(device), ids.to(device)[masked.to(device)]
-    labels = torch.where(masked, ids.to(device), -100)
+    ids, masked, inp, att = mlm_batch(B, T, device)
+    targets, labels = ids[masked], torch.where(masked, ids, -100)
     variants = [("", {}, bf16)]
     if args.variants:
         variants += [(", absolute positions", {"position": "absolute"}, bf16),
@@ -394,11 +400,7 @@ def bench_ltg(args, device, tmp):
     warmup, repeat = (1, 3) if args.quick else (3, 10)
     amp = autocast(device, args.bf16)
     fused = {"fused": True} if device.type == "cuda" else {}
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(len(SPECIALS), V, (B, T), generator=g)
-    masked = torch.rand(B, T, generator=g) < 0.15
-    inp, ids, masked = ids.masked_fill(masked, MASK).to(device), ids.to(device), masked.to(device)
-    att = torch.ones(B, T, dtype=torch.long, device=device)
+    ids, masked, inp, att = mlm_batch(B, T, device)
     # theirs predicts in (T, B) order, ours in (B, T): `back` puts their rows in our order
     back = torch.arange(B * T, device=device).view(B, T).t()[masked.t()].argsort()
     for size in args.sizes:
@@ -456,11 +458,8 @@ def attention_variants(device):
         return torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, float("-inf"))
 
     def gather(q, k, v, qp, kp, idx, keep, scale, backend=None):
-        B, H, T, _ = q.shape
-        i = idx.expand(B, H, T, T)
-        c2p = (q @ kp.transpose(-1, -2)).gather(-1, i)
-        p2c = (k @ qp.transpose(-1, -2)).gather(-1, i.transpose(-1, -2)).transpose(-1, -2)
-        bias = (bias_of(keep)[:, None, None, :] + (c2p + p2c) * scale).to(q.dtype)
+        scores = relative_scores(q, k, qp, kp, idx)
+        bias = (bias_of(keep)[:, None, None, :] + scores * scale).to(q.dtype)
         if backend is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
         with torch.nn.attention.sdpa_kernel([backend]):
@@ -502,6 +501,7 @@ def bench_attn(args, device, tmp):
     B, T = args.batch_size, args.seq_len
     warmup, repeat = (1, 2) if args.quick else (3, 10)
     dtype = torch.bfloat16 if use_bf16(device, args.bf16) else torch.float32
+    variants = attention_variants(device)
     for size in args.sizes:
         cfg = ModelConfig(**PRESETS[size])
         H, hd, R = cfg.n_head, cfg.d_model // cfg.n_head, 2 * cfg.position_buckets - 1
@@ -521,7 +521,6 @@ def bench_attn(args, device, tmp):
             y.backward(grad)
             return [y.detach()] + [t.grad for t in inputs]
 
-        variants = attention_variants(device)
         want = run(variants["gather"])
         ref = rates(lambda: run(variants["gather"]), B * T, device, warmup, repeat)
         for name, fn in variants.items():

@@ -89,6 +89,19 @@ def relative_buckets(n: int, buckets: int, max_position: int) -> torch.Tensor:
     return bucket + buckets - 1
 
 
+def relative_scores(q, k, qp, kp, idx):
+    """The content-to-position plus position-to-content scores (B, H, T, T), unscaled:
+    q_i.kp[r(i,j)] + k_j.qp[r(i,j)], for q, k (B, H, T, hd), projected position vectors qp, kp
+    (H, R, hd) and each pair's bucket r = idx (B or 1, 1, T, T). Each is scored against every
+    bucket first (B, H, T, R), then each pair's bucket is picked: R = 2*buckets-1 is small, so
+    this avoids building a (T, T, D) position tensor."""
+    B, H, T, _ = q.shape
+    idx = idx.expand(B, H, T, T)
+    c2p = (q @ kp.transpose(-1, -2)).gather(-1, idx)                      # (B, H, Ti, Tj)
+    p2c = (k @ qp.transpose(-1, -2)).gather(-1, idx.transpose(-1, -2)).transpose(-1, -2)
+    return c2p + p2c
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -116,12 +129,7 @@ class Attention(nn.Module):
         if self.relative:
             qp, kp = self.qk(self.drop(rel)).chunk(2, dim=-1)           # (R, D) each
             qp, kp = (t.view(-1, H, hd).transpose(0, 1) for t in (qp, kp))  # (H, R, hd)
-            idx = idx.expand(B, H, T, T)                                  # r(i, j)
-            # Score q_i.kp[r(i,j)] for every bucket first (B,H,T,R), then pick each pair's bucket:
-            # R = 2*buckets-1 is small, so this avoids building a (T, T, D) position tensor.
-            c2p = (q @ kp.transpose(-1, -2)).gather(-1, idx)              # (B, H, Ti, Tj)
-            p2c = (k @ qp.transpose(-1, -2)).gather(-1, idx.transpose(-1, -2)).transpose(-1, -2)
-            bias = bias + (c2p + p2c) * self.scale                       # (B, H, T, T)
+            bias = bias + relative_scores(q, k, qp, kp, idx) * self.scale  # (B, H, T, T)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=self.scale,
                                            dropout_p=self.p if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, D)
