@@ -69,6 +69,50 @@ def test_fista_matches_lars_and_both_satisfy_kkt(lam):
     assert ((S.objective(H, D, f32.double(), lam) - f_exact) / f_exact).abs().max().item() < 1e-4
 
 
+def test_working_sets_that_grow_and_rows_that_leave_early_keep_the_exact_codes():
+    """sparse_code's bookkeeping against LARS, row by row: coherent atoms (a shared direction)
+    whose supports outgrow a working set of 4 several times, in a batch where half the rows are
+    an atom itself (done in the first check of every round, so they leave while the others go
+    on), shuffled so that leaving rows are scattered through the batch."""
+    g = torch.Generator().manual_seed(5)
+    common = torch.randn(24, 1, generator=g, dtype=torch.float64)
+    noise = torch.randn(24, 60, generator=g, dtype=torch.float64) / 24 ** 0.5
+    D = common / common.norm() + 0.8 * noise
+    D /= D.norm(dim=0)
+    H, _ = problem(24, 60, 20, seed=6)
+    H = torch.cat([H + 0.5 * (common / common.norm()).T, D[:, :20].T])
+    H = (H / H.norm(dim=1, keepdim=True))[torch.randperm(40, generator=g)]
+    lam = 0.02
+    exact = S.encode(H, D, lam, method="lars")
+    assert (exact > 0).sum(1).max() > 8      # m grows from 4 at least twice
+    A = S.sparse_code(H, D, lam, tol=1e-7, work=4)
+    f_exact, f = S.objective(H, D, exact, lam), S.objective(H, D, A, lam)
+    assert ((f - f_exact) / f_exact).abs().max().item() < 1e-9
+    torch.testing.assert_close(A, exact, atol=1e-6, rtol=0)
+
+
+def test_fista_rows_that_finish_first_leave_with_their_own_codes():
+    """_fista on a batch of per-row Gram matrices, from well to badly conditioned (each row's
+    atoms share a direction to a different degree), so rows finish at different checks and
+    leave the batch while the rest go on: every row ends at its own exact code (LARS)."""
+    g = torch.Generator().manual_seed(7)
+    rows, want = [], []
+    for r in range(12):
+        common = torch.randn(16, 1, generator=g, dtype=torch.float64)
+        D = r / 12 * common / common.norm() + torch.randn(16, 24, generator=g,
+                                                         dtype=torch.float64) / 4
+        D /= D.norm(dim=0)
+        h = D[:, :3] @ torch.rand(3, generator=g, dtype=torch.float64) + 0.1 * torch.randn(
+            16, generator=g, dtype=torch.float64)
+        rows.append((D, h))
+        want.append(torch.from_numpy(S.lars(h.numpy(), D.numpy(), 0.05)))
+    G = torch.stack([D.T @ D for D, _ in rows])                                 # (12, 24, 24)
+    b = torch.stack([D.T @ h for D, h in rows])                                 # (12, 24)
+    L = torch.linalg.eigvalsh(G)[:, -1:]                                        # (12, 1)
+    A = S._fista(G, b, torch.zeros_like(b), 0.05, L, 5000, 1e-9)
+    torch.testing.assert_close(A, torch.stack(want), atol=1e-7, rtol=0)
+
+
 def test_codes_are_non_negative_even_where_the_unconstrained_lasso_is_not():
     H, D = problem(16, 32, 20, seed=3)
     H = torch.cat([H, -D[:, :4].T])  # h = -d_j: the plain lasso would put a negative weight on j
