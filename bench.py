@@ -15,8 +15,8 @@ machine: rates (higher is better), median over repetitions after warm-up, with m
            shape (layers, hidden, heads, FFN width, vocabulary, sequence, batch), only if
            transformers is installed (never a requirement); flops_ratio is ours / theirs in
            matrix FLOPs per token (flops_per_token, bert_flops_per_token)
-  ltg      our MLM training step against LTG-BERT's own model code, re-implemented here from
-           ltgoslo/ltg-bert (LtgBert below) and loaded with the same weights; max_abs_diff is
+  ltg      our MLM training step against LTG-BERT's own model code, re-implemented from
+           ltgoslo/ltg-bert in tests/ltg_bert.py, loaded with the same weights; max_abs_diff is
            the largest difference of their logits in float32
   attn     one attention layer's relative-position core, forward and backward, dropout off:
            the model's gather path against other formulations (the relative shift; on CUDA
@@ -46,7 +46,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import evaluate
@@ -54,6 +53,7 @@ import sparse
 from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
 from model import (PRESETS, REPO, Encoder, ModelConfig, autocast, ema_update, pick_device,
                    relative_buckets, relative_scores, use_bf16)
+from tests.ltg_bert import LtgBert
 
 V = VOCAB_SIZE
 # dense bf16 peak FLOP/s, for MFU (vendor datasheets; SXM parts)
@@ -283,118 +283,9 @@ def print_profiles():
 
 
 # ---------------------------------------------------------------------------------------------
-# LTG-BERT's model code, re-implemented from reading ltgoslo/ltg-bert (babylm/train/model.py,
-# commit 4fe9e6f) for the `ltg` rows and tests/test_model.py: its layout (sequence first), its
-# order of work (each pair's position vectors gathered first, a (T, T, 2D) tensor, then two
-# einsums), its bucket formula, its masked softmax, its in-place adds and its per-layer copy of
-# the scores. The function is our Encoder's, so one state dict loads into both (parameter names
-# follow ours); the work is theirs. A reviewer ran their file against this: equal logits and
-# gradients. The step timed is forward, backward and AdamW for both, not their train.py's.
-
-class _MaskedSoftmax(torch.autograd.Function):
-    """LTG-BERT's: padding to -inf, softmax, padding to 0; the backward reads the output only."""
-
-    @staticmethod
-    def forward(ctx, x, mask):  # in place, as theirs
-        y = torch.softmax(x.masked_fill_(mask, float("-inf")), -1).masked_fill_(mask, 0.0)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        y, = ctx.saved_tensors
-        return torch._softmax_backward_data(grad, y, -1, y.dtype), None
-
-
-def ltg_buckets(T, buckets, max_position):
-    """(T, T) bucket index of query i, key j, by LTG-BERT's make_log_bucket_position."""
-    rel = torch.arange(T)[:, None] - torch.arange(T)[None, :]
-    mid = buckets // 2
-    a = torch.where(rel.abs() < mid, mid - 1, rel.abs()).clamp(max=max_position - 1)
-    log_pos = torch.ceil(torch.log(a / mid) / math.log((max_position - 1) / mid)
-                         * (mid - 1)).long() + mid
-    return torch.where(a <= mid, rel, rel.sign() * log_pos) + buckets - 1
-
-
-class LtgAttention(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.H, self.d, self.eps = cfg.n_head, cfg.d_model // cfg.n_head, cfg.layer_norm_eps
-        self.scale = 1 / math.sqrt(3 * self.d)
-        self.qk = nn.Linear(cfg.d_model, 2 * cfg.d_model)
-        self.v = nn.Linear(cfg.d_model, cfg.d_model)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model)
-        self.post_norm = nn.LayerNorm(cfg.d_model, cfg.layer_norm_eps)
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x, pad, rel, idx):  # x (T, B, D), pad (B, 1, 1, T) True at padding
-        T, B, D = x.shape
-        H, d = self.H, self.d
-        h = F.layer_norm(x, (D,), eps=self.eps)
-        q, k = self.qk(h).chunk(2, dim=-1)
-        q, k, v = (t.reshape(T, B * H, d).transpose(0, 1) for t in (q, k, self.v(h)))
-        qp, kp = F.embedding(idx, self.qk(self.drop(rel))).chunk(2, dim=-1)  # (T, T, D) each
-        qp, kp = qp.view(T, T, H, d), kp.view(T, T, H, d)
-        s = torch.bmm(q, k.transpose(1, 2) * self.scale).view(B, H, T, T)
-        q, k = q.view(B, H, T, d), k.view(B, H, T, d)
-        s.add_(torch.einsum("bhqd,qkhd->bhqk", q, kp * self.scale))
-        s.add_(torch.einsum("bhkd,qkhd->bhqk", k * self.scale, qp))
-        s.detach().clone().mean(dim=1)  # their layers return this copy; training drops it
-        p = self.drop(_MaskedSoftmax.apply(s, pad))
-        y = torch.bmm(p.flatten(0, 1), v).transpose(0, 1).reshape(T, B, D)
-        return self.drop(self.post_norm(self.out(y)))
-
-
-class LtgLayer(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.attn, self.eps = LtgAttention(cfg), cfg.layer_norm_eps
-        self.drop = nn.Dropout(cfg.dropout)
-        self.ffn = nn.Module()
-        self.ffn.up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
-        self.ffn.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
-
-    def forward(self, x, pad, rel, idx):
-        x = x + self.attn(x, pad, rel, idx)
-        a, gate = self.ffn.up(F.layer_norm(x, x.shape[-1:], eps=self.eps)).chunk(2, dim=-1)
-        a = F.layer_norm(a * F.gelu(gate, approximate="tanh"), a.shape[-1:], eps=self.eps)
-        return x + self.drop(self.ffn.down(a))
-
-
-class LtgBert(nn.Module):
-    """Relative positions only. forward(ids (B, T), attention_mask (B, T), predict (B, T) bool)
-    -> logits (N, V) of the predicted positions in sequence-major order (T, then B), as
-    LTG-BERT's head selects them."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        D, self.cfg = cfg.d_model, cfg
-        self.word = nn.Embedding(cfg.vocab_size, D)
-        self.rel = nn.Parameter(torch.zeros(2 * cfg.position_buckets - 1, D))
-        self.rel_norm = nn.LayerNorm(D, cfg.layer_norm_eps)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(LtgLayer(cfg) for _ in range(cfg.n_layer))
-        norm = lambda: nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False)
-        self.head_in = nn.Sequential(norm(), nn.Linear(D, D), nn.GELU(), norm(),
-                                     nn.Dropout(cfg.dropout))
-        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
-        self.register_buffer("buckets", ltg_buckets(cfg.max_position, cfg.position_buckets,
-                                                    cfg.max_position), persistent=False)
-
-    def forward(self, ids, attention_mask, predict):
-        T, D = ids.shape[1], self.cfg.d_model
-        x = self.drop(F.layer_norm(self.word(ids.t()), (D,), eps=self.cfg.layer_norm_eps))
-        pad = (attention_mask == 0)[:, None, None, :]
-        rel, idx = self.rel_norm(self.rel), self.buckets[:T, :T]
-        for layer in self.layers:
-            x = layer(x, pad, rel, idx)
-        x = x.flatten(0, 1).index_select(0, predict.t().flatten().nonzero().squeeze(1))
-        return F.linear(self.head_in(x), self.word.weight, self.head_bias)
-
-
 def bench_ltg(args, device, tmp):
-    """Our MLM step against LTG-BERT's model code (above) with the same weights, the two timed
-    alternately; max_abs_diff: their logits against ours in float32, dropout off."""
+    """Our MLM step against LTG-BERT's model code (tests/ltg_bert.py) with the same weights, the
+    two timed alternately; max_abs_diff: their logits against ours in float32, dropout off."""
     rows = []
     B, T = args.batch_size, args.seq_len
     warmup, repeat = (1, 3) if args.quick else (3, 10)
@@ -624,8 +515,9 @@ def sparse_problem(kind, d, k, n, seed=0):
 
 def bench_sparse(args, device, tmp):
     """Ours codes a batch of vectors at once (as training does); scikit-learn codes the first sk
-    of them in float64 (one call); the objectives are compared on those. --sparse-all adds
-    scikit-learn's default algorithm (lasso_lars) and our plain FISTA over all atoms (work=0)."""
+    of them in float64 (one call, timed as often as ours); the objectives are compared on those.
+    --sparse-all adds scikit-learn's default algorithm (lasso_lars) and our plain FISTA over all
+    atoms (work=0)."""
     try:
         from sklearn.decomposition import sparse_encode
     except ImportError:
@@ -644,12 +536,14 @@ def bench_sparse(args, device, tmp):
             if sparse_encode is not None:
                 Hn, Dn = H[:sk].cpu().double().numpy(), D.T.cpu().double().numpy()
                 for alg in ("lasso_cd", "lasso_lars") if args.sparse_all else ("lasso_cd",):
-                    t = time.perf_counter()  # positive=True: our problem
-                    As = sparse_encode(Hn, Dn, algorithm=alg, alpha=lam, positive=True,
-                                       max_iter=1000)
-                    seconds = time.perf_counter() - t
-                    refs[alg] = ([sk / seconds], objective(H[:sk].cpu().double(),
-                                                           D.cpu().double(), torch.tensor(As)))
+                    speeds = []
+                    for _ in range(1 if args.quick else 3):
+                        t = time.perf_counter()  # positive=True: our problem
+                        As = sparse_encode(Hn, Dn, algorithm=alg, alpha=lam, positive=True,
+                                           max_iter=1000)
+                        speeds.append(sk / (time.perf_counter() - t))
+                    refs[alg] = (speeds, objective(H[:sk].cpu().double(), D.cpu().double(),
+                                                   torch.tensor(As)))
             variants = [("working set", 32)] + ([("plain FISTA, all atoms", 0)]
                                                 if args.sparse_all else [])
             for name, work in variants:

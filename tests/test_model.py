@@ -11,10 +11,10 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
-from bench import LtgBert, ltg_buckets
+from ltg_bert import LtgBert, ltg_buckets
 from model import (PRESETS, BootHeads, Decoder, Encoder, Lamb, ModelConfig, boot_states,
-                   check_config, ema_update, load_checkpoint, read_checkpoint, relative_buckets,
-                   save_checkpoint)
+                   check_config, dropout, ema_update, load_checkpoint, read_checkpoint,
+                   relative_buckets, save_checkpoint)
 
 V = 300
 
@@ -102,7 +102,7 @@ def test_relative_attention_matches_pair_by_pair_reference():
 
 
 def test_encoder_equals_ltg_bert_model_code():
-    """bench.py's LtgBert re-implements LTG-BERT's own model code (sequence first, each pair's
+    """tests/ltg_bert.py re-implements LTG-BERT's own model code (sequence first, each pair's
     position vectors gathered before two einsums, its bucket formula, its masked softmax): with
     one state dict, the MLM logits and every parameter's gradient agree in float64, padding in
     two of three rows."""
@@ -127,6 +127,55 @@ def test_encoder_equals_ltg_bert_model_code():
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p.grad, theirs_params[name].grad, rtol=1e-9, atol=1e-10,
                                    msg=name)
+
+# --- dropout on the CPU ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_cpu_dropout_drops_each_element_with_probability_p(p):
+    """model.dropout against the definition of dropout: each element is zeroed with probability
+    p, overall and in each of the four 16-bit quarters of a random word (within 5 standard
+    errors), independently of its neighbour, and the rest scaled by 1/(1 - p); the gradient
+    carries the same mask and scale; eval mode and p = 0 are the identity."""
+    torch.manual_seed(0)
+    n = 1 << 22
+    x = torch.ones(n, dtype=torch.float64, requires_grad=True)
+    y = dropout(x, p)
+    dropped = y == 0
+    se = math.sqrt(p * (1 - p) / n)
+    assert abs(dropped.double().mean().item() - p) < 5 * se
+    for lane in range(4):
+        assert abs(dropped[lane::4].double().mean().item() - p) < 10 * se
+    a, b = dropped[:-1].double(), dropped[1:].double()
+    assert abs(((a - p) * (b - p)).mean().item() / (p * (1 - p))) < 5 / math.sqrt(n)
+    torch.testing.assert_close(y[~dropped], torch.full_like(y[~dropped], 1 / (1 - p)))
+    g = torch.randn(n, dtype=torch.float64)
+    y.backward(g)
+    torch.testing.assert_close(x.grad, torch.where(dropped, 0.0, g / (1 - p)))
+    z = torch.randn(3, 5, 7)                     # a shape whose size is not a multiple of 4
+    assert dropout(z, p).shape == z.shape
+    assert dropout(z, p, training=False) is z and dropout(z, 0.0) is z
+
+
+def test_cpu_training_attention_is_sdpa_with_our_dropout():
+    """In training on the CPU, Attention computes softmax(q k^T s + bias) v itself, so that our
+    dropout applies to the probabilities. With a p that drops nothing (1e-20 rounds to 0 / 2^16,
+    and 1 - p to 1) the encoder in training computes what it does in evaluation (through SDPA),
+    values and gradients; padding in one row."""
+    torch.manual_seed(0)
+    model = Encoder(tiny(n_head=4, dropout=1e-20)).double()
+    ids = torch.randint(5, V, (2, 12))
+    att = torch.ones(2, 12, dtype=torch.long)
+    att[1, 7:] = 0
+    outs = []
+    for train in (True, False):
+        model.train(train)
+        model.zero_grad()
+        out = model(ids, att)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs.append((out, [q.grad.clone() for q in model.parameters() if q.grad is not None]))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-10, atol=1e-12)
+    for got, want in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 # --- padding, translation, hidden states ---------------------------------------------------------
 
