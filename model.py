@@ -20,6 +20,7 @@ British National Corpus", EACL Findings; code: ltgoslo/ltg-bert), read against B
     runs only on the positions asked for.
 Attention runs through F.scaled_dot_product_attention; the position scores and the padding mask
 enter as its additive bias, so padded keys get probability 0 and never change a real position.
+(Training on the CPU computes the same thing by hand, so that `dropout`'s cheaper mask applies.)
 
 init_weights documents the initialisation of every tensor.
 """
