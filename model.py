@@ -119,17 +119,21 @@ class _DropMasked(torch.autograd.Function):
 
 def dropout(x, p: float, training: bool = True):
     """F.dropout(x, p, training), whose CPU mask is drawn four to a 64-bit random integer: each
-    16-bit quarter is below p * 2^16 with probability p (p is rounded to a multiple of 2^-16).
-    torch's CPU bernoulli_ took 11% of a `small` MLM step (bench.py --profile); this mask took
-    a quarter of its time for a layer's attention probabilities. Other devices: F.dropout."""
+    16-bit quarter is below q - 2^15 with probability p' = q / 2^16, q = round(p * 2^16), and
+    the rest are scaled by 1 / (1 - p'). torch's CPU bernoulli_ took 11% of a `small` MLM step
+    (bench.py --profile); this mask took a quarter of its time for a layer's attention
+    probabilities. Other devices, and graphs torch.compile traces: F.dropout."""
     if not training or p == 0:
         return x
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
         return F.dropout(x, p, True)
+    q = round(p * 2 ** 16)
+    if q == 0 or q == 2 ** 16:
+        return x if q == 0 else x * 0
     n = x.numel()
     bits = torch.randint(-2 ** 63, 2 ** 63 - 1, ((n + 3) // 4,), dtype=torch.int64)
-    drop = bits.view(torch.int16)[:n].view(x.shape) < round(p * 2 ** 16) - 2 ** 15
-    return _DropMasked.apply(x, drop, 1 / (1 - p))
+    drop = bits.view(torch.int16)[:n].view(x.shape) < q - 2 ** 15
+    return _DropMasked.apply(x, drop, 2 ** 16 / (2 ** 16 - q))
 
 
 class Dropout(nn.Dropout):
@@ -158,6 +162,13 @@ class Attention(nn.Module):
         # relative only: rel (R, D) position vectors, idx (B or 1, 1, T, T) bucket of each pair
         B, T, D = x.shape
         H, hd = self.n_head, self.head_dim
+        # training on the CPU: SDPA's math path by hand, with our dropout mask (SDPA's own,
+        # bernoulli_, costs 4x as much); its padding is finite, so that a row of padding alone
+        # gets uniform weights, where -inf would make it NaN (SDPA gives it 0)
+        by_hand = (self.training and self.p > 0 and x.device.type == "cpu"
+                   and not torch.compiler.is_compiling())
+        if by_hand:
+            bias = bias.clamp(min=torch.finfo(bias.dtype).min)
         h = self.pre_norm(x)
         q, k = self.qk(h).chunk(2, dim=-1)
         q, k, v = (t.view(B, T, H, hd).transpose(1, 2) for t in (q, k, self.v(h)))  # (B, H, T, hd)
@@ -165,8 +176,7 @@ class Attention(nn.Module):
             qp, kp = self.qk(self.drop(rel)).chunk(2, dim=-1)           # (R, D) each
             qp, kp = (t.view(-1, H, hd).transpose(0, 1) for t in (qp, kp))  # (H, R, hd)
             bias = bias + relative_scores(q, k, qp, kp, idx) * self.scale  # (B, H, T, T)
-        if self.training and self.p > 0 and x.device.type == "cpu":
-            # SDPA's math path, with our dropout mask: its own (bernoulli_) costs 4x as much
+        if by_hand:
             att = torch.softmax(q @ k.transpose(-1, -2) * self.scale + bias, dim=-1)  # (B,H,T,T)
             y = dropout(att, self.p) @ v
         else:

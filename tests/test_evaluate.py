@@ -394,7 +394,8 @@ def test_finetune_can_choose_epochs_without_seeing_validation(ckpt, tmp_path, mo
                 "--lr", "1e-4", "--epochs", "4", "--patience", "4", "--batch-size", "16",
                 "--device", "cpu", "--holdout", "0.2", "--out", str(out)])
         runs[flip] = json.loads(out.read_text())["runs"]["1"]
-    assert runs[False]["epoch"] == runs[True]["epoch"] == 4
+    # validation's mcc climbs, so flipped labels would choose epoch 1 and the true ones a later one
+    assert runs[False]["epoch"] == runs[True]["epoch"] > 1
     assert runs[False]["pred"] == runs[True]["pred"]
     assert runs[True]["metrics"]["mcc"] == pytest.approx(-runs[False]["metrics"]["mcc"])
 

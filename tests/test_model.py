@@ -61,15 +61,17 @@ def test_buckets_against_scalar_loop():
     assert (b[:, 0].diff() >= 0).all()  # monotone in the offset
 
 
-def naive_attention(att, x, mask, rel, r):
+def naive_attention(att, x, mask, rel, r, keep=None, p=0.0):
     """LTG-BERT's attention written pair by pair: score(i, j) = (q_i.k_j + q_i.kp_r + k_j.qp_r) /
-    sqrt(3 d_head) with r = bucket(i - j); padded keys excluded; softmax; sum of values."""
+    sqrt(3 d_head) with r = bucket(i - j); padded keys excluded; softmax; sum of values. keep:
+    dropout's masks (of rel, of the probabilities (B, H, T, T), of the output), kept / (1 - p)."""
     B, T, D = x.shape
     H, hd = att.n_head, att.head_dim
+    drop = lambda t, i: t if keep is None else t * keep[i] / (1 - p)
     h = F.layer_norm(x, (D,), eps=att.pre_norm.eps)
     q, k = att.qk(h).chunk(2, -1)
     v = att.v(h)
-    qp, kp = att.qk(rel).chunk(2, -1)
+    qp, kp = att.qk(drop(rel, 0)).chunk(2, -1)
     out = torch.zeros(B, T, D, dtype=x.dtype)
     for b in range(B):
         for i in range(T):
@@ -81,8 +83,9 @@ def naive_attention(att, x, mask, rel, r):
                 scores = torch.stack([
                     (c2c(j) + c2p(j) + p2c(j)) / math.sqrt(3 * hd) if mask[b, j]
                     else torch.tensor(-math.inf, dtype=x.dtype) for j in range(T)])
-                out[b, i, s] = torch.softmax(scores, 0) @ v[b, :, s]
-    return att.post_norm(att.out(out))
+                probs = torch.softmax(scores, 0)
+                out[b, i, s] = (probs if keep is None else drop(probs, 1)[b, head, i]) @ v[b, :, s]
+    return drop(att.post_norm(att.out(out)), 2)
 
 
 def test_relative_attention_matches_pair_by_pair_reference():
@@ -99,6 +102,33 @@ def test_relative_attention_matches_pair_by_pair_reference():
     want = naive_attention(att, x, mask, rel, model.buckets)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
+
+
+def test_training_attention_on_the_cpu_drops_probabilities_as_the_reference(monkeypatch):
+    """In training on the CPU, Attention applies model.dropout to rel, to the attention
+    probabilities and to its output: with dropout's masks drawn by a stand-in and recorded, the
+    pair-by-pair reference with the same masks gives the same output (padding in one row)."""
+    import model as model_module
+    torch.manual_seed(0)
+    model = Encoder(tiny(n_head=4, position_buckets=8, max_position=64, dropout=0.3)).double()
+    att = model.layers[0].attn.train()
+    masks = []
+
+    def recorded(t, p, training=True):
+        masks.append(torch.rand(t.shape, dtype=t.dtype) >= p)
+        return t * masks[-1] / (1 - p)
+
+    monkeypatch.setattr(model_module, "dropout", recorded)
+    x = torch.randn(2, 13, 32, dtype=torch.float64)
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, 9:] = 0
+    bias = torch.zeros(2, 1, 1, 13, dtype=torch.float64)
+    bias = bias.masked_fill(mask[:, None, None, :] == 0, -math.inf)
+    rel = model.rel_norm(model.rel)
+    got = att(x, bias, rel, model.buckets[:13, :13][None, None])
+    assert [tuple(m.shape) for m in masks] == [tuple(rel.shape), (2, 4, 13, 13), (2, 13, 32)]
+    want = naive_attention(att, x, mask, rel, model.buckets, keep=masks, p=0.3)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 def test_encoder_equals_ltg_bert_model_code():
@@ -135,7 +165,8 @@ def test_cpu_dropout_drops_each_element_with_probability_p(p):
     """model.dropout against the definition of dropout: each element is zeroed with probability
     p, overall and in each of the four 16-bit quarters of a random word (within 5 standard
     errors), independently of its neighbour, and the rest scaled by 1/(1 - p); the gradient
-    carries the same mask and scale; eval mode and p = 0 are the identity."""
+    carries the same mask and scale; eval mode and p = 0 are the identity, p = 1 (and what
+    rounds to it) drops everything."""
     torch.manual_seed(0)
     n = 1 << 22
     x = torch.ones(n, dtype=torch.float64, requires_grad=True)
@@ -147,34 +178,36 @@ def test_cpu_dropout_drops_each_element_with_probability_p(p):
         assert abs(dropped[lane::4].double().mean().item() - p) < 10 * se
     a, b = dropped[:-1].double(), dropped[1:].double()
     assert abs(((a - p) * (b - p)).mean().item() / (p * (1 - p))) < 5 / math.sqrt(n)
-    torch.testing.assert_close(y[~dropped], torch.full_like(y[~dropped], 1 / (1 - p)))
+    p16 = round(p * 2 ** 16) / 2 ** 16           # the p the mask draws: a multiple of 2^-16
+    torch.testing.assert_close(y[~dropped], torch.full_like(y[~dropped], 1 / (1 - p16)))
     g = torch.randn(n, dtype=torch.float64)
     y.backward(g)
-    torch.testing.assert_close(x.grad, torch.where(dropped, 0.0, g / (1 - p)))
+    torch.testing.assert_close(x.grad, torch.where(dropped, 0.0, g / (1 - p16)))
     z = torch.randn(3, 5, 7)                     # a shape whose size is not a multiple of 4
     assert dropout(z, p).shape == z.shape
     assert dropout(z, p, training=False) is z and dropout(z, 0.0) is z
+    assert (dropout(z, 1.0) == 0).all() and (dropout(z, 1 - 2 ** -18) == 0).all()
 
 
 def test_cpu_training_attention_is_sdpa_with_our_dropout():
     """In training on the CPU, Attention computes softmax(q k^T s + bias) v itself, so that our
     dropout applies to the probabilities. With a p that drops nothing (1e-20 rounds to 0 / 2^16,
     and 1 - p to 1) the encoder in training computes what it does in evaluation (through SDPA),
-    values and gradients; padding in one row."""
+    values and gradients; padding in one row, and a row that is all padding."""
     torch.manual_seed(0)
     model = Encoder(tiny(n_head=4, dropout=1e-20)).double()
-    ids = torch.randint(5, V, (2, 12))
-    att = torch.ones(2, 12, dtype=torch.long)
-    att[1, 7:] = 0
+    ids = torch.randint(5, V, (3, 12))
+    att = torch.ones(3, 12, dtype=torch.long)
+    att[1, 7:], att[2] = 0, 0                    # the third row is all padding
     outs = []
     for train in (True, False):
         model.train(train)
         model.zero_grad()
-        out = model(ids, att)
+        out = model(ids, att)[:2]                # a row of padding alone has no meaning ...
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         outs.append((out, [q.grad.clone() for q in model.parameters() if q.grad is not None]))
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-10, atol=1e-12)
-    for got, want in zip(outs[0][1], outs[1][1]):
+    for got, want in zip(outs[0][1], outs[1][1]):      # ... but must not make gradients NaN
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 # --- padding, translation, hidden states ---------------------------------------------------------
