@@ -104,7 +104,7 @@ def relative_scores(q, k, qp, kp, idx):
 
 
 class _DropMasked(torch.autograd.Function):
-    """y = x * scale where keep, else 0; saves the 1-byte mask, not a float one."""
+    """y = x * scale, and 0 where `drop`; saves the 1-byte mask, not a float one."""
     @staticmethod
     def forward(ctx, x, drop, scale):
         ctx.save_for_backward(drop)
