@@ -34,6 +34,7 @@ sub-word pieces into words), each piece is one vector, as each masked piece is o
 """
 import argparse
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -138,6 +139,10 @@ def sparse_code(H, D, lam: float, iters: int = 1000, tol: float = 1e-3, work: in
         if 4 * most > 3 * m:  # it nearly fills its working set: make m 1.5x it
             m = -(-3 * most // 2)
         todo, c = todo[left], c[left]
+    if rounds and left.any():
+        warnings.warn(f"sparse_code: {len(todo)} of {n} codes are not optimal after {rounds} "
+                      f"rounds (KKT violated by up to {viol.max().item() / lam:.2g} lam, tol "
+                      f"{tol:g}); raise rounds or iters")
     return A
 
 

@@ -3,6 +3,7 @@ planted problem; the CLI on a real checkpoint."""
 import itertools
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -85,10 +86,14 @@ def test_working_sets_that_grow_and_rows_that_leave_early_keep_the_exact_codes()
     lam = 0.02
     exact = S.encode(H, D, lam, method="lars")
     assert (exact > 0).sum(1).max() > 8      # m grows from 4 at least twice
-    A = S.sparse_code(H, D, lam, tol=1e-7, work=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # converged: no warning
+        A = S.sparse_code(H, D, lam, tol=1e-7, work=4)
     f_exact, f = S.objective(H, D, exact, lam), S.objective(H, D, A, lam)
     assert ((f - f_exact) / f_exact).abs().max().item() < 1e-9
     torch.testing.assert_close(A, exact, atol=1e-6, rtol=0)
+    with pytest.warns(UserWarning, match=r"codes are not optimal after 2 rounds"):
+        S.sparse_code(H, D, lam, tol=1e-7, work=4, rounds=2)   # too few rounds to grow to 9+
 
 
 def test_fista_rows_that_finish_first_leave_with_their_own_codes():
