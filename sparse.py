@@ -61,10 +61,11 @@ def _fista(G, b, a, lam, L, iters, tol, check_every=10):
     iterations: one host sync each); done rows leave the batch once a fifth of it is done (each
     iteration reads every row's G once, so a finished row costs as much as a working one), the
     rest stop after `iters` iterations."""
+    shared = G.dim() == 2
     out, rows = a.clone(), torch.arange(b.shape[0], device=b.device)
     y, nxt, t = a, a, torch.ones_like(b[:, :1])
     for i in range(1, iters + 1):
-        Gy = (y @ G.T) @ G if G.dim() == 2 else torch.bmm(G, y[:, :, None]).squeeze(-1)
+        Gy = (y @ G.T) @ G if shared else torch.bmm(G, y[:, :, None]).squeeze(-1)
         nxt = (y - (Gy - b + lam) / L).clamp_(min=0)
         if i % check_every == 0:
             done = (L * (y - nxt).abs()).amax(1) <= tol * lam                       # (n,)
@@ -74,7 +75,7 @@ def _fista(G, b, a, lam, L, iters, tol, check_every=10):
                 out[rows[done]] = nxt[done]
                 keep = ~done
                 rows, b, a, y, t, nxt = rows[keep], b[keep], a[keep], y[keep], t[keep], nxt[keep]
-                G = G if G.dim() == 2 else G[keep]
+                G = G if shared else G[keep]
                 L = L[keep] if torch.is_tensor(L) and L.dim() == 2 else L
         uphill = ((y - nxt) * (nxt - a)).sum(1, keepdim=True) > 0                       # (n, 1)
         t_next = torch.where(uphill, 1.0, (1 + torch.sqrt(1 + 4 * t * t)) / 2)

@@ -88,20 +88,25 @@ def naive_attention(att, x, mask, rel, r, keep=None, p=0.0):
     return drop(att.post_norm(att.out(out)), 2)
 
 
-def test_relative_attention_matches_pair_by_pair_reference():
-    torch.manual_seed(0)
-    model = Encoder(tiny(n_head=4, position_buckets=8, max_position=64)).double().eval()
-    att = model.layers[0].attn
+def attention_inputs(model):
+    """One layer's inputs for 2 rows of 13 states, the second padded after 9: x (2, 13, 32), the
+    mask, its additive bias, the normed position vectors and each pair's bucket."""
     x = torch.randn(2, 13, 32, dtype=torch.float64)
     mask = torch.ones(2, 13, dtype=torch.long)
     mask[1, 9:] = 0
     bias = torch.zeros(2, 1, 1, 13, dtype=torch.float64)
     bias = bias.masked_fill(mask[:, None, None, :] == 0, -math.inf)
-    rel = model.rel_norm(model.rel)
-    got = att(x, bias, rel, model.buckets[:13, :13][None, None])
+    return x, mask, bias, model.rel_norm(model.rel), model.buckets[:13, :13][None, None]
+
+
+def test_relative_attention_matches_pair_by_pair_reference():
+    torch.manual_seed(0)
+    model = Encoder(tiny(n_head=4, position_buckets=8, max_position=64)).double().eval()
+    att = model.layers[0].attn
+    x, mask, bias, rel, idx = attention_inputs(model)
+    got = att(x, bias, rel, idx)
     want = naive_attention(att, x, mask, rel, model.buckets)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-
 
 
 def test_training_attention_on_the_cpu_drops_probabilities_as_the_reference(monkeypatch):
@@ -119,13 +124,8 @@ def test_training_attention_on_the_cpu_drops_probabilities_as_the_reference(monk
         return t * masks[-1] / (1 - p)
 
     monkeypatch.setattr(model_module, "dropout", recorded)
-    x = torch.randn(2, 13, 32, dtype=torch.float64)
-    mask = torch.ones(2, 13, dtype=torch.long)
-    mask[1, 9:] = 0
-    bias = torch.zeros(2, 1, 1, 13, dtype=torch.float64)
-    bias = bias.masked_fill(mask[:, None, None, :] == 0, -math.inf)
-    rel = model.rel_norm(model.rel)
-    got = att(x, bias, rel, model.buckets[:13, :13][None, None])
+    x, mask, bias, rel, idx = attention_inputs(model)
+    got = att(x, bias, rel, idx)
     assert [tuple(m.shape) for m in masks] == [tuple(rel.shape), (2, 4, 13, 13), (2, 13, 32)]
     want = naive_attention(att, x, mask, rel, model.buckets, keep=masks, p=0.3)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
