@@ -12,9 +12,10 @@
 #   tests       tests/test_cuda.py: every objective compiled in bf16, PLL against the CPU, resume
 #   objectives  bench.py's step rows at small: mlm, boot, kd+mlm, mlsm+mlm for 200 steps each,
 #               tokens/s against mlm, recompilations, mlsm's code_share; and ours against BERT
-#   kernels     bench.py's ltg and attn rows at small and base, with --profile: ours against
-#               LTG-BERT's model code, and the attention core's gather path against SDPA's
-#               efficient kernel, flex_attention and the relative shift (issue 19)
+#   kernels     bench.py's ltg, attn and pll rows at small and base, with --profile: ours
+#               against LTG-BERT's model code, the attention core's gather path against SDPA's
+#               efficient kernel, flex_attention (model.flex_relative) and the relative shift,
+#               and BLiMP-style scoring with and without model.use_flex (issue 19)
 #   mlm10       train.py mlm at small for 10 epochs of babylm_10m (7,246 steps of 128 x 128),
 #               then evaluate.py blimp on the filtered BLiMP and its supplement
 # Each part has its own time limit inside a budget of $BUDGET seconds (default 570: a device
@@ -58,7 +59,7 @@ for p in $parts; do
         objectives) part objectives 120 260 python bench.py --device cuda --sizes small \
                         --only step,bert --steps 200 --out "$W/bench.json" ;;
         kernels) part kernels 60 400 python bench.py --device cuda --sizes small,base \
-                     --only ltg,attn --profile --out "$W/bench_kernels.json" ;;
+                     --only ltg,attn,pll --profile --out "$W/bench_kernels.json" ;;
         mlm10)
             part mlm10 300 480 python train.py --objective mlm --data babylm_10m --size small \
                 --max-steps 7246 --out-dir "$W/mlm10"

@@ -20,7 +20,9 @@ British National Corpus", EACL Findings; code: ltgoslo/ltg-bert), read against B
     runs only on the positions asked for.
 Attention runs through F.scaled_dot_product_attention; the position scores and the padding mask
 enter as its additive bias, so padded keys get probability 0 and never change a real position.
-(Training on the CPU computes the same thing by hand, so that `dropout`'s cheaper mask applies.)
+(Training on the CPU computes the same thing by hand, so that `dropout`'s cheaper mask applies.
+`use_flex` switches relative attention to flex_attention where that is exact; it is off by
+default: slower on the CPU, not yet measured on a GPU, docs/bench.md.)
 
 init_weights documents the initialisation of every tensor.
 """
@@ -103,6 +105,51 @@ def relative_scores(q, k, qp, kp, idx):
     return c2p + p2c
 
 
+_FLEX = {}  # device type -> flex_attention, compiled
+
+
+def flex_relative(q, k, v, qp, kp, idx, bias, scale, compiled=True):
+    """softmax((q k^T + relative_scores) * scale + bias) v without any (B, H, T, T) tensor:
+    flex_attention (Dong et al. 2024) fuses the softmax with a score_mod that adds each pair's
+    position terms read from (B, H, T, R) tables, so a pair costs two lookups instead of a
+    gathered score and a bias in memory. q, k, v (B, H, T, hd); qp, kp (H, R, hd); idx (B or 1,
+    1, T, T) buckets; bias (B, 1, 1, T). No dropout on the probabilities: Attention uses this
+    only where it drops none. Gradients reach q, k, qp, kp through the tables on CUDA; torch's
+    flex has no backward on the CPU. compiled=False: flex's reference path (tests, float64)."""
+    # scaled here: a Python float inside score_mod becomes a symbolic input when compiled
+    # with dynamic shapes, which flex's CPU lowering refuses
+    c2p, p2c = (q @ kp.transpose(-1, -2)) * scale, (k @ qp.transpose(-1, -2)) * scale  # (B,H,T,R)
+    keys = bias[:, 0, 0]                                              # (B, T)
+    shared = idx.shape[0] == 1
+    # contiguous: inductor's CPU flex template fails to build for strided inputs or tables, such
+    # as a slice of the (max_position, max_position) buckets (torch 2.13)
+    rows = (idx[0, 0] if shared else idx[:, 0]).contiguous()          # (T, T) or (B, T, T)
+    if q.device.type == "cpu":
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+
+    def score_mod(score, b, h, i, j):
+        r = rows[i, j] if shared else rows[b, i, j]
+        return score + keys[b, j] + c2p[b, h, i, r] + p2c[b, h, j, r]
+
+    from torch.nn.attention.flex_attention import flex_attention
+    if compiled and q.device.type not in _FLEX:
+        # on the CPU one graph per shape: inductor's CPU template with dynamic shapes failed to
+        # build on a recompile, for a new head count or length (torch 2.13)
+        cpu = q.device.type == "cpu"
+        _FLEX[q.device.type] = torch.compile(flex_attention, dynamic=False if cpu else None)
+    fn = _FLEX[q.device.type] if compiled else flex_attention
+    return fn(q, k, v, score_mod=score_mod, scale=scale)
+
+
+def use_flex(model: nn.Module, on: bool = True) -> nn.Module:
+    """Relative attention through flex_relative in every Attention of `model` (an Encoder, a
+    BootPredictor with its decoder, ...) wherever that is exact; see Attention.forward."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.flex = on
+    return model
+
+
 class _DropMasked(torch.autograd.Function):
     """y = x * scale, and 0 where `drop`; saves the 1-byte mask, not a float one."""
     @staticmethod
@@ -156,6 +203,7 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
         self.post_norm = nn.LayerNorm(cfg.d_model, cfg.layer_norm_eps)
         self.drop = Dropout(cfg.dropout)
+        self.flex = False  # use_flex: relative attention through flex_relative
 
     def forward(self, x, bias, rel=None, idx=None):
         # x (B, T, D); bias (B, 1, 1, T): 0 at real keys, -inf at padding;
@@ -175,8 +223,15 @@ class Attention(nn.Module):
         if self.relative:
             qp, kp = self.qk(self.drop(rel)).chunk(2, dim=-1)           # (R, D) each
             qp, kp = (t.view(-1, H, hd).transpose(0, 1) for t in (qp, kp))  # (H, R, hd)
+        # flex where it computes exactly this: no probability to drop, and on the CPU nothing
+        # to differentiate
+        flex = (self.flex and self.relative and not (self.training and self.p > 0)
+                and (x.device.type != "cpu" or not torch.is_grad_enabled()))
+        if self.relative and not flex:
             bias = bias + relative_scores(q, k, qp, kp, idx) * self.scale  # (B, H, T, T)
-        if by_hand:
+        if flex:
+            y = flex_relative(q, k, v, qp, kp, idx, bias.to(q.dtype), self.scale)
+        elif by_hand:
             att = torch.softmax(q @ k.transpose(-1, -2) * self.scale + bias, dim=-1)  # (B,H,T,T)
             y = dropout(att, self.p) @ v
         else:

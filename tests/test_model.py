@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ltg_bert import LtgBert, ltg_buckets
 from model import (PRESETS, BootHeads, Decoder, Encoder, Lamb, ModelConfig, boot_states,
                    check_config, dropout, ema_update, load_checkpoint, read_checkpoint,
-                   relative_buckets, save_checkpoint)
+                   relative_buckets, save_checkpoint, use_flex)
 
 V = 300
 
@@ -401,6 +401,114 @@ def test_boot_states_in_both_layouts_equal_one_row_at_a_time(position):
         want = heads.decoder(x, enc.attention_inputs(torch.ones(1, n, dtype=torch.long)))[0]
         for compact, states in got.items():
             torch.testing.assert_close(states[b, :n], want, msg=f"compact={compact}")
+
+# --- flex attention (model.flex_relative) -------------------------------------------------------
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    """flex_attention uncompiled: its reference path, which computes in float64."""
+    import warnings
+
+    import model as model_module
+    from torch.nn.attention.flex_attention import flex_attention
+    monkeypatch.setitem(model_module._FLEX, "cpu", flex_attention)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex's "eager mode is for debugging" note
+        yield
+
+
+def test_flex_attention_matches_pair_by_pair_reference(eager_flex):
+    torch.manual_seed(0)
+    model = use_flex(Encoder(tiny(n_head=4, position_buckets=8, max_position=64)).double().eval())
+    att = model.layers[0].attn
+    x, mask, bias, rel, idx = attention_inputs(model)
+    with torch.no_grad():
+        got = att(x, bias, rel, idx)
+        want = naive_attention(att, x, mask, rel, model.buckets)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("T", [1, 9, 64])
+def test_flex_encoder_equals_gather_path(eager_flex, T):
+    """The whole encoder in float64, padded rows (one all padding) and T up to max_position, and
+    a BootBERT MAE student whose encoder reads subsets at their own positions (per-row buckets):
+    with flex as without."""
+    torch.manual_seed(0)
+    enc = Encoder(tiny(n_layer=2, position_buckets=8, max_position=64)).double().eval()
+    heads = BootHeads(enc.config, 1, mae=True).double().eval()
+    ids = torch.randint(5, V, (3, T))
+    mask = torch.ones(3, T, dtype=torch.long)
+    mask[1, T // 2 + 1:] = 0
+    mask[2, 1:] = 0
+    hide = (torch.rand(3, T) < 0.4) & (mask == 1)
+    hide[:, 0] = False
+    with torch.no_grad():
+        want = enc(ids, mask), boot_states(enc, heads, ids, mask, hide)
+        use_flex(enc)
+        assert all(m.flex for m in enc.modules() if hasattr(m, "flex"))
+        use_flex(heads)
+        got = enc(ids, mask), boot_states(enc, heads, ids, mask, hide)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_flex_only_where_it_is_exact(monkeypatch):
+    """Flex drops no attention probabilities and has no CPU backward: training with dropout,
+    and on the CPU any forward that records gradients, keep the gather path (never calling
+    flex), and give what they gave without use_flex."""
+    import model as model_module
+
+    def refuse(*a, **k):
+        raise AssertionError("flex_relative called")
+
+    enc = Encoder(tiny(n_layer=1))
+    ids = torch.randint(5, V, (2, 7))
+    want = {}
+    for flex in (False, True):
+        use_flex(enc, flex)
+        if flex:
+            monkeypatch.setattr(model_module, "flex_relative", refuse)
+        torch.manual_seed(1)
+        want[flex] = [enc.train()(ids), enc.eval()(ids)]
+        with torch.no_grad():  # dropout, nothing to differentiate
+            want[flex].append(enc.train()(ids))
+    for a, b in zip(want[False], want[True]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_compiled_flex_matches_gather_path():
+    """What runs outside the tests: flex compiled (dynamic shapes), in float32, for buckets
+    sliced from the encoder's (max_position, max_position) table (a strided layout that once
+    made inductor's CPU template fail to build) and a padded row."""
+    torch.manual_seed(0)
+    enc = Encoder(tiny(n_layer=1)).eval()
+    ids = torch.randint(5, V, (2, 11))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        want = enc(ids, mask)
+        got = use_flex(enc)(ids, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex's backward needs CUDA")
+def test_flex_gradients_equal_gather_path_on_cuda():
+    """On CUDA flex also trains (no attention dropout): values and every gradient, with padding,
+    as the gather path's, in float32."""
+    torch.manual_seed(0)
+    enc = Encoder(tiny(n_layer=2, dropout=0.0)).cuda().train()
+    ids = torch.randint(5, V, (3, 40), device="cuda")
+    mask = torch.ones(3, 40, dtype=torch.long, device="cuda")
+    mask[1, 25:] = 0
+    out = {}
+    for flex in (False, True):
+        enc.zero_grad()
+        y = use_flex(enc, flex)(ids, mask)
+        (y * torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
+        out[flex] = [y] + [p.grad.clone() for p in enc.parameters() if p.grad is not None]
+    for a, b in zip(out[False], out[True]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
 
 # --- EMA -----------------------------------------------------------------------------------------
 
