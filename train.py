@@ -430,7 +430,7 @@ def ema_decay_at(step, args, start, end):
 # Arguments
 
 RESUMABLE = {"resume", "out_dir", "device", "compile", "bf16", "log_every", "eval_every",
-             "save_every", "stop_at", "spike"}  # the flags a resumed run may change
+             "save_every", "stop_at", "spike", "save_words"}  # the flags a resumed run may change
 
 
 def build_parser():
@@ -502,6 +502,10 @@ def build_parser():
     add("--eval-batches", type=int, default=20,
         help="validation batches, always the same ones (default 20)")
     add("--save-every", type=int, default=1000, help="steps between checkpoints (default 1000)")
+    add("--save-words", default="", help="also keep the weights when this many training words "
+        "have been seen, as chck_<N>.pt in the run folder (export.py turns them into the BabyLM "
+        "pipeline's folders): a list such as 1M,2M,500K, or babylm (BabyLM 2025: every 1M to "
+        "10M, then every 10M to 100M)")
     add("--check", action="store_true", help="check the flags, print the settings they resolve "
         "to (defaults applied) as JSON, and exit without training (study.py's pre-flight)")
     add("--stop-at", type=int, default=None, help="checkpoint and exit after this step; the "
@@ -805,9 +809,17 @@ def start_phase(run: Run, step: int) -> Phase:
 DATA_KEYS = ("name", "vocab_size", "train_tokens", "unigram_entropy")  # kept in checkpoints
 
 
-def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt"):
-    """Everything a resumed run needs to go on bit for bit, written atomically by rank 0."""
-    if run.rank == 0:
+def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | None = None):
+    """Everything a resumed run needs to go on bit for bit, written atomically by rank 0; with
+    `words` (--save-words), the model alone, as seen after that many training words."""
+    if run.rank == 0 and words is not None:
+        run.folder.save({
+            "model": run.encoder.state_dict(), "objective": phase.objective,
+            "heads": phase.trainee.heads.state_dict(), "config": asdict(run.encoder.config),
+            "args": {k: v for k, v in vars(run.args).items() if k != "given"}, "step": step,
+            "words_seen": words, "code_version": run.version, "tokenizer": run.tokenizer,
+            "data": {k: run.meta[k] for k in DATA_KEYS}}, name)
+    elif run.rank == 0:
         cuda = run.device.type == "cuda"
         run.folder.save({
             "model": run.encoder.state_dict(), "objective": phase.objective,
@@ -822,6 +834,37 @@ def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt"):
             "data": {k: run.meta[k] for k in DATA_KEYS},
         }, name)
     return step
+
+
+BABYLM_WORDS = [*range(1, 10), *range(10, 101, 10)]  # millions: chck_1M ... chck_100M
+
+
+def word_marks(run: Run) -> dict[int, tuple[str, int]]:
+    """{step: (checkpoint name, words seen)} for --save-words: the first step by which that
+    many training words have been seen. A step reads global_batch segments of seq_len - 2
+    corpus tokens ([CLS] and [SEP] are not text), and the corpus has train_words /
+    train_tokens words per token (meta.json; whitespace-separated words, as BabyLM counts)."""
+    spec = run.args.save_words
+    if not spec:
+        return {}
+    if spec == "babylm":
+        counts = [m * 10 ** 6 for m in BABYLM_WORDS]
+    else:
+        try:
+            counts = [round(float(c[:-1]) * {"K": 1e3, "M": 1e6}[c[-1].upper()])
+                      for c in spec.split(",")]
+        except (KeyError, ValueError, IndexError):
+            raise SystemExit(f"error: --save-words {spec!r}: give counts such as 1M,2M,500K, "
+                             f"or babylm") from None
+    meta, args = run.meta, run.args
+    per_step = run.global_batch * (args.seq_len - 2) * meta["train_words"] / meta["train_tokens"]
+    name = lambda n: f"chck_{n // 10 ** 6}M" if n % 10 ** 6 == 0 else f"chck_{n // 1000}K"
+    marks = {math.ceil(n / per_step - 1e-9): (name(n), n) for n in sorted(counts)}
+    late = [v[0] for k, v in marks.items() if k > args.max_steps]
+    if late:
+        run.say(f"note: --save-words: not written, beyond --max-steps {args.max_steps} "
+                f"({round(args.max_steps * per_step):,} words): {', '.join(late)}")
+    return marks
 
 
 def describe(run: Run) -> str:
@@ -898,6 +941,7 @@ def main(argv=None):
     run.say(describe(run))
 
     last_saved = step if run.ckpt is not None else None
+    marks = word_marks(run)  # {step: (name, words)} of --save-words
     sums, since_log, history = {}, 0, []  # history: this phase's log records, for diverging()
     suspect = deferred = False  # a state diverging() may yet condemn is saved only once cleared
     nonfinite = torch.tensor(-1, device=run.device)  # the first step with a NaN/inf loss or grad
@@ -992,6 +1036,8 @@ def main(argv=None):
             if not deferred:
                 last_saved = save(run, phase, step)
                 t_log = time.time()
+        if step in marks:
+            save(run, phase, step, f"{marks[step][0]}.pt", words=marks[step][1])
         if step == args.stop_at:
             break
     bar.close()

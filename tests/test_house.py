@@ -13,7 +13,8 @@ from conftest import REPO
 
 # ground floor: the model and the data; middle: libraries with a CLI; top: scripts
 FLOOR = {"model": 0, "data": 0, "sparse": 1, "evaluate": 1,
-         "train": 2, "meta": 2, "bench": 2, "synth": 2, "study": 2}
+         "train": 2, "meta": 2, "bench": 2, "synth": 2, "study": 2, "export": 2,
+         "hf": 0}  # hf/: the modeling file export.py ships, transformers' code only
 
 
 def unit(path) -> str:

@@ -1,0 +1,214 @@
+"""export.py: the Hugging Face folder loads with transformers alone and computes what our code
+computes (logits, tokens, PLL), fine-tunes, and train.py --save-words keeps the BabyLM
+pipeline's intermediate checkpoints. Needs requirements-export.txt; skipped without it."""
+import gzip
+import json
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+
+for name in ("transformers", "tokenizers", "safetensors", "google.protobuf"):
+    pytest.importorskip(name, reason="the export tests need pip install -r "
+                                     "requirements-export.txt")
+
+import evaluate as E  # noqa: E402
+import export  # noqa: E402
+from conftest import run_train, shared_data  # noqa: E402
+from data.prepare import MASK  # noqa: E402
+from model import (PRESETS, BootHeads, Encoder, ModelConfig, load_checkpoint,  # noqa: E402
+                   read_checkpoint, save_checkpoint)
+from transformers import (AutoModel, AutoModelForMaskedLM,  # noqa: E402
+                          AutoModelForSequenceClassification, AutoTokenizer)
+
+BLIMP = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
+
+
+def checkpoint(path, tokenizer: bytes, objective="mlm", **kw):
+    """A tiny model with every tensor perturbed (so a zero bias or a unit norm cannot hide a
+    tensor that was dropped or misplaced), saved as train.py would for `objective`."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**PRESETS["tiny"], "vocab_size": 2000, "d_model": 64, **kw})
+    model = Encoder(cfg)
+    ckpt = {"model": model.state_dict(), "config": asdict(cfg), "tokenizer": tokenizer,
+            "objective": objective, "step": 7}
+    if objective == "boot":
+        ckpt["heads"] = BootHeads(cfg, 1, mae=True).state_dict()
+    for t in [*ckpt["model"].values(), *ckpt.get("heads", {}).values()]:
+        if t.is_floating_point():
+            t.add_(0.05 * torch.randn_like(t))
+    save_checkpoint(ckpt, path)
+    return path
+
+
+def sentences(n=40):
+    """n BLiMP sentences from 8 paradigms, of different lengths."""
+    pairs = [json.loads(x) for f in sorted(BLIMP.glob("*.jsonl"))[:8]
+             for x in f.read_text().splitlines()[:3]]
+    return [s for p in pairs for s in (p["sentence_good"], p["sentence_bad"])][:n]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_bytes(prepared):
+    return (prepared / "tokenizer.model").read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["mlm", "boot", "absolute"])
+def test_exported_logits_equal_load_checkpoint(kind, tokenizer_bytes, tmp_path):
+    """Real sentences, padded in a batch; a BootBERT MAE student predicts the [MASK]s through
+    its decoder in both; absolute positions too."""
+    kw = dict(position="absolute") if kind == "absolute" else {}
+    path = checkpoint(tmp_path / "ckpt.pt", tokenizer_bytes, "boot" if kind == "boot" else "mlm",
+                      **kw)
+    export.main(["--ckpt", str(path), "--out", str(tmp_path / "hf")])
+    hf = AutoModelForMaskedLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours, _ = load_checkpoint(path)
+    batch = tok(sentences(), padding=True, return_tensors="pt")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    assert (mask == 0).any()
+    ids = ids.masked_fill((torch.rand(ids.shape) < 0.2) & (ids > 4), MASK)  # some [MASK]s
+    with torch.no_grad():
+        got, want = hf(input_ids=ids, attention_mask=mask).logits, ours.logits(ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    assert type(ours).__name__ == ("BootPredictor" if kind == "boot" else "Encoder")
+    # AutoModel (the pipeline's fine-tuning loads it): the encoder's states, as encoder_only
+    base = AutoModel.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    encoder, _ = load_checkpoint(path, encoder_only=True)
+    with torch.no_grad():
+        got, want = base(input_ids=ids, attention_mask=mask).last_hidden_state, encoder(ids, mask)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_fast_tokenizer_equals_sentencepiece_on_every_blimp_sentence(tokenizer_bytes, tmp_path):
+    """Every sentence of the filtered BLiMP and its supplement (full_eval), through the converted
+    tokenizer and through sentencepiece, with our test tokenizer (2000 pieces: more rare
+    characters fall back to bytes than with the real one); and decoding gives the text back."""
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_proto=tokenizer_bytes)
+    tok = export.fast_tokenizer(tokenizer_bytes)
+    full = shared_data() / "babylm_eval" / "full_eval"
+    texts = sorted({p[k] for p in E.read_blimp([full / "blimp_filtered",
+                                                full / "supplement_filtered"])
+                    for k in ("good", "bad")})
+    texts += ["  spaces   inside ", "ünïcödé ☃ 日本 \U0001F600", "12345 x2"]  # bytes, spaces
+    assert len(texts) > 100_000
+    got = tok(texts)["input_ids"]
+    want = sp.encode(texts)
+    bad = [t for t, g, w in zip(texts, got, want) if g != [2] + w + [3]]
+    assert not bad, f"{len(bad)} sentences differ, e.g. {bad[:3]}"
+    for t in texts[-3:]:
+        assert tok.decode(tok(t)["input_ids"], skip_special_tokens=True) == sp.decode(sp.encode(t))
+
+
+def test_pll_through_the_hugging_face_api_equals_evaluate_blimp(tokenizer_bytes, tmp_path):
+    """evaluate.py blimp's pseudo-log-likelihoods (temperature 1) equal the textbook PLL
+    computed with transformers alone: mask each token in turn, sum the log-probabilities."""
+    path = checkpoint(tmp_path / "ckpt.pt", tokenizer_bytes)
+    export.main(["--ckpt", str(path), "--out", str(tmp_path / "hf")])
+    folder = tmp_path / "blimp"
+    folder.mkdir()
+    for f in sorted(BLIMP.glob("*.jsonl"))[:3]:
+        (folder / f.name).write_text("".join(f.read_text().splitlines(True)[:4]))
+    E.main(["blimp", "--ckpt", str(path), "--blimp-dir", str(folder), "--device", "cpu",
+            "--out", str(tmp_path / "blimp.json")])
+    result = E.read_result(tmp_path / "blimp.json")
+    t1 = result["temperatures"].index(1.0)
+    hf = AutoModelForMaskedLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    by_id = {p["id"]: p for p in E.read_blimp([folder])}
+
+    def pll(text):
+        ids = torch.tensor(tok(text)["input_ids"])
+        n = len(ids) - 2
+        copies = ids.repeat(n, 1)
+        copies[torch.arange(n), torch.arange(1, n + 1)] = tok.mask_token_id
+        with torch.no_grad():
+            logp = hf(input_ids=copies).logits.log_softmax(-1)
+        return float(logp[torch.arange(n), torch.arange(1, n + 1), ids[1:-1]].sum())
+
+    assert len(result["pairs"]) == 12
+    for pair in result["pairs"]:
+        src = by_id[pair["id"]]
+        assert pll(src["good"]) == pytest.approx(pair["good"][t1], abs=1e-4)
+        assert pll(src["bad"]) == pytest.approx(pair["bad"][t1], abs=1e-4)
+
+
+def test_sequence_classification_loads_the_encoder_and_trains_one_step(tokenizer_bytes,
+                                                                         tmp_path):
+    path = checkpoint(tmp_path / "ckpt.pt", tokenizer_bytes)
+    export.main(["--ckpt", str(path), "--out", str(tmp_path / "hf")])
+    clf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf", num_labels=3,
+                                                             trust_remote_code=True)
+    for k, v in read_checkpoint(path)["model"].items():  # the encoder as trained, not re-drawn
+        torch.testing.assert_close(clf.nanomlm.state_dict()[k], v, rtol=0, atol=0)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    batch = tok(sentences(12), padding=True, return_tensors="pt")
+    labels = torch.arange(12) % 3
+    opt = torch.optim.AdamW(clf.parameters(), lr=1e-3)
+    clf.train()
+    torch.manual_seed(0)
+    before = clf(**batch, labels=labels).loss
+    before.backward()
+    opt.step()
+    clf.eval()
+    with torch.no_grad():
+        logits = clf(**batch).logits
+    assert logits.shape == (12, 3) and torch.isfinite(before)
+    assert clf.classifier[-1].weight.grad.abs().sum() > 0
+    assert clf.nanomlm.word.weight.grad.abs().sum() > 0       # the encoder is fine-tuned too
+
+
+def test_save_words_keeps_checkpoints_at_the_word_counts(prepared, tmp_path):
+    """chck_<N>.pt at the first step by which N training words were seen (global batch x
+    (seq_len - 2) corpus tokens a step, at the corpus's words per token), holding the weights
+    of that step; export writes one folder each, named as the BabyLM pipeline expects."""
+    meta = json.loads((prepared / "meta.json").read_text())
+    per_step = 8 * 30 * meta["train_words"] / meta["train_tokens"]
+    last = int(np.ceil(2000 / per_step))  # the run ends as 2K words are reached
+    out = tmp_path / "run"
+    p = run_train("--data", prepared.name, "--size", "tiny", "--batch-size", 4,
+                  "--grad-accum", 2, "--seq-len", 32, "--max-steps", last, "--save-every", 5,
+                  "--save-words", "1K,2K,100K", "--device", "cpu", "--out-dir", out,
+                  env={"NANOMLM_DATA": str(prepared.parent)})
+    assert p.returncode == 0, p.stderr
+    said = p.stdout + p.stderr
+    assert f"not written, beyond --max-steps {last}" in said and "chck_100K" in said
+    for n, name in ((1000, "chck_1K"), (2000, "chck_2K")):
+        ckpt = read_checkpoint(out / f"{name}.pt")
+        step = ckpt["step"]
+        assert (step - 1) * per_step < n <= step * per_step and ckpt["words_seen"] == n
+    assert not (out / "chck_100K.pt").exists()
+    final, kept = read_checkpoint(out / "ckpt.pt"), read_checkpoint(out / "chck_2K.pt")
+    assert kept["step"] == final["step"] == last and "optimizer" not in kept  # weights only
+    for k, v in final["model"].items():
+        torch.testing.assert_close(kept["model"][k], v, rtol=0, atol=0)
+    export.main(["--ckpt", str(out), "--out", str(tmp_path / "hf")])
+    assert {p.name for p in (tmp_path / "hf").iterdir() if p.is_dir()} == {"chck_1K", "chck_2K"}
+    words = json.loads((tmp_path / "hf" / "chck_1K" / "config.json").read_text())["words_seen"]
+    assert words == 1000
+
+
+def test_export_errors_are_one_line(tokenizer_bytes, tmp_path):
+    path = checkpoint(tmp_path / "ckpt.pt", tokenizer_bytes)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep me")
+    (tmp_path / "empty_run").mkdir()
+    gz = tmp_path / "not_a_ckpt.pt"
+    with gzip.open(gz, "wb") as f:
+        f.write(b"nothing")
+    cases = [(["--ckpt", str(path), "--out", str(tmp_path / "full")], "not empty; pass --force"),
+             (["--ckpt", str(tmp_path / "empty_run"), "--out", str(tmp_path / "o")],
+              "nothing to export"),
+             (["--ckpt", str(gz), "--out", str(tmp_path / "o")], "cannot read checkpoint")]
+    for argv, msg in cases:
+        with pytest.raises(SystemExit) as e:
+            export.main(argv)
+        assert msg in str(e.value) and "\n" not in str(e.value)
+    assert (tmp_path / "full" / "x").read_text() == "keep me"
+    export.main(["--ckpt", str(path), "--out", str(tmp_path / "full"), "--force"])
+    assert (tmp_path / "full" / "config.json").exists()
+    np.testing.assert_equal(sorted(p.name for p in (tmp_path / "o").glob("*")) if
+                            (tmp_path / "o").exists() else [], [])
