@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from data.prepare import CLS, MASK, PAD, SEP, SPECIALS, UNK
-from model import REPO, read_checkpoint
+from model import REPO, boot_shape, read_checkpoint
 
 MODELING = REPO / "hf" / "modeling_nanomlm.py"
 NEEDS = "pip install -r requirements-export.txt"
@@ -46,13 +46,12 @@ def need_transformers():
 def hf_config(ckpt: dict) -> dict:
     """config.json: the encoder's ModelConfig fields, the BootBERT decoder if it predicts
     through one, the special ids, and where transformers finds the classes."""
-    heads = ckpt.get("heads") or {}
     boot = ckpt.get("objective") == "boot"
-    depth = len({k.split(".")[2] for k in heads if k.startswith("decoder.layers.")}) if boot else 0
+    depth, mae = boot_shape(ckpt["heads"]) if boot else (0, False)
     classes = {"AutoConfig": "NanoMLMConfig", "AutoModel": "NanoMLMModel",
                "AutoModelForMaskedLM": "NanoMLMForMaskedLM",
                "AutoModelForSequenceClassification": "NanoMLMForSequenceClassification"}
-    return {**ckpt["config"], "boot_decoder_layers": depth, "boot_mae": boot and "mask" in heads,
+    return {**ckpt["config"], "boot_decoder_layers": depth, "boot_mae": mae,
             "model_type": "nanomlm", "architectures": ["NanoMLMForMaskedLM"],
             "auto_map": {k: f"modeling_nanomlm.{v}" for k, v in classes.items()},
             "pad_token_id": PAD, "mask_token_id": MASK, "bos_token_id": CLS, "eos_token_id": SEP,
@@ -76,7 +75,6 @@ def fast_tokenizer(proto: bytes):
     byte fallback kept (sentencepiece spells characters outside the vocabulary as <0x..> bytes;
     the converter would make them [UNK]), [CLS] ... [SEP] added around every sequence."""
     from tokenizers import decoders, processors
-    from tokenizers.models import Unigram
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import SpmConverter
 
@@ -95,7 +93,6 @@ def fast_tokenizer(proto: bytes):
             raise SystemExit("error: export converts unigram sentencepiece models only; this "
                              "checkpoint's tokenizer is word-level (a synthetic corpus's)")
         tk = conv.converted()
-    assert isinstance(tk.model, Unigram)
     tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     cls, sep = SPECIALS[CLS], SPECIALS[SEP]

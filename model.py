@@ -108,14 +108,15 @@ def relative_scores(q, k, qp, kp, idx):
 _FLEX = {}  # device type -> flex_attention, compiled
 
 
-def flex_relative(q, k, v, qp, kp, idx, bias, scale, compiled=True):
+def flex_relative(q, k, v, qp, kp, idx, bias, scale):
     """softmax((q k^T + relative_scores) * scale + bias) v without any (B, H, T, T) tensor:
     flex_attention (Dong et al. 2024) fuses the softmax with a score_mod that adds each pair's
     position terms read from (B, H, T, R) tables, so a pair costs two lookups instead of a
     gathered score and a bias in memory. q, k, v (B, H, T, hd); qp, kp (H, R, hd); idx (B or 1,
     1, T, T) buckets; bias (B, 1, 1, T). No dropout on the probabilities: Attention uses this
     only where it drops none. Gradients reach q, k, qp, kp through the tables on CUDA; torch's
-    flex has no backward on the CPU. compiled=False: flex's reference path (tests, float64)."""
+    flex has no backward on the CPU. Compiled once per device into _FLEX (tests put flex's
+    uncompiled reference path there, which computes in float64)."""
     # scaled here: a Python float inside score_mod becomes a symbolic input when compiled
     # with dynamic shapes, which flex's CPU lowering refuses
     c2p, p2c = (q @ kp.transpose(-1, -2)) * scale, (k @ qp.transpose(-1, -2)) * scale  # (B,H,T,R)
@@ -131,14 +132,13 @@ def flex_relative(q, k, v, qp, kp, idx, bias, scale, compiled=True):
         r = rows[i, j] if shared else rows[b, i, j]
         return score + keys[b, j] + c2p[b, h, i, r] + p2c[b, h, j, r]
 
-    from torch.nn.attention.flex_attention import flex_attention
-    if compiled and q.device.type not in _FLEX:
+    if q.device.type not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
         # on the CPU one graph per shape: inductor's CPU template with dynamic shapes failed to
         # build on a recompile, for a new head count or length (torch 2.13)
         cpu = q.device.type == "cpu"
         _FLEX[q.device.type] = torch.compile(flex_attention, dynamic=False if cpu else None)
-    fn = _FLEX[q.device.type] if compiled else flex_attention
-    return fn(q, k, v, score_mod=score_mod, scale=scale)
+    return _FLEX[q.device.type](q, k, v, score_mod=score_mod, scale=scale)
 
 
 def use_flex(model: nn.Module, on: bool = True) -> nn.Module:
@@ -477,6 +477,12 @@ def boot_states(encoder: "Encoder", heads: BootHeads, inputs, attention_mask, hi
     return heads.decoder(x, encoder.attention_inputs(attention_mask))
 
 
+def boot_shape(heads: dict) -> tuple[int, bool]:
+    """(decoder layers, MAE student?) of a BootHeads state dict, read from its tensors."""
+    n_layer = len({k.split(".")[2] for k in heads if k.startswith("decoder.layers.")})
+    return n_layer, "mask" in heads
+
+
 class BootPredictor(nn.Module):
     """A BootBERT checkpoint as load_checkpoint returns it: called as an Encoder is, it predicts
     the tokens marked [MASK] (mask_id) through boot_states and the MLM head. .encoder is the
@@ -754,9 +760,8 @@ def load_checkpoint(path, device="cpu", encoder_only=False):
         raise SystemExit(f"error: {path} pairs a {model.config.vocab_size}-token model with a "
                          f"{tok.get_piece_size()}-piece tokenizer; it was not written by train.py")
     if ckpt.get("objective") == "boot" and not encoder_only:
-        heads = ckpt["heads"]  # the decoder's depth and the student's kind, from its tensors
-        n_layer = len({k.split(".")[2] for k in heads if k.startswith("decoder.layers.")})
-        boot = BootHeads(model.config, n_layer, mae="mask" in heads)
+        heads = ckpt["heads"]
+        boot = BootHeads(model.config, *boot_shape(heads))
         if set(boot.state_dict()) != set(heads):
             raise SystemExit(f"error: {path} is a boot checkpoint from before its decoder ended "
                              f"in a LayerNorm (issue 16), so its trained path cannot be rebuilt; "

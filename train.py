@@ -812,27 +812,24 @@ DATA_KEYS = ("name", "vocab_size", "train_tokens", "unigram_entropy")  # kept in
 def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | None = None):
     """Everything a resumed run needs to go on bit for bit, written atomically by rank 0; with
     `words` (--save-words), the model alone, as seen after that many training words."""
-    if run.rank == 0 and words is not None:
-        run.folder.save({
+    if run.rank == 0:
+        state = {
             "model": run.encoder.state_dict(), "objective": phase.objective,
             "heads": phase.trainee.heads.state_dict(), "config": asdict(run.encoder.config),
             "args": {k: v for k, v in vars(run.args).items() if k != "given"}, "step": step,
-            "words_seen": words, "code_version": run.version, "tokenizer": run.tokenizer,
-            "data": {k: run.meta[k] for k in DATA_KEYS}}, name)
-    elif run.rank == 0:
-        cuda = run.device.type == "cuda"
-        run.folder.save({
-            "model": run.encoder.state_dict(), "objective": phase.objective,
-            "heads": phase.trainee.heads.state_dict(),
-            "ctx_state": {k: m.state_dict() for k, m in phase.parts.saved.items()} or None,
-            "optimizer": phase.optimizer.state_dict(), "config": asdict(run.encoder.config),
-            "args": {k: v for k, v in vars(run.args).items() if k != "given"}, "step": step,
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if cuda else None},
-            "data_pos": step * run.global_batch, "code_version": run.version,
-            "tokenizer": run.tokenizer,
-            "data": {k: run.meta[k] for k in DATA_KEYS},
-        }, name)
+            "code_version": run.version, "tokenizer": run.tokenizer,
+            "data": {k: run.meta[k] for k in DATA_KEYS}}
+        if words is not None:
+            state["words_seen"] = words
+        else:
+            cuda = run.device.type == "cuda"
+            state.update({
+                "ctx_state": {k: m.state_dict() for k, m in phase.parts.saved.items()} or None,
+                "optimizer": phase.optimizer.state_dict(),
+                "rng": {"torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state() if cuda else None},
+                "data_pos": step * run.global_batch})
+        run.folder.save(state, name)
     return step
 
 
