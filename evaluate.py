@@ -25,6 +25,7 @@ import glob
 import gzip
 import json
 import math
+import os
 import time
 import zlib
 from pathlib import Path
@@ -33,11 +34,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from data.prepare import (CLS, MASK, MSGS, PAD, SEP, TASKS, Examples, Segments, pad, prepare,
-                          read_jsonl, read_task, uniform_mask)
-from model import autocast, load_checkpoint, pick_device, seed_of
+from data.prepare import (CLS, MASK, MSGS, PAD, SEP, TASKS, Examples, Segments, bar, duration,
+                          pad, prepare, read_jsonl, read_task, uniform_mask)
+from model import autocast, load_checkpoint, pick_device, seed_of, writing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,9 +45,21 @@ from model import autocast, load_checkpoint, pick_device, seed_of
 
 def write_result(result: dict, out, ckpt, name: str, indent=None) -> Path:
     path = Path(out) if out else Path(ckpt).parent / "eval" / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=indent))
+    write_lines(path, [result], indent)
     return path
+
+
+def write_lines(path: Path, rows: list, indent=None) -> None:
+    """Each of `rows` as JSON on a line of its own, written whole or not at all (a temp file of
+    this process, then a rename), an OS error one line."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text("".join(json.dumps(r, indent=indent) + "\n" for r in rows))
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_result(path) -> dict:
@@ -162,7 +174,8 @@ def token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progre
         copies = np.flatnonzero(L[sent] == length)
         parts = math.ceil(len(copies) * length / batch_tokens)
         batches += [(length, c) for c in np.array_split(copies, parts)]
-    for length, c in tqdm(batches, desc="PLL", unit="batch", disable=None if progress else True):
+    for length, c in bar(batches, desc="PLL", unit="batch", leave=False,
+                         disable=None if progress else True):
         rows = torch.from_numpy(ids[sent[c], :length]).to(device)
         w = torch.from_numpy(words[sent[c], :length]).to(device)
         p = torch.from_numpy(pos[c]).to(device)[:, None]
@@ -209,6 +222,45 @@ def choose_temperature(correct, uids, halves, temps) -> int:
                key=lambda t: (round(float(acc[t]), 12), -abs(math.log(temps[t]))))
 
 
+CHUNK_PAIRS = 2000  # BLiMP is scored, shown and kept in chunks of whole paradigms this large
+
+
+def chunks(pairs, size: int) -> list[np.ndarray]:
+    """Pair indices in runs of consecutive whole paradigms of at least `size` pairs (the last
+    may hold fewer): large enough to batch well, small enough that an interrupted evaluation
+    loses little (the full BLiMP's 67,000 pairs make 34 chunks)."""
+    out, run = [], []
+    for i, p in enumerate(pairs):
+        if run and len(run) >= size and (p["group"], p["uid"]) != (pairs[i - 1]["group"],
+                                                                   pairs[i - 1]["uid"]):
+            out.append(np.array(run))
+            run = []
+        run.append(i)
+    return out + [np.array(run)] if run else out
+
+
+def read_partial(path: Path, fingerprint: dict) -> dict[int, list]:
+    """{chunk: its (2n, T) scores} of an interrupted evaluation with the same fingerprint, from
+    the lines it appended to `path` (a torn last line, cut off mid-write, is dropped)."""
+    if not path.exists():
+        return {}
+    lines = path.read_text().splitlines()
+    try:
+        if json.loads(lines[0]) != fingerprint:
+            print(f"note: {path} was made with other settings or weights; starting over")
+            return {}
+    except (IndexError, ValueError):
+        return {}
+    done = {}
+    for line in lines[1:]:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break
+        done[row["chunk"]] = row["scores"]
+    return done
+
+
 def blimp(args):
     device = pick_device(args.device)
     pairs = read_blimp(args.blimp_dir)
@@ -220,10 +272,38 @@ def blimp(args):
     if max(map(len, seqs)) > model.config.max_position:
         raise SystemExit(f"error: a sentence has {max(map(len, seqs))} tokens, more than the "
                          f"model's {model.config.max_position}")
-    t0 = time.time()
     batch_tokens = args.batch_tokens or BATCH_TOKENS[device.type]
     l2r = args.scorer == "word-l2r"
-    scores = pll(model, seqs, temps, l2r, batch_tokens, device, word_starts(tok))
+    out = Path(args.out or Path(args.ckpt).parent / "eval" / f"blimp{'_l2r' if l2r else ''}.json")
+    # scores kept chunk by chunk as they are made, so that an interrupted run goes on from there;
+    # the fingerprint: what they depend on (a checkpoint's size and time stand for its weights)
+    partial = out.with_name(out.name + ".partial")
+    stat = Path(args.ckpt).stat()
+    fingerprint = {"ckpt": str(Path(args.ckpt).resolve()), "size": stat.st_size,
+                   "mtime_ns": stat.st_mtime_ns, "scorer": args.scorer, "temperatures": temps,
+                   "dirs": [str(d) for d in args.blimp_dir], "pairs": len(pairs),
+                   "batch_tokens": batch_tokens, "device": str(device)}
+    done = read_partial(partial, fingerprint)
+    parts = chunks(pairs, CHUNK_PAIRS)
+    if done:
+        print(f"resuming: {len(done)} of {len(parts)} chunks already scored in {partial}")
+    write_lines(partial, [fingerprint, *({"chunk": i, "scores": s} for i, s in done.items())])
+    scores = np.zeros((len(seqs), len(temps)))
+    t0, scored = time.time(), 0
+    for i, idx in enumerate(parts):
+        rows = np.concatenate([idx, idx + len(pairs)])  # the good sentences, then the bad
+        if i in done:
+            scores[rows] = done[i]
+            continue
+        s = pll(model, [seqs[r] for r in rows], temps, l2r, batch_tokens, device, word_starts(tok))
+        with writing(partial), open(partial, "a") as f:
+            f.write(json.dumps({"chunk": i, "scores": s.tolist()}) + "\n")
+        scores[rows], scored = s, scored + len(rows)
+        rate = scored / (time.time() - t0)
+        left = 2 * sum(len(c) for j, c in enumerate(parts) if j > i and j not in done)
+        print(f"blimp: {i + 1}/{len(parts)} chunks, {idx[-1] + 1:,}/{len(pairs):,} pairs, up to "
+              f"{pairs[idx[-1]]['uid']} | {rate:.0f} sentences/s | eta {duration(left / rate)}",
+              flush=True)
     seconds = time.time() - t0
     good, bad = scores[:len(pairs)], scores[len(pairs):]
     correct = good > bad                                             # (P, T); ties are wrong
@@ -249,9 +329,11 @@ def blimp(args):
     summary = {g: {"macro_paradigms": np.mean([r[:3] for r in rows.values()], 0).tolist(),
                    "macro_phenomena": np.mean([r[:3] for r in phenomena[g].values()], 0).tolist()}
                for g, rows in paradigms.items()}
-    line = lambda name, r: (f"  {name:<42} {100 * r[0]:6.1f} {100 * r[1]:8.1f} {100 * r[2]:8.1f}"
-                            + (f" {r[3]:6d}" if len(r) > 3 else ""))
-    head = f"  {'':<42} {'T=1':>6} {'T=1 rep':>8} {f'T*={temps[best]:g} rep':>8}"
+    w = max(len(k) for k in [*(k for t in (paradigms, phenomena) for rows in t.values()
+                                for k in rows), *(f"{g}: over phenomena" for g in summary)])
+    line = lambda name, r: (f"  {name:<{w}} {100 * r[0]:6.1f} {100 * r[1]:8.1f} "
+                            f"{100 * r[2]:8.1f}" + (f" {r[3]:6d}" if len(r) > 3 else ""))
+    head = f"  {'':<{w}} {'T=1':>6} {'T=1 rep':>8} {f'T*={temps[best]:g} rep':>8}"
     for name, tab in (("paradigm", paradigms), ("phenomenon", phenomena)):
         for g, rows in tab.items():
             if name == "phenomenon" and rows.keys() == paradigms[g].keys():
@@ -264,14 +346,13 @@ def blimp(args):
     for g, s in summary.items():
         print(line(f"{g}: over paradigms", s["macro_paradigms"]))
         print(line(f"{g}: over phenomena", s["macro_phenomena"]))
-    print(f"\n{len(seqs)} sentences in {seconds:.1f}s: {len(seqs) / seconds:.0f} sentences/s "
-          f"on {device}")
+    print(f"\n{scored} sentences scored in {seconds:.1f}s: {scored / seconds:.0f} sentences/s "
+          f"on {device}" + (f" ({len(seqs) - scored} kept from {partial})" if done else ""))
 
-    name = "blimp" + ("_l2r" if args.scorer == "word-l2r" else "")
     result = {
         "kind": "blimp", "ckpt": str(args.ckpt), "pretrain_seed": model.train_args.get("seed"),
         "scorer": args.scorer, "dirs": [str(d) for d in args.blimp_dir], "temperatures": temps,
-        "best_temperature": temps[best], "sentences_per_s": len(seqs) / seconds,
+        "best_temperature": temps[best], "sentences_per_s": scored / seconds,
         "summary": summary, "paradigms": paradigms, "phenomena": phenomena,
         "pairs": [{"id": p["id"], "uid": p["uid"], "group": p["group"],
                    "phenomenon": p["phenomenon"], "half": int(h), "good": g.tolist(),
@@ -285,7 +366,8 @@ def blimp(args):
                             "pred": [correct[report, best].astype(int).tolist()],
                             "metric": "accuracy", "k": 2},
     }
-    print(f"wrote {write_result(result, args.out, args.ckpt, name)}")
+    print(f"wrote {write_result(result, out, args.ckpt, 'blimp')}")
+    partial.unlink()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +394,7 @@ def masked_lm(args):
     val = Segments(folder / "val.bin", seq_len - 2, 0, shuffle=False)
     n = min(args.segments, val.n)
     losses, accs = np.zeros(n), np.zeros(n)
-    for i in tqdm(range(0, n, args.batch_size), desc="mlm", unit="batch", disable=None):
+    for i in bar(range(0, n, args.batch_size), desc="mlm", unit="batch", disable=None):
         ids = val.batch(i, min(args.batch_size, n - i)).to(device)     # (b, T)
         gen = torch.Generator(device).manual_seed(seed_of(args.seed, i))
         inputs, labels = uniform_mask(ids, args.mask_p, gen)
@@ -411,7 +493,7 @@ def finetune_once(args, encoder, task, train: Examples, valid: Examples, dev: Ex
         else:
             order = rng.permutation(len(train.seqs))
             batches = [order[i:i + args.batch_size] for i in range(0, len(order), args.batch_size)]
-        for idx in tqdm(batches, desc=f"seed {seed} epoch {epoch}", leave=False, disable=None):
+        for idx in bar(batches, desc=f"seed {seed} epoch {epoch}", leave=False, disable=None):
             with autocast(device):
                 logits = model(*padded(train.seqs, idx, device)).float()
                 loss = F.cross_entropy(logits, torch.from_numpy(train.labels[idx]).to(device))
@@ -549,7 +631,7 @@ def multibootstrap(A: list[dict], B: list[dict], nboot=1000, seed=0, block=100) 
     mean_b = float(stat(B, rows_b, ones(n_b), ones(len(B)))[0])
     rng = np.random.default_rng(seed)
     diffs = []
-    for start in tqdm(range(0, nboot, block), desc="bootstrap", disable=None):
+    for start in bar(range(0, nboot, block), desc="bootstrap", disable=None):
         b = min(block, nboot - start)
         U_a = bootstrap_counts(rng, n_a, b).T
         U_b = U_a if paired_examples else bootstrap_counts(rng, n_b, b).T

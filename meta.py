@@ -51,10 +51,10 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from data.prepare import (MASK, MSGS, PAD, SPECIALS, TASKS, VOCAB_SIZE, load_tokenizer, pad,
+from data.prepare import (MASK, MSGS, PAD, SPECIALS, TASKS, VOCAB_SIZE, bar, load_tokenizer, pad,
                           prepare, raw_root, read_task)
 from model import (PRESETS, REPO, Encoder, ModelConfig, RunFolder, autocast, field_help,
-                   pick_device, small_init)
+                   load_state, pick_device, small_init)
 
 CODE = ["meta.py", "model.py", "data/prepare.py"]  # a run's code/
 
@@ -359,7 +359,7 @@ def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=No
     warm = max(1, args.steps // 20)
     t0 = time.time()
     steps = range(start, args.steps)
-    for step in tqdm(steps, desc=desc, initial=start, total=args.steps, leave=False, disable=None):
+    for step in bar(steps, desc=desc, initial=start, total=args.steps, leave=False, disable=None):
         for opt, base in ((opt_s, args.lr), (opt_t, args.teacher_lr)):  # warm-up, decay to 10%
             for g in opt.param_groups:
                 g["lr"] = base * min(1.0, (step + 1) / warm) * (1 - 0.9 * step / args.steps)
@@ -549,7 +549,7 @@ def run_glue(args, device, folder: RunFolder):
     opts = optimizers(student, teacher, args)
     start = 0
     if args.resume and (folder.path / "meta.pt").exists():
-        state = torch.load(folder.path / "meta.pt", map_location=device, weights_only=True)
+        state = load_state(folder.path / "meta.pt", map_location=device)
         student.load_state_dict(state["student"], strict=True)
         teacher.load_state_dict(state["teacher"], strict=True)
         for o, s in zip(opts, state["optimizers"]):
@@ -669,6 +669,7 @@ def main(argv=None):
     device = pick_device(args.device)
     name = f"meta_{args.task}_{args.labels.replace(',', '+')}"
     folder = RunFolder(args.out_dir or REPO / "runs" / name)
+    folder.lock()  # one process per run folder
     if not args.resume:
         folder.check_new()
     folder.start(CODE, keep_log=args.resume, args=vars(args))

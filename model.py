@@ -26,6 +26,8 @@ default: slower on the CPU, not yet measured on a GPU, docs/bench.md.)
 
 init_weights documents the initialisation of every tensor.
 """
+import errno
+import fcntl
 import hashlib
 import inspect
 import json
@@ -34,6 +36,7 @@ import os
 import re
 import resource
 import shutil
+import socket
 import subprocess
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -627,19 +630,43 @@ def code_version(files) -> dict:
 
 class RunFolder:
     """What a run leaves behind, the same for every script:
-        runs/NAME/  args.json  config.json ...  code/ (the source that ran)  log.jsonl  *.pt
+        runs/NAME/  args.json  config.json ...  code/ (the source that ran)  log.jsonl  *.pt  lock
     Only the master process writes: under DDP the other ranks hold one whose writes do nothing."""
 
     def __init__(self, path, master: bool = True):
         self.path, self.master = Path(path), master
         self.log_path = self.path / "log.jsonl"
-        self._log = None
+        self._log = self._lock = None
+
+    def lock(self) -> None:
+        """Hold the folder's `lock` file (flock) until this process exits: a second process on
+        the same folder is refused, naming the holder. The kernel drops the lock of a process
+        that dies however it dies, so a stale lock file is simply taken over."""
+        if not self.master or self._lock is not None:
+            return
+        with writing(self.path):
+            self.path.mkdir(parents=True, exist_ok=True)
+            f = open(self.path / "lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise SystemExit(f"error: {self.path} is in use by {holder}; wait for it to end or "
+                             f"choose another --out-dir") from None
+        with writing(self.path / "lock"):
+            f.truncate(0)
+            f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+            f.flush()
+        self._lock = f  # kept open: closing the file would release the lock
 
     def check_new(self, marker: str | None = None) -> None:
         """A new run never writes over an old one: refuse a folder that holds `marker`, the file
-        --resume would continue from, or with no marker any folder that holds anything."""
+        --resume would continue from, or with no marker any folder that holds anything (but the
+        lock a run holds while it starts)."""
         there = self.path / marker if marker else self.path
-        if there.exists() and (marker or any(self.path.iterdir())):
+        if there.exists() and (marker or any(p.name != "lock" for p in self.path.iterdir())):
             raise SystemExit(f"error: {there} exists; pass --resume to continue that run or "
                              f"choose another --out-dir")
 
@@ -648,33 +675,37 @@ class RunFolder:
         `code` file (repository paths) into code/; start an empty log unless keep_log."""
         if not self.master:
             return
-        (self.path / "code").mkdir(parents=True, exist_ok=True)
+        with writing(self.path / "code"):
+            (self.path / "code").mkdir(parents=True, exist_ok=True)
+            for f in code:
+                shutil.copy(REPO / f, self.path / "code" / Path(f).name)
+            if not keep_log:
+                self.log_path.unlink(missing_ok=True)
         for name, content in files.items():
             self.write(name, content)
-        for f in code:
-            shutil.copy(REPO / f, self.path / "code" / Path(f).name)
-        if not keep_log:
-            self.log_path.unlink(missing_ok=True)
 
     def write(self, name: str, content: dict) -> None:
         """NAME.json in the folder."""
         if self.master:
-            (self.path / f"{name}.json").write_text(json.dumps(content, indent=1))
+            with writing(self.path / f"{name}.json"):
+                (self.path / f"{name}.json").write_text(json.dumps(content, indent=1))
 
     def resume(self, step: int) -> None:
         """Continuing from a checkpoint at `step`: drop the log lines that the run which was cut
         off wrote after it, so that the log reads as one uninterrupted run."""
         if self.master and self.log_path.exists():
             lines = self.log_path.read_text().splitlines()
-            self.log_path.write_text("".join(line + "\n" for line in lines
-                                             if json.loads(line)["step"] <= step))
+            with writing(self.log_path):
+                self.log_path.write_text("".join(line + "\n" for line in lines
+                                                 if json.loads(line)["step"] <= step))
 
     def log(self, record: dict) -> None:
         """One JSON line in log.jsonl, flushed at once (a killed run keeps what it logged)."""
         if self.master:
-            self._log = self._log or open(self.log_path, "a")
-            self._log.write(json.dumps(record) + "\n")
-            self._log.flush()
+            with writing(self.log_path):
+                self._log = self._log or open(self.log_path, "a")
+                self._log.write(json.dumps(record) + "\n")
+                self._log.flush()
 
     def save(self, state: dict, name: str = "ckpt.pt") -> Path:
         """save_checkpoint into the folder (atomic: a kill never leaves a torn file)."""
@@ -683,30 +714,118 @@ class RunFolder:
         return self.path / name
 
 
+class writing:
+    """`with writing(path):` turns an OS error (a full disk, a quota, no permission...) into one
+    line naming the path and, for a full disk, the space needed (`need` bytes, if known) and
+    free. It also sees an OSError that another error was raised while handling (torch.save
+    reports a failed write as a RuntimeError whose context is the OSError)."""
+
+    def __init__(self, path, need: int | None = None):
+        self.path, self.need = Path(path), need
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        while isinstance(e, Exception) and not isinstance(e, OSError):  # not SystemExit
+            e = e.__context__
+        if not isinstance(e, OSError):
+            return False
+        space = ""
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            there = next(p for p in [self.path, *self.path.parents] if p.exists())
+            need = f"about {self.need / 2**20:,.0f} MiB needed, " if self.need else ""
+            space = f" ({need}{shutil.disk_usage(there).free / 2**20:,.0f} MiB free)"
+        raise SystemExit(f"error: cannot write {self.path}: "
+                         f"{e.strerror or type(e).__name__}{space}") from None
+
+
 # ---------------------------------------------------------------------------------------------
-# Checkpoints: one dict, written atomically, read back with strict=True
+# Checkpoints: one dict with a checksum of its content, written atomically, verified when read
+
+def checksum(state) -> str:
+    """sha256 of a checkpoint's content, in order: every tensor's dtype, shape and bytes, every
+    other value's type and repr. The zip file torch.save writes carries CRCs, but torch.load
+    never checks them: bytes flipped inside a tensor would load as silently wrong weights."""
+    h = hashlib.sha256()
+
+    def feed(x):
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous().reshape(-1)
+            h.update(f"T{t.dtype}{tuple(x.shape)}:".encode())
+            h.update(t.view(torch.uint8).numpy())
+        elif isinstance(x, dict):
+            h.update(f"{{{len(x)}:".encode())
+            for k, v in x.items():
+                feed(k)
+                feed(v)
+        elif isinstance(x, (list, tuple)):
+            h.update(f"[{len(x)}:".encode())
+            for v in x:
+                feed(v)
+        else:
+            b = x if isinstance(x, bytes) else repr(x).encode()
+            h.update(f"{type(x).__name__}{len(b)}:".encode())
+            h.update(b)
+    feed(state)
+    return h.hexdigest()
+
+
+def tensors(x):
+    """Every tensor in a nest of dicts, lists and tuples."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from tensors(v)
+
 
 def save_checkpoint(state: dict, path) -> None:
-    """torch.save to a temp file, fsync, then rename: a kill at any moment leaves either the old
-    or the new checkpoint at `path`, never a torn one."""
+    """`state` and its checksum, written to a temp file of this process, fsynced, then renamed:
+    a kill at any moment leaves either the old or the new checkpoint at `path`, never a torn
+    one. A failed write (a full disk...) removes the temp file and is one line (`writing`)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    state = {k: v for k, v in state.items() if k != "checksum"}
+    state["checksum"] = checksum(state)  # of the rest: the right side runs before the key exists
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    need = sum(t.nbytes for t in tensors(state))
+    try:
+        with writing(path, need):
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def read_checkpoint(path) -> dict:
-    """The checkpoint dict, on the CPU, or a one-line error naming what is wrong with the file."""
+def load_state(path, map_location="cpu") -> dict:
+    """torch.load a file save_checkpoint wrote, its checksum verified (a file written before
+    checksums were kept loads unverified), or one line saying what is wrong with it."""
     path = Path(path)
     if not path.is_file():
         raise SystemExit(f"error: no checkpoint at {path}")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, random bytes, a pickle of something else...
         raise SystemExit(f"error: cannot read checkpoint {path} (corrupt or truncated file: "
                          f"{type(e).__name__})") from None
+    if isinstance(state, dict) and "checksum" in state:
+        saved = state.pop("checksum")
+        if checksum(state) != saved:
+            raise SystemExit(f"error: {path} is corrupt: its content does not match the checksum "
+                             f"it was saved with (damaged on disk or in a copy); use another "
+                             f"checkpoint")
+    return state
+
+
+def read_checkpoint(path) -> dict:
+    """The checkpoint dict, on the CPU, or a one-line error naming what is wrong with the file."""
+    ckpt = load_state(path)
     if not isinstance(ckpt, dict) or not {"model", "config", "tokenizer"} <= ckpt.keys():
         raise SystemExit(f"error: {path} is not a nanoMLM checkpoint (no model/config/tokenizer)")
     return ckpt

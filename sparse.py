@@ -42,8 +42,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data.prepare import CLS, SEP, prepare
-from model import field_help, load_checkpoint, pick_device, read_checkpoint, save_checkpoint
+from data.prepare import CLS, SEP, bar, prepare
+from model import (field_help, load_checkpoint, load_state, pick_device, read_checkpoint,
+                   save_checkpoint)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,7 +318,7 @@ def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1
     for epoch in range(1, epochs + 1):
         used = torch.zeros(k, dtype=torch.bool, device=H.device)
         batches = pick(n).split(batch_size)
-        for idx in tqdm(batches, desc=f"dictionary epoch {epoch}/{epochs}", unit="batch",
+        for idx in bar(batches, desc=f"dictionary epoch {epoch}/{epochs}", unit="batch",
                         disable=None if progress else True):
             X = H[idx]
             A = sparse_code(X, D, lam, iters, tol)                # (b, k)
@@ -358,7 +359,7 @@ def collect(model, tokens: np.ndarray, layer: int, n: int, seq_len: int, max_fre
         raise SystemExit(f"error: the corpus holds {len(tokens)} tokens, fewer than one window "
                          f"of {L}")
     out, have = [], 0
-    bar = tqdm(total=n, desc=f"layer {layer} states", unit="vec", disable=None)
+    progress = bar(total=n, desc=f"layer {layer} states", unit="vec", disable=None)
     for _ in range(100000):
         starts = rng.integers(0, len(tokens) - L + 1, batch_size)
         ids = np.full((batch_size, seq_len), SEP, np.int64)
@@ -371,10 +372,10 @@ def collect(model, tokens: np.ndarray, layer: int, n: int, seq_len: int, max_fre
         v = h[take]
         out.append(torch.nn.functional.normalize(v, dim=1)[: n - have].cpu())
         have += len(out[-1])
-        bar.update(len(out[-1]))
+        progress.update(len(out[-1]))
         if have >= n:
             break
-    bar.close()
+    progress.close()
     if have < n:
         raise SystemExit(f"error: found only {have} of {n} vectors below --max-freq {max_freq}")
     return torch.cat(out)
@@ -470,12 +471,10 @@ def save_dictionary(path, D, layer: int, **about) -> dict:
 def load_dictionary(path, d_model: int, n_layer: int) -> tuple[torch.Tensor, int]:
     """(D (d, k) float32, the layer it codes) of a dictionary file, for a model of d_model
     dimensions and n_layer layers (a file without a layer is taken to code the last)."""
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        D = saved["D"]
-    except Exception as e:
-        raise SystemExit(f"error: cannot read the dictionary {path} ({type(e).__name__}: "
-                         f"{e})") from None
+    saved = load_state(path)  # a missing, unreadable or corrupt file: one line
+    D = saved.get("D") if isinstance(saved, dict) else None
+    if not isinstance(D, torch.Tensor):
+        raise SystemExit(f"error: {path} is not a dictionary file (no tensor D)")
     if D.ndim != 2 or D.shape[0] != d_model:
         raise SystemExit(f"error: the dictionary {path} has shape {tuple(D.shape)}, but the "
                          f"model's states have {d_model} dimensions")

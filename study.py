@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 import evaluate
-from data.prepare import TASKS, prepare, raw_root, resolve
+from data.prepare import TASKS, prepare, prepared_copies, raw_root, resolve
 
 REPO = Path(__file__).resolve().parent
 
@@ -328,7 +328,7 @@ def preflight(spec, scale_name, jobs, path) -> dict:
         settings = json.loads(out)
         rawdir, prepared = resolve(settings["data"])
         if (settings["data"] not in generated and not rawdir.is_dir()
-                and not (prepared / "meta.json").exists()):
+                and not prepared_copies(prepared)):
             raise fail(where(job), f"no corpus {settings['data']!r} at {rawdir} "
                        f"(set by scales.{scale_name}.data, the arm's data or its flags)")
         resolved[job.name] = settings

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -48,7 +49,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import sparse
-from data.prepare import VOCAB_SIZE, Segments, load_meta, prepare, span_mask, uniform_mask
+from data.prepare import (VOCAB_SIZE, Segments, bar, duration, load_meta, prepare, span_mask,
+                          uniform_mask)
 from model import (PARTS, PRESETS, REPO, BootHeads, BootPredictor, Encoder, Lamb, ModelConfig,
                    RunFolder, autocast, boot_states, check_config, code_version, ema_update,
                    field_help, load_checkpoint, load_weights, peak_memory_gb, pick_device,
@@ -685,9 +687,12 @@ def resumed_args(args, path):
     changed = [k for k in args.given if k not in RESUMABLE and getattr(args, k) != saved.get(k)]
     if changed:
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
-        raise SystemExit(f"error: a resumed run keeps its settings, but {flags} differ from the "
-                         f"checkpoint's; drop them or start a new --out-dir")
-    now = {k: getattr(args, k) for k in RESUMABLE if k in args.given or k in ("resume", "out_dir")}
+        raise SystemExit(f"error: a resumed run keeps its settings, but {flags} "
+                         f"{'differs' if len(changed) == 1 else 'differ'} from the checkpoint's; "
+                         f"drop {'it' if len(changed) == 1 else 'them'} or start a new --out-dir")
+    # --stop-at holds for one command: the run it resumes stopped there, this one goes on
+    now = {k: getattr(args, k) for k in RESUMABLE
+           if k in args.given or k in ("resume", "out_dir", "stop_at")}
     defaults = vars(build_parser().parse_args([]))
     return argparse.Namespace(**{**defaults, **BEFORE, **saved, **now, "given": args.given}), ckpt
 
@@ -725,6 +730,7 @@ def open_run(args) -> Run:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     folder = RunFolder(args.out_dir, master=rank == 0)
+    folder.lock()  # one process per run folder (rank 0 holds it for all)
     ckpt = None
     if args.resume:
         args, ckpt = resumed_args(args, folder.path / "ckpt.pt")
@@ -739,11 +745,16 @@ def open_run(args) -> Run:
     meta = load_meta(data_dir)
     train = Segments(data_dir / "train.bin", args.seq_len - 2, args.seed, shuffle=True).to(device)
     val = Segments(data_dir / "val.bin", args.seq_len - 2, args.seed, shuffle=False)
+    tokenizer = (data_dir / "tokenizer.model").read_bytes()
+    if ckpt is not None and ckpt["tokenizer"] != tokenizer:
+        raise SystemExit(f"error: the prepared data {data_dir} has another tokenizer than "
+                         f"{folder.path / 'ckpt.pt'} was trained with (the corpus at "
+                         f"{args.data} changed since the run began?); it cannot be resumed on it")
     encoder, step = build_encoder(args, meta["vocab_size"], ckpt)
     encoder.to(device)
     version = code_version(CODE)
     run = Run(args, ddp, rank, world, device, amp, folder, meta, train, val, encoder, step, ckpt,
-              (data_dir / "tokenizer.model").read_bytes(), version)
+              tokenizer, version)
     if args.max_steps is None:  # --epochs: saved in args.json as steps, so a resume keeps them
         args.max_steps = max(1, math.floor(args.epochs * train.n / run.global_batch))
         check_phases(args)
@@ -927,13 +938,28 @@ def diverging(history: list[dict], record: dict, factor: float) -> tuple[str, bo
     return "", record["loss"] > min(best, history[-1]["loss"]) + 1.0
 
 
+def catch_stop_signals() -> dict:
+    """Ctrl-C (SIGINT) and SIGTERM, the signal a cluster preempts a job with (SIGKILL follows
+    after a grace period), only set got["signal"]: the loop finishes the step it is in, saves it
+    and exits with the command that resumes it. Further signals change nothing."""
+    got = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: got.setdefault("signal", signum))
+    return got
+
+
 def main(argv=None):
+    sys.stdout.reconfigure(line_buffering=True)  # log lines reach a redirected file at once
     args = get_args(argv)
     if args.check:
         print(json.dumps({k: v for k, v in vars(args).items() if k not in ("given", "check")}))
         return
     run = open_run(args)
     args, step, V = run.args, run.step, run.meta["vocab_size"]
+    if args.stop_at is not None and args.stop_at <= step:
+        run.say(f"nothing to do: {run.folder.path / 'ckpt.pt'} is at step {step}, at or past "
+                f"--stop-at {args.stop_at}")
+        return
     phase = start_phase(run, step)
     run.say(describe(run))
 
@@ -943,8 +969,9 @@ def main(argv=None):
     suspect = deferred = False  # a state diverging() may yet condemn is saved only once cleared
     nonfinite = torch.tensor(-1, device=run.device)  # the first step with a NaN/inf loss or grad
     t_log, t0, step0 = time.time(), time.time(), step
-    bar = tqdm(total=args.max_steps, initial=step, disable=None if run.rank == 0 else True,
-               unit="step", dynamic_ncols=True)
+    progress = bar(total=args.max_steps, initial=step, disable=None if run.rank == 0 else True,
+                   unit="step", desc="train")
+    got = catch_stop_signals()
     while step < args.max_steps:
         if step == phase.end:  # phase 2 begins; phase1.pt was written as phase 1 ended
             phase, history = start_phase(run, step), []
@@ -980,9 +1007,15 @@ def main(argv=None):
             phase.parts.after_step(step, phase.start, phase.end)
         step += 1
         since_log += 1
-        bar.update()
+        progress.update()
 
-        is_save = (step % args.save_every == 0 or step in (phase.end, args.stop_at)
+        # a signal stops every process at the same step: under DDP they agree at log steps
+        stop = bool(got) and not run.ddp
+        if run.ddp and step % args.log_every == 0:
+            flag = torch.tensor(len(got), device=run.device)
+            dist.all_reduce(flag, dist.ReduceOp.MAX)
+            stop = flag.item() > 0
+        is_save = (step % args.save_every == 0 or step in (phase.end, args.stop_at) or stop
                    or deferred and step % args.log_every == 0)
         is_log = step % args.log_every == 0 or step == phase.end or is_save  # saves are checked
         if is_log or is_save:  # the only places the loop waits for the device
@@ -1016,7 +1049,8 @@ def main(argv=None):
             eta = (time.time() - t0) / (step - step0) * (args.max_steps - step)
             terms = "".join(f" | {k} {record[k]:.4f}" for k in [*figs, *extra] if k != "acc")
             run.say(f"step {step}/{args.max_steps} | loss {record['loss']:.4f}{terms} | "
-                    f"lr {lr:.1e} | {record['tok_per_s'] / 1e3:.1f}k tok/s | eta {eta / 60:.0f}m")
+                    f"lr {lr:.1e} | {record['tok_per_s'] / 1e3:.1f}k tok/s | "
+                    f"eta {duration(eta)}")
             sums, since_log, t_log = {}, 0, time.time()
         if step % args.eval_every == 0 or step == phase.end:
             record = {"step": step, **validate(run, phase)}
@@ -1035,9 +1069,19 @@ def main(argv=None):
                 t_log = time.time()
         if step in marks:
             save(run, phase, step, f"{marks[step][0]}.pt", words=marks[step][1])
+        if stop:
+            progress.close()
+            name = signal.Signals(got["signal"]).name
+            if run.rank == 0:
+                print(f"{name}: stopped after step {step}; {last_good(run, last_saved)}. "
+                      f"Continue with: python train.py --out-dir {run.folder.path} --resume",
+                      file=sys.stderr)
+            raise SystemExit(128 + got["signal"])  # the shell's code for a signalled process
         if step == args.stop_at:
             break
-    bar.close()
+    progress.close()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is the caller's again
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     run.say(f"done: step {step}, {(time.time() - t0) / 60:.1f} min; "
             f"checkpoint {run.folder.path / 'ckpt.pt'}")
     if run.ddp:

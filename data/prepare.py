@@ -6,7 +6,8 @@
 
 Where things live
     raw      $NANOMLM_RAW/NAME/   (default data/raw/NAME/), or any folder given as a path
-    prepared $NANOMLM_DATA/NAME/  (default data/NAME/): train.bin val.bin tokenizer.model meta.json
+    prepared $NANOMLM_DATA/NAME-KEY/ (default data/NAME-KEY/): train.bin val.bin tokenizer.model
+             meta.json
 
 Raw layout: the BabyLM one, a folder of `*.train` and `*.dev` text files, plain or `.gz`. A folder
 without `*.train` files is read whole (every text file in it), and when there are no `*.dev` files
@@ -21,15 +22,22 @@ A raw folder with a `tokenizer.json` saying {"model_type": "word"} (synth.py wri
 word-level vocabulary instead: every distinct training word is one token, --vocab-size is not
 used, and a word never seen in training reads as [UNK].
 
-A prepared folder is reused while meta.json matches the raw files (name, size, sha256) and the
-tokenizer settings; anything else rebuilds it.
+A prepared folder is named by what it is made of: NAME-KEY, KEY a hash of the raw files (name, size,
+sha256) and the tokenizer settings. Changed raw files or settings make a new folder beside the old
+(delete those you no longer need); a folder is built under a temporary name and renamed when
+complete, so an interrupted or failed preparation leaves nothing behind.
 """
 import argparse
+import contextlib
 import gzip
 import hashlib
 import io
 import json
 import os
+import re
+import shutil
+import sys
+import threading
 import time
 import urllib.request
 import zipfile
@@ -55,6 +63,67 @@ KNOWN = {"babylm_10m": "train_10M.zip", "babylm_100m": "train_100M.zip"}
 
 
 # ---------------------------------------------------------------------------------------------
+# Progress: every long job says what it is doing, in a terminal or not (batch jobs, nohup, CI)
+
+QUIET_SECONDS = 30  # with no terminal, a progress line at most this often
+
+
+class _Lines:
+    """tqdm's file when there is no terminal: each refresh, which tqdm writes as '\\r' + the
+    status, becomes one line of its own."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, s):
+        for part in re.split(r"[\r\n]", s):
+            if part.strip():
+                self.f.write(part.rstrip() + "\n")
+                self.f.flush()
+
+    def flush(self):
+        self.f.flush()
+
+
+def bar(iterable=None, **kw) -> tqdm:
+    """A tqdm bar in a terminal. With none (tqdm alone would fall silent), a line with the count,
+    rate and ETA every QUIET_SECONDS once it has run that long. disable=True silences it."""
+    if kw.get("disable") is True or sys.stderr.isatty():
+        return tqdm(iterable, **{"dynamic_ncols": True, **kw})
+    return tqdm(iterable, **{**kw, "disable": False, "file": _Lines(sys.stderr), "ascii": True,
+                             "ncols": 100, "mininterval": QUIET_SECONDS,
+                             "maxinterval": QUIET_SECONDS, "delay": QUIET_SECONDS})
+
+
+def duration(seconds: float) -> str:
+    """45s, 12m, 3h05m: an ETA or an elapsed time in a log line."""
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every: float = QUIET_SECONDS):
+    """A line every `every` seconds while the block runs: for one long call that has no progress
+    to count (sentencepiece's trainer)."""
+    done, t0 = threading.Event(), time.time()
+
+    def beat():
+        while not done.wait(every):
+            print(f"{what}: still running, {duration(time.time() - t0)} so far",
+                  file=sys.stderr, flush=True)
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+# ---------------------------------------------------------------------------------------------
 # Locating and reading raw text
 
 def raw_root() -> Path:
@@ -66,7 +135,8 @@ def prepared_root() -> Path:
 
 
 def resolve(data: str) -> tuple[Path, Path]:
-    """--data NAME or PATH -> (raw folder, prepared folder). Neither needs to exist yet."""
+    """--data NAME or PATH -> (raw folder, prepared_root()/NAME). Neither needs to exist: the
+    prepared folders are NAME-KEY beside the latter, KEY a hash of what they were made from."""
     path = Path(data).expanduser()
     if path.is_dir() or os.sep in data:  # an explicit folder of text files
         return path.resolve(), prepared_root() / path.resolve().name
@@ -167,11 +237,11 @@ def is_word_level(raw: Path) -> bool:
 def encode(sp: spm.SentencePieceProcessor, lines: list[str], desc: str) -> np.ndarray:
     """Tokenize lines on all cores (sentencepiece's own threads) into one flat uint16 stream."""
     out, chunk = [], 1024
-    with tqdm(total=len(lines), desc=desc, unit=" lines", disable=None) as bar:
+    with bar(total=len(lines), desc=desc, unit=" lines", disable=None) as progress:
         for i in range(0, len(lines), chunk):
             ids = sp.encode(lines[i:i + chunk], num_threads=os.cpu_count())
             out += [np.asarray(x, dtype=np.uint16) for x in ids]
-            bar.update(len(ids))
+            progress.update(len(ids))
     return np.concatenate(out) if out else np.zeros(0, np.uint16)
 
 
@@ -186,21 +256,40 @@ def load_meta(folder: Path) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The one entry point the scripts use
 
+def prepared_copies(out: Path) -> list[Path]:
+    """The prepared folders of the corpus named out.name: out-KEY, and out itself (the name
+    folders had before they were keyed by content)."""
+    found = [p for p in out.parent.glob(out.name + "-*") if (p / "meta.json").is_file()]
+    return sorted(p for p in found if load_meta(p).get("name") == out.name)
+
+
 def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
             quiet: bool = False) -> Path:
-    """Make sure the prepared folder for `data` exists and is fresh; return its path."""
+    """The prepared folder of `data` (a NAME under NANOMLM_RAW or a PATH), made if need be, and
+    its path. It is named NAME-KEY, KEY a hash of the raw files' contents and the tokenizer
+    settings: two corpora of one name, or one corpus under two settings, never share a folder,
+    and a folder never changes once made (it is built under a temporary name, then renamed)."""
     say = (lambda *a: None) if quiet else print
     if (Path(data) / "meta.json").is_file() and (Path(data) / "train.bin").is_file():
         return Path(data)  # already a prepared folder: use it as it is
-    raw, out = resolve(data)
-    if not raw.is_dir():
-        if (out / "meta.json").exists() and not force:  # prepared elsewhere, raw text not copied
-            say(f"data: raw corpus not found at {raw}; using the prepared {out} as it is")
-            return out
+    raw, base = resolve(data)
+    if not raw.is_dir() and (base / "meta.json").is_file() and not force:
+        return base  # a prepared folder named in full (or by its name before keys)
+    if not raw.is_dir():  # prepared elsewhere, raw text not copied: the one prepared copy
+        copies = [p for p in prepared_copies(base)
+                  if load_meta(p).get("tokenizer") in (tokenizer_settings(vocab_size),
+                                                      {"model_type": "word"})]
+        if len(copies) == 1 and not force:
+            say(f"data: raw corpus not found at {raw}; using the prepared {copies[0]} as it is")
+            return copies[0]
+        if len(copies) > 1:
+            raise SystemExit(f"error: no corpus folder at {raw}, and {len(copies)} prepared "
+                             f"copies of {base.name} ({', '.join(p.name for p in copies)}); "
+                             f"pass --data with the path of the one to use")
         env = os.environ.get("NANOMLM_RAW")
         looked = f" (NANOMLM_RAW={env})" if env is not None else ""
         raise SystemExit(f"error: no corpus folder at {raw}{looked}. {where_to_get(raw.name, raw)}")
-    if out.resolve() == raw.resolve():
+    if base.resolve() == raw.resolve():
         raise SystemExit(f"error: the prepared folder would be the raw folder {raw} itself; "
                          f"point NANOMLM_DATA somewhere else")
     train_files, dev_files = find_files(raw)
@@ -211,15 +300,32 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
                for split, files in (("train", train_files), ("dev", dev_files)) for p in files]
     words = is_word_level(raw)
     settings = tokenizer_settings(vocab_size) if not words else {"model_type": "word"}
+    made_of = json.dumps([VERSION, sources, settings], sort_keys=True).encode()
+    out = base.with_name(f"{base.name}-{hashlib.sha256(made_of).hexdigest()[:10]}")
     if (out / "meta.json").exists() and not force:
-        meta = load_meta(out)
-        made = (meta.get("version"), meta.get("sources"), meta.get("tokenizer"))
-        if made == (VERSION, sources, settings):
-            return out
-        say(f"data: {out} is stale (raw files or tokenizer settings changed); rebuilding")
-
-    t0 = time.time()
+        return out
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     say(f"data: preparing {raw} -> {out}")
+    try:
+        build(raw, tmp, base.name, train_files, dev_files, sources, settings, vocab_size, say)
+        if force:
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process made it meanwhile: the same content, keep theirs
+            if not (out / "meta.json").exists():
+                raise
+    except OSError as e:
+        raise SystemExit(f"error: cannot write the prepared data at {out}: {e.strerror or e}; "
+                         f"nothing of it was kept") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def build(raw, out, name, train_files, dev_files, sources, settings, vocab_size, say) -> None:
+    """Read, tokenize and write one prepared folder (prepare's work once it knows what to do)."""
+    t0, words = time.time(), settings == {"model_type": "word"}
     train_lines = [line for p in train_files for line in read_lines(p)]
     if dev_files:
         val_lines = [line for p in dev_files for line in read_lines(p)]
@@ -233,15 +339,15 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
         raise SystemExit(f"error: {raw} has no text in its {split} files (only empty lines); "
                          f"nothing to train on")
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)  # written last: it marks a complete folder
+    out.mkdir(parents=True)
     t1 = time.time()
     if words:
         vocab_size = len({w for line in train_lines for w in line.split()})
         say(f"data: a word-level vocabulary of the {vocab_size:,} distinct training words")
     else:
         say(f"data: training a {vocab_size}-piece unigram tokenizer on {len(train_lines):,} lines")
-    model = train_tokenizer(train_lines, vocab_size, words)
+    with heartbeat("data: training the tokenizer"):
+        model = train_tokenizer(train_lines, vocab_size, words)
     (out / "tokenizer.model").write_bytes(model)
     sp = spm.SentencePieceProcessor(model_proto=model)
     t2 = time.time()
@@ -252,7 +358,7 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
 
     p = np.bincount(train, minlength=sp.get_piece_size()) / max(len(train), 1)
     meta = {
-        "version": VERSION, "name": out.name, "raw": str(raw), "vocab_size": sp.get_piece_size(),
+        "version": VERSION, "name": name, "raw": str(raw), "vocab_size": sp.get_piece_size(),
         "specials": {s: i for i, s in enumerate(SPECIALS)},
         "train_tokens": int(len(train)), "val_tokens": int(len(val)),
         "train_words": sum(len(s.split()) for s in train_lines),
@@ -269,7 +375,6 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
     say(f"data: {meta['train_words']:,} train words -> {len(train):,} tokens, {len(val):,} val "
         f"tokens, unigram entropy {meta['unigram_entropy']:.3f} nats ({time.time() - t0:.0f}s: "
         f"tokenizer {t2 - t1:.0f}s, tokenize {t3 - t2:.1f}s)")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,17 +71,31 @@ def one_file(small_raw, tmp_path, monkeypatch):
     return raw
 
 
-def test_reuse_then_rebuild_when_stale(one_file):
+def test_reuse_or_a_new_folder_keyed_by_content(one_file, tmp_path, monkeypatch):
     out = P.prepare(str(one_file), vocab_size=800, quiet=True)
     stamp = (out / "train.bin").stat().st_mtime_ns
     assert P.prepare(str(one_file), vocab_size=800, quiet=True) == out
     assert (out / "train.bin").stat().st_mtime_ns == stamp  # reused, not rewritten
-    P.prepare(str(one_file), vocab_size=700, quiet=True)  # other tokenizer settings: rebuilt
-    assert P.load_meta(out)["vocab_size"] == 700
-    with open(one_file / "text.txt", "a") as f:  # the raw text changed: rebuilt
+    other = P.prepare(str(one_file), vocab_size=700, quiet=True)  # other tokenizer settings
+    assert other != out and P.load_meta(other)["vocab_size"] == 700
+    with open(one_file / "text.txt", "a") as f:  # the raw text changed: a folder of its own
         f.write("one more line of text\n")
-    P.prepare(str(one_file), vocab_size=700, quiet=True)
-    assert P.load_meta(out)["train_lines"] == 131 - 6
+    changed = P.prepare(str(one_file), vocab_size=700, quiet=True)
+    assert changed not in (out, other) and P.load_meta(changed)["train_lines"] == 131 - 6
+    # a second corpus of the same name never lands in (or over) the first one's folder
+    twin = tmp_path / "elsewhere" / one_file.name
+    twin.mkdir(parents=True)
+    (twin / "text.txt").write_text("".join((one_file / "text.txt").open().readlines()[:100]))
+    theirs = P.prepare(str(twin), vocab_size=700, quiet=True)
+    assert theirs not in (out, other, changed) and P.load_meta(theirs)["train_lines"] == 95
+    assert P.load_meta(out)["vocab_size"] == 800 and (out / "train.bin").stat().st_mtime_ns == stamp
+    assert all(P.load_meta(p)["name"] == one_file.name for p in (out, other, changed, theirs))
+    assert not list((tmp_path / "prep").glob(".*"))  # no temporary folder left behind
+    # with no raw text, a name picks its one prepared copy, and refuses to guess among several
+    monkeypatch.setenv("NANOMLM_RAW", str(tmp_path / "no_raw"))
+    assert P.prepare(one_file.name, vocab_size=800, quiet=True) == out
+    with pytest.raises(SystemExit, match=f"3 prepared copies of {one_file.name}"):
+        P.prepare(one_file.name, vocab_size=700)
 
 
 def test_plain_and_gzip_read_alike_and_holdout(tmp_path):

@@ -1,0 +1,244 @@
+"""Faults injected on purpose, each asserting what the user sees and what is kept: a run stopped
+by SIGTERM and resumed, a second process on a run folder, a lock left by a killed process, bytes
+flipped inside checkpoints, a full disk, an interrupted BLiMP evaluation, a corpus that changed
+under a run. docs/robustness.md has the table these tests stand behind."""
+import errno
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, TINY, run_train, shared_data
+
+import evaluate as E
+from model import (PRESETS, Encoder, ModelConfig, RunFolder, load_checkpoint, read_checkpoint,
+                   save_checkpoint)
+
+FAST = [*TINY, "--spike", "0", "--lr", "1e-3"]  # stable at any length, fast to run
+
+
+def start_train(*args, **kw) -> subprocess.Popen:
+    """train.py in a fresh process whose output lines arrive as they are printed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            **kw)
+
+
+def wait_for_step(proc: subprocess.Popen, step: int, timeout=120) -> None:
+    """Read the process' log lines until it has logged `step` (or fail)."""
+    t0 = time.time()
+    for line in proc.stdout:
+        if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= step:
+            return
+        assert time.time() - t0 < timeout, "the run did not get that far"
+    raise AssertionError(f"the run ended before step {step}: {proc.stderr.read()[-2000:]}")
+
+
+def states_equal(a: Path, b: Path) -> None:
+    """The two checkpoints hold the same step, weights and optimizer state, bit for bit."""
+    a, b = read_checkpoint(a), read_checkpoint(b)
+    assert a["step"] == b["step"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for i, s in a["optimizer"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(b["optimizer"]["state"][i][k]))
+
+
+def test_sigterm_saves_and_resumes_bit_identically_and_one_run_per_folder(prepared, tmp_path):
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    common = ["--data", prepared, "--max-steps", 600, "--save-every", 100000, *FAST]
+    uninterrupted = start_train(*common, "--out-dir", ref)
+    proc = start_train(*common, "--out-dir", run)
+    wait_for_step(proc, 20)
+    # a second process on the same folder, new or resuming, is refused and changes nothing
+    for extra in ([], ["--resume"]):
+        second = run_train(*common, "--out-dir", run, *extra)
+        assert second.returncode == 1
+        assert second.stderr.strip() == (f"error: {run} is in use by process {proc.pid} on "
+                                         f"{os.uname().nodename}; wait for it to end or choose "
+                                         f"another --out-dir")
+    proc.send_signal(signal.SIGTERM)  # what a cluster sends before it preempts a job
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    last = err.strip().splitlines()[-1]
+    step = read_checkpoint(run / "ckpt.pt")["step"]
+    assert 20 <= step < 600  # saved where it stopped: no --save-every step was reached
+    assert last == (f"SIGTERM: stopped after step {step}; the last good checkpoint (step {step}) "
+                    f"is kept at {run / 'ckpt.pt'}. Continue with: python train.py --out-dir "
+                    f"{run} --resume")
+    assert "Traceback" not in err and not list(run.glob(".*tmp"))
+    # --stop-at at or before the checkpoint's step: nothing to do, nothing changed
+    same = run_train("--out-dir", run, "--resume", "--stop-at", step)
+    assert same.returncode == 0 and "nothing to do" in same.stdout, same.stderr
+    assert read_checkpoint(run / "ckpt.pt")["step"] == step
+    resumed = run_train("--out-dir", run, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()
+    uninterrupted.stdout.close(), uninterrupted.stderr.close()
+    states_equal(run / "ckpt.pt", ref / "ckpt.pt")
+    # the log reads as one run's: the uninterrupted run's lines, and one more where it stopped
+    steps, ref_steps = ([json.loads(line)["step"] for line in (r / "log.jsonl").open()]
+                        for r in (run, ref))
+    assert steps == sorted(steps) and sorted({*ref_steps, step}) == sorted(set(steps))
+
+
+def test_a_killed_process_lock_is_taken_over(tmp_path):
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from model import RunFolder; "
+            f"f = RunFolder({str(tmp_path)!r}); f.lock(); print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(SystemExit, match=f"in use by process {holder.pid} "):
+        RunFolder(tmp_path).lock()
+    holder.kill()  # SIGKILL: no clean-up of any kind; the lock file stays behind
+    holder.wait()
+    holder.stdout.close()
+    assert f"process {holder.pid} " in (tmp_path / "lock").read_text()
+    folder = RunFolder(tmp_path)
+    folder.lock()
+    assert f"process {os.getpid()} " in (tmp_path / "lock").read_text()
+    folder._lock.close()  # let go, as the process' end would
+
+
+def flip(path: Path, tensor: torch.Tensor, n=64) -> None:
+    """Invert `n` bytes in the middle of where `tensor`'s data lies in the file (torch.save
+    stores tensor bytes uncompressed): what a bad disk or a broken copy does."""
+    raw = bytearray(path.read_bytes())
+    data = tensor.contiguous().numpy().tobytes()
+    at = raw.find(data)
+    assert at >= 0 and raw.find(data, at + 1) < 0
+    at += len(data) // 2
+    raw[at:at + n] = bytes(b ^ 0xFF for b in raw[at:at + n])
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture
+def trained_run(prepared, tmp_path):
+    run = tmp_path / "run"
+    r = run_train("--data", prepared, "--out-dir", run, "--max-steps", 20, "--stop-at", 10, *FAST)
+    assert r.returncode == 0, r.stderr
+    return run
+
+
+def test_flipped_bytes_are_refused_wherever_a_checkpoint_is_read(trained_run, tmp_path):
+    path = trained_run / "ckpt.pt"
+    good = read_checkpoint(path)
+    word = tmp_path / "word.pt"  # bytes flipped in the word embeddings
+    word.write_bytes(path.read_bytes())
+    flip(word, good["model"]["word.weight"])
+    assert not torch.equal(torch.load(word, weights_only=True)["model"]["word.weight"],
+                           good["model"]["word.weight"])  # torch.load alone takes it silently
+    msg = (f"error: {word} is corrupt: its content does not match the checksum it was saved with "
+           f"(damaged on disk or in a copy); use another checkpoint")
+    with pytest.raises(SystemExit) as e:
+        load_checkpoint(word)
+    assert str(e.value) == msg
+    blimp = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
+    with pytest.raises(SystemExit, match="is corrupt"):
+        E.main(["blimp", "--ckpt", str(word), "--blimp-dir", str(blimp), "--device", "cpu"])
+    # bytes flipped in the optimizer state: a resume refuses it
+    flip(path, next(iter(good["optimizer"]["state"].values()))["m"])  # LAMB's first moment
+    r = run_train("--out-dir", trained_run, "--resume")
+    assert r.returncode == 1 and r.stderr.strip() == msg.replace(str(word), str(path))
+
+
+def test_a_full_disk_at_save_time_keeps_the_last_checkpoint(trained_run, monkeypatch):
+    path = trained_run / "ckpt.pt"
+    before = path.read_bytes()
+    # (1) a real OS error: a file-size limit lets this process write no file over 100 kB
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    r = subprocess.run([sys.executable, str(REPO / "train.py"), "--out-dir", str(trained_run),
+                        "--resume", "--save-every", "12"], cwd=REPO, capture_output=True,
+                       text=True, preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == f"error: cannot write {path}: File too large"
+    assert path.read_bytes() == before and not list(trained_run.glob(".*"))
+    # (2) ENOSPC, injected where torch.save writes: the line says how much space is missing
+    state = read_checkpoint(path)
+
+    def full_disk(obj, f, *a, **k):
+        f.write(b"\0" * 4096)  # part of the file was written when the disk filled up
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(SystemExit) as e:
+        save_checkpoint(state, path)
+    assert str(e.value).startswith(f"error: cannot write {path}: No space left on device (about ")
+    assert str(e.value).endswith(" MiB free)") and "MiB needed, " in str(e.value)
+    assert path.read_bytes() == before and not list(trained_run.glob(".*"))
+
+
+@pytest.fixture
+def ckpt(prepared, tmp_path):
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**PRESETS["tiny"], "vocab_size": 2000, "d_model": 64, "d_ff": 128,
+                         "n_layer": 1})
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"model": Encoder(cfg).state_dict(), "config": asdict(cfg), "args": {},
+                     "tokenizer": (prepared / "tokenizer.model").read_bytes()}, path)
+    return path
+
+
+def test_an_interrupted_blimp_evaluation_resumes_to_the_same_result(ckpt, tmp_path,
+                                                                    monkeypatch, capsys):
+    src = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
+    folder = tmp_path / "blimp"
+    folder.mkdir()
+    for f in sorted(src.glob("*.jsonl"))[:5]:
+        (folder / f.name).write_text("".join(f.read_text().splitlines(True)[:12]))
+    monkeypatch.setattr(E, "CHUNK_PAIRS", 20)  # 5 paradigms x 12 pairs: chunks of 2, 2 and 1
+    flags = ["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(folder), "--device", "cpu"]
+    E.main(flags + ["--out", str(tmp_path / "whole.json")])
+    calls, pll = [], E.pll
+
+    def interrupted(*a, **k):  # Ctrl-C while the second chunk is being scored
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return pll(*a, **k)
+    monkeypatch.setattr(E, "pll", interrupted)
+    out = tmp_path / "cut.json"
+    with pytest.raises(KeyboardInterrupt):
+        E.main(flags + ["--out", str(out)])
+    partial = out.with_name(out.name + ".partial")
+    assert not out.exists() and len(partial.read_text().splitlines()) == 2  # header + chunk 0
+    capsys.readouterr()
+    E.main(flags + ["--out", str(out)])
+    assert "resuming: 1 of 3 chunks already scored" in capsys.readouterr().out
+    assert len(calls) == 4 and not partial.exists()  # chunks 1 and 2 only were scored again
+    whole, cut = (json.loads((tmp_path / n).read_text()) for n in ("whole.json", "cut.json"))
+    for key in whole:
+        if key not in ("sentences_per_s",):
+            assert cut[key] == whole[key], key
+    # another checkpoint's leftovers are not mixed in: the fingerprint differs, it starts over
+    partial.write_text(json.dumps({"ckpt": "elsewhere"}) + "\n")
+    E.main(flags + ["--out", str(out)])
+    assert "starting over" in capsys.readouterr().out
+    assert json.loads(out.read_text())["pairs"] == whole["pairs"]
+
+
+def test_a_resume_refuses_data_with_another_tokenizer(small_raw, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
+    raw = tmp_path / "corpus"
+    raw.mkdir()
+    text = (small_raw / "childes.train").read_text()
+    (raw / "text.txt").write_text(text)
+    run = tmp_path / "run"
+    r = run_train("--data", raw, "--vocab-size", 500, "--out-dir", run, "--max-steps", 5, *FAST)
+    assert r.returncode == 0, r.stderr
+    (raw / "text.txt").write_text(text[len(text) // 2:])  # the corpus changed under the run
+    r = run_train("--out-dir", run, "--resume")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith("error: the prepared data ")
+    assert f"has another tokenizer than {run / 'ckpt.pt'} was trained with" in r.stderr
+    assert len(list((tmp_path / "prep").iterdir())) == 2  # the first corpus' folder is intact
+    assert np.array_equal(read_checkpoint(run / "ckpt.pt")["step"], 5)
