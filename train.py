@@ -11,8 +11,9 @@
 
 The data is prepared on first use (data/prepare.py). A run folder (--out-dir) holds args.json,
 config.json, data.json (the corpus' meta.json), log.jsonl (every logged figure), ckpt.pt (model,
-optimizer, config, args, step, RNG states, data position, code version, tokenizer) and code/
-(the model.py, train.py, sparse.py and prepare.py that ran).
+optimizer, config, args, step, RNG states, data position, code version, tokenizer, checksum),
+code/ (the model.py, train.py, sparse.py and prepare.py that ran) and lock (held by the one
+process training there). SIGINT/SIGTERM save the current step and print the --resume command.
 
 Adding an objective = its loss function `loss, figures = fn(model, batch, ctx)` (+ a setup
 function if it trains extra modules or needs a teacher) + one OBJECTIVES entry; the loop names no
@@ -730,12 +731,13 @@ def open_run(args) -> Run:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     folder = RunFolder(args.out_dir, master=rank == 0)
-    folder.lock()  # one process per run folder (rank 0 holds it for all)
     ckpt = None
     if args.resume:
+        if folder.path.is_dir():
+            folder.lock()  # one process per run folder (rank 0 holds it for all)
         args, ckpt = resumed_args(args, folder.path / "ckpt.pt")
     else:
-        folder.check_new("ckpt.pt")
+        folder.check_new("ckpt.pt")  # now, before a long data preparation; again once locked
     if rank == 0:
         data_dir = prepare(args.data, args.vocab_size)
     if ddp:
@@ -758,7 +760,9 @@ def open_run(args) -> Run:
     if args.max_steps is None:  # --epochs: saved in args.json as steps, so a resume keeps them
         args.max_steps = max(1, math.floor(args.epochs * train.n / run.global_batch))
         check_phases(args)
+    folder.lock()  # a new run locks its folder as it first writes there
     if ckpt is None:
+        folder.check_new("ckpt.pt")  # another run may have begun there meanwhile
         saved_args = {k: v for k, v in vars(args).items() if k != "given"}
         folder.start(CODE, args=saved_args, config=asdict(encoder.config), data=meta)
     else:

@@ -294,8 +294,10 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
                          f"point NANOMLM_DATA somewhere else")
     train_files, dev_files = find_files(raw)
     if not train_files:
+        advice = (where_to_get(raw.name, raw) if raw.name in KNOWN
+                  else "Put text files in it, or pass --data another folder.")
         raise SystemExit(f"error: {raw} holds no text files (expected *.train and *.dev, "
-                         f"plain or .gz). {where_to_get(raw.name, raw)}")
+                         f"plain or .gz). {advice}")
     sources = [{"split": split, "file": p.name, "bytes": p.stat().st_size, "sha256": sha256(p)}
                for split, files in (("train", train_files), ("dev", dev_files)) for p in files]
     words = is_word_level(raw)
@@ -540,9 +542,13 @@ def read_task(data_dir: Path, task: str, split: str, tok, max_len: int) -> Examp
     seqs, labels, ids = [], [], []
     for n, r in enumerate(rows, 1):
         try:
-            texts, label = render(r), int(r["label"])
-        except (KeyError, TypeError, ValueError) as e:
+            texts = render(r)
+        except (KeyError, TypeError) as e:
             raise SystemExit(f"error: {path}:{n} lacks a field this task needs ({e!r})") from None
+        label = r.get("label")
+        if isinstance(label, bool) or not isinstance(label, int):  # "entailment", 1.0, None
+            raise SystemExit(f"error: {path}:{n} has label {label!r}; labels must be integers "
+                             f"0..{k - 1}")
         if not 0 <= label < k:
             raise SystemExit(f"error: {path}:{n} has label {label}, outside 0..{k - 1}")
         parts = tok.encode(list(texts))

@@ -1,6 +1,7 @@
 """data/: the tokenizer, token streams and meta.json, reuse and staleness, the errors a user can
 cause, the Breton corpus, the segment reader and span masking."""
 import gzip
+import json
 import math
 import unicodedata
 import urllib.error
@@ -143,9 +144,20 @@ def test_corpus_without_text(tmp_path, monkeypatch, content):
     raw.mkdir()
     if content is not None:
         (raw / "a.train").write_text(content)
-    with pytest.raises(SystemExit, match="^error: .*(holds no text files|has no text)"):
+    with pytest.raises(SystemExit, match="^error: .*(holds no text files|has no text)") as e:
         P.prepare(str(raw))
-    assert not (tmp_path / "prep" / "corpus" / "meta.json").exists()
+    assert "pass --data PATH" not in str(e.value)  # it was given one: no advice to give one
+    assert not (tmp_path / "prep").exists() or not any((tmp_path / "prep").iterdir())
+
+
+@pytest.mark.parametrize("label", ['"entailment"', "1.5", "true", "null"])
+def test_a_label_that_is_no_integer_is_named(tmp_path, label):
+    (tmp_path / "rte.train.jsonl").write_text(
+        f'{{"sentence1": "a b", "sentence2": "c", "label": {label}}}\n')
+    with pytest.raises(SystemExit) as e:
+        P.read_task(tmp_path, "rte", "train", None, 32)
+    assert str(e.value) == (f"error: {tmp_path / 'rte.train.jsonl'}:1 has label "
+                            f"{json.loads(label)!r}; labels must be integers 0..1")
 
 
 def test_vocab_too_big_for_corpus(tmp_path, monkeypatch):

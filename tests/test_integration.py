@@ -13,7 +13,7 @@ def test_tiny_mlm_learns_past_the_unigram_entropy(small_raw, tmp_path, monkeypat
                   "--batch-size", 32, "--max-steps", 200, "--lr", 1e-2, "--eval-every", 100,
                   "--eval-batches", 4, "--log-every", 50, "--device", "cpu", "--out-dir", out)
     assert r.returncode == 0, r.stderr
-    meta = json.loads((tmp_path / "prepared" / "babylm_small" / "meta.json").read_text())
+    meta = json.loads((out / "data.json").read_text())  # the prepared corpus' meta.json
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     val = [e["val_loss"] for e in log if "val_loss" in e]
     assert len(val) == 2 and val[0] > val[-1]  # validation loss falls...
