@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from data.prepare import (CLS, MASK, MSGS, PAD, SEP, TASKS, Examples, Segments, bar, duration,
-                          pad, prepare, read_jsonl, read_task, uniform_mask)
+                          line_buffered, pad, prepare, read_jsonl, read_task, uniform_mask)
 from model import autocast, load_checkpoint, pick_device, seed_of, writing
 
 
@@ -331,9 +331,11 @@ def blimp(args):
                for g, rows in paradigms.items()}
     w = max(len(k) for k in [*(k for t in (paradigms, phenomena) for rows in t.values()
                                 for k in rows), *(f"{g}: over phenomena" for g in summary)])
+    best_head = f"T*={temps[best]:g} rep"
+    w3 = max(8, len(best_head))
     line = lambda name, r: (f"  {name:<{w}} {100 * r[0]:6.1f} {100 * r[1]:8.1f} "
-                            f"{100 * r[2]:8.1f}" + (f" {r[3]:6d}" if len(r) > 3 else ""))
-    head = f"  {'':<{w}} {'T=1':>6} {'T=1 rep':>8} {f'T*={temps[best]:g} rep':>8}"
+                            f"{100 * r[2]:{w3}.1f}" + (f" {r[3]:6d}" if len(r) > 3 else ""))
+    head = f"  {'':<{w}} {'T=1':>6} {'T=1 rep':>8} {best_head:>{w3}}"
     for name, tab in (("paradigm", paradigms), ("phenomenon", phenomena)):
         for g, rows in tab.items():
             if name == "phenomenon" and rows.keys() == paradigms[g].keys():
@@ -811,6 +813,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    line_buffered()
     args = build_parser().parse_args(argv)
     args.func(args)
 

@@ -51,8 +51,8 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from data.prepare import (MASK, MSGS, PAD, SPECIALS, TASKS, VOCAB_SIZE, bar, load_tokenizer, pad,
-                          prepare, raw_root, read_task)
+from data.prepare import (MASK, MSGS, PAD, SPECIALS, TASKS, VOCAB_SIZE, bar, line_buffered,
+                          load_tokenizer, pad, prepare, raw_root, read_task)
 from model import (PRESETS, REPO, Encoder, ModelConfig, RunFolder, autocast, field_help,
                    load_state, pick_device, small_init)
 
@@ -594,6 +594,7 @@ def model_config(args, vocab: int) -> ModelConfig:
 
 
 def main(argv=None):
+    line_buffered()
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument

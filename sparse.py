@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data.prepare import CLS, SEP, bar, prepare
+from data.prepare import CLS, SEP, bar, line_buffered, prepare
 from model import (field_help, load_checkpoint, load_state, pick_device, read_checkpoint,
                    save_checkpoint)
 
@@ -482,6 +482,7 @@ def load_dictionary(path, d_model: int, n_layer: int) -> tuple[torch.Tensor, int
 
 
 def main(argv=None):
+    line_buffered()
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint whose hidden states are coded (a "

@@ -50,8 +50,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import sparse
-from data.prepare import (VOCAB_SIZE, Segments, bar, duration, load_meta, prepare, span_mask,
-                          uniform_mask)
+from data.prepare import (VOCAB_SIZE, Segments, bar, duration, line_buffered, load_meta, prepare,
+                          span_mask, uniform_mask)
 from model import (PARTS, PRESETS, REPO, BootHeads, BootPredictor, Encoder, Lamb, ModelConfig,
                    RunFolder, autocast, boot_states, check_config, code_version, ema_update,
                    field_help, load_checkpoint, load_weights, peak_memory_gb, pick_device,
@@ -953,7 +953,7 @@ def catch_stop_signals() -> dict:
 
 
 def main(argv=None):
-    sys.stdout.reconfigure(line_buffering=True)  # log lines reach a redirected file at once
+    line_buffered()
     args = get_args(argv)
     if args.check:
         print(json.dumps({k: v for k, v in vars(args).items() if k not in ("given", "check")}))

@@ -29,6 +29,7 @@ complete, so an interrupted or failed preparation leaves nothing behind.
 """
 import argparse
 import contextlib
+import functools
 import gzip
 import hashlib
 import io
@@ -102,6 +103,13 @@ def duration(seconds: float) -> str:
     if seconds < 90 * 60:
         return f"{seconds / 60:.0f}m"
     return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
+
+
+def line_buffered() -> None:
+    """Print's lines reach stdout at once even when it is a file (a batch job's log), not in
+    blocks of 8 kB; a stream that cannot be reconfigured (a notebook's) is left as it is."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
 
 
 @contextlib.contextmanager
@@ -269,7 +277,7 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
     its path. It is named NAME-KEY, KEY a hash of the raw files' contents and the tokenizer
     settings: two corpora of one name, or one corpus under two settings, never share a folder,
     and a folder never changes once made (it is built under a temporary name, then renamed)."""
-    say = (lambda *a: None) if quiet else print
+    say = (lambda *a: None) if quiet else functools.partial(print, flush=True)
     if (Path(data) / "meta.json").is_file() and (Path(data) / "train.bin").is_file():
         return Path(data)  # already a prepared folder: use it as it is
     raw, base = resolve(data)
