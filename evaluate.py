@@ -282,7 +282,7 @@ def blimp(args):
     fingerprint = {"ckpt": str(Path(args.ckpt).resolve()), "size": stat.st_size,
                    "mtime_ns": stat.st_mtime_ns, "scorer": args.scorer, "temperatures": temps,
                    "dirs": [str(d) for d in args.blimp_dir], "pairs": len(pairs),
-                   "batch_tokens": batch_tokens, "device": str(device)}
+                   "batch_tokens": batch_tokens, "device": str(device), "chunk_pairs": CHUNK_PAIRS}
     done = read_partial(partial, fingerprint)
     parts = chunks(pairs, CHUNK_PAIRS)
     if done:

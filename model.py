@@ -655,10 +655,15 @@ class RunFolder:
             f.close()
             raise SystemExit(f"error: {self.path} is in use by {holder}; wait for it to end or "
                              f"choose another --out-dir") from None
+        except OSError as e:  # a filesystem without flock (some Lustre, NFS or FUSE mounts)
+            print(f"warning: cannot lock {self.path / 'lock'} ({e.strerror}); nothing stops a "
+                  f"second process from using this folder at the same time")
         with writing(self.path / "lock"):
             f.truncate(0)
             f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
             f.flush()
+            for old in self.path.glob(".*.tmp"):  # a save cut off by a kill: whose is dead now
+                old.unlink(missing_ok=True)
         self._lock = f  # kept open: closing the file would release the lock
 
     def check_new(self, marker: str | None = None) -> None:
@@ -694,10 +699,15 @@ class RunFolder:
         """Continuing from a checkpoint at `step`: drop the log lines that the run which was cut
         off wrote after it, so that the log reads as one uninterrupted run."""
         if self.master and self.log_path.exists():
-            lines = self.log_path.read_text().splitlines()
+            records = []
+            for line in self.log_path.read_text().splitlines():
+                try:
+                    records.append(json.loads(line))
+                except ValueError:  # a line torn by a kill or a full disk
+                    continue
             with writing(self.log_path):
-                self.log_path.write_text("".join(line + "\n" for line in lines
-                                                 if json.loads(line)["step"] <= step))
+                self.log_path.write_text("".join(json.dumps(r) + "\n" for r in records
+                                                 if r["step"] <= step))
 
     def log(self, record: dict) -> None:
         """One JSON line in log.jsonl, flushed at once (a killed run keeps what it logged)."""
@@ -759,9 +769,9 @@ def checksum(state) -> str:
             for k, v in x.items():
                 feed(k)
                 feed(v)
-        elif isinstance(x, (list, tuple)):
+        elif isinstance(x, (list, tuple, set, frozenset)):  # a set in an order of its own
             h.update(f"[{len(x)}:".encode())
-            for v in x:
+            for v in sorted(x, key=repr) if isinstance(x, (set, frozenset)) else x:
                 feed(v)
         else:
             b = x if isinstance(x, bytes) else repr(x).encode()

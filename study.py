@@ -328,7 +328,7 @@ def preflight(spec, scale_name, jobs, path) -> dict:
         settings = json.loads(out)
         rawdir, prepared = resolve(settings["data"])
         if (settings["data"] not in generated and not rawdir.is_dir()
-                and not prepared_copies(prepared)):
+                and not prepared_copies(prepared) and not (prepared / "meta.json").exists()):
             raise fail(where(job), f"no corpus {settings['data']!r} at {rawdir} "
                        f"(set by scales.{scale_name}.data, the arm's data or its flags)")
         resolved[job.name] = settings

@@ -568,7 +568,7 @@ def get_args(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "eval_every",
-                 "eval_batches", "save_every"):
+                 "eval_batches", "save_every", "stop_at"):
         value = getattr(args, name)
         if value is not None and value < (3 if name == "seq_len" else 1):
             parser.error(f"--{name.replace('_', '-')} must be at least "
@@ -744,14 +744,15 @@ def open_run(args) -> Run:
         dist.barrier()
     if rank != 0:
         data_dir = prepare(args.data, args.vocab_size, quiet=True)
-    meta = load_meta(data_dir)
+    meta = {**load_meta(data_dir), "folder": data_dir.name}  # NAME-KEY: what it was made of
     train = Segments(data_dir / "train.bin", args.seq_len - 2, args.seed, shuffle=True).to(device)
     val = Segments(data_dir / "val.bin", args.seq_len - 2, args.seed, shuffle=False)
     tokenizer = (data_dir / "tokenizer.model").read_bytes()
-    if ckpt is not None and ckpt["tokenizer"] != tokenizer:
-        raise SystemExit(f"error: the prepared data {data_dir} has another tokenizer than "
-                         f"{folder.path / 'ckpt.pt'} was trained with (the corpus at "
-                         f"{args.data} changed since the run began?); it cannot be resumed on it")
+    if ckpt is not None and (ckpt["tokenizer"] != tokenizer or
+                             ckpt.get("data", {}).get("folder", data_dir.name) != data_dir.name):
+        raise SystemExit(f"error: {folder.path / 'ckpt.pt'} was trained on other data than the "
+                         f"prepared {data_dir} (the corpus at {args.data}, or its tokenizer, "
+                         f"changed since the run began); it cannot be resumed on it")
     encoder, step = build_encoder(args, meta["vocab_size"], ckpt)
     encoder.to(device)
     version = code_version(CODE)
@@ -821,7 +822,7 @@ def start_phase(run: Run, step: int) -> Phase:
     return Phase(objective, start, end, trainee, model, optimizer, parts, ctx)
 
 
-DATA_KEYS = ("name", "vocab_size", "train_tokens", "unigram_entropy")  # kept in checkpoints
+DATA_KEYS = ("name", "folder", "vocab_size", "train_tokens", "unigram_entropy")  # in checkpoints
 
 
 def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | None = None):
@@ -942,18 +943,34 @@ def diverging(history: list[dict], record: dict, factor: float) -> tuple[str, bo
     return "", record["loss"] > min(best, history[-1]["loss"]) + 1.0
 
 
+def on_stop_signals(handler) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def exit_now(signum, frame):
+    """Before the loop (and at a second signal) there is nothing to save: exit at once, through
+    the `finally`s that remove temp files."""
+    raise SystemExit(f"{signal.Signals(signum).name}: stopped; nothing more was saved")
+
+
 def catch_stop_signals() -> dict:
     """Ctrl-C (SIGINT) and SIGTERM, the signal a cluster preempts a job with (SIGKILL follows
-    after a grace period), only set got["signal"]: the loop finishes the step it is in, saves it
-    and exits with the command that resumes it. Further signals change nothing."""
+    after a grace period), set got["signal"]: the loop finishes the step it is in, saves it and
+    exits with the command that resumes it. A second signal exits at once."""
     got = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: got.setdefault("signal", signum))
+
+    def handler(signum, frame):
+        if got:
+            exit_now(signum, frame)
+        got["signal"] = signum
+    on_stop_signals(handler)
     return got
 
 
 def main(argv=None):
     line_buffered()
+    on_stop_signals(exit_now)
     args = get_args(argv)
     if args.check:
         print(json.dumps({k: v for k, v in vars(args).items() if k not in ("given", "check")}))
@@ -1014,8 +1031,8 @@ def main(argv=None):
         progress.update()
 
         # a signal stops every process at the same step: under DDP they agree at log steps
-        stop = bool(got) and not run.ddp
-        if run.ddp and step % args.log_every == 0:
+        stop = bool(got) and not run.ddp and step < args.max_steps  # (the last step: just end)
+        if run.ddp and step % args.log_every == 0 and step < args.max_steps:
             flag = torch.tensor(len(got), device=run.device)
             dist.all_reduce(flag, dist.ReduceOp.MAX)
             stop = flag.item() > 0
@@ -1042,7 +1059,8 @@ def main(argv=None):
                       "tok_per_s": since_log * run.global_batch * args.seq_len / elapsed,
                       "peak_mem_gb": peak_memory_gb(run.device), **extra}
             run.folder.log(record)
-            spike, suspect = diverging(history, record, args.spike)
+            # (a line cut short by a signal is too noisy to judge)
+            spike, suspect = diverging(history, record, args.spike) if not stop else ("", False)
             if spike:
                 run.folder.log({"step": step, "error": "diverging: " + spike})
                 raise SystemExit(
@@ -1067,7 +1085,7 @@ def main(argv=None):
             if run.ddp:
                 dist.barrier()  # every process loads it as the teacher next
         if is_save:  # a deferred save stays pending until a log line clears it
-            deferred = suspect and step not in (phase.end, args.stop_at)
+            deferred = suspect and step not in (phase.end, args.stop_at) and not stop
             if not deferred:
                 last_saved = save(run, phase, step)
                 t_log = time.time()
@@ -1076,6 +1094,8 @@ def main(argv=None):
         if stop:
             progress.close()
             name = signal.Signals(got["signal"]).name
+            if run.ddp:
+                dist.barrier()  # the others wait for rank 0's save: torchrun ends them all next
             if run.rank == 0:
                 print(f"{name}: stopped after step {step}; {last_good(run, last_saved)}. "
                       f"Continue with: python train.py --out-dir {run.folder.path} --resume",
@@ -1084,7 +1104,7 @@ def main(argv=None):
         if step == args.stop_at:
             break
     progress.close()
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is the caller's again
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the caller's again
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     run.say(f"done: step {step}, {(time.time() - t0) / 60:.1f} min; "
             f"checkpoint {run.folder.path / 'ckpt.pt'}")

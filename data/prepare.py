@@ -196,17 +196,25 @@ def sha256(path: Path) -> str:
 def train_tokenizer(lines: list[str], vocab_size: int, word_level: bool = False) -> bytes:
     """Sentencepiece unigram model (serialized) trained on `lines`; word_level: one piece per
     distinct word (sentencepiece's "word" model keeping every word)."""
+    raised = []  # what was raised while the trainer read (a signal's exit, Ctrl-C)
+
     def pieces():  # the trainer skips sentences over 4192 bytes; BabyLM pieces can be 500 words
-        for line in lines:
-            words = line.split()
-            for i in range(0, len(words), 100):
-                yield " ".join(words[i:i + 100])
+        try:
+            for line in lines:
+                words = line.split()
+                for i in range(0, len(words), 100):
+                    yield " ".join(words[i:i + 100])
+        except (Exception, KeyboardInterrupt, SystemExit) as e:  # (not the trainer's close)
+            raised.append(e)  # the trainer would pass it on as one of its RuntimeErrors
+            raise
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=pieces(), model_writer=model, num_threads=os.cpu_count(),
             minloglevel=2, **tokenizer_settings(vocab_size, word_level))
     except RuntimeError as e:  # e.g. "Vocabulary size is too high" on a tiny corpus
+        if raised:
+            raise raised[0] from None
         raise SystemExit(f"error: sentencepiece could not train a {vocab_size}-piece tokenizer "
                          f"on this corpus ({str(e).strip().splitlines()[-1]}); "
                          f"try a smaller --vocab-size") from None
@@ -265,8 +273,7 @@ def load_meta(folder: Path) -> dict:
 # The one entry point the scripts use
 
 def prepared_copies(out: Path) -> list[Path]:
-    """The prepared folders of the corpus named out.name: out-KEY, and out itself (the name
-    folders had before they were keyed by content)."""
+    """The prepared folders out-KEY of the corpus named out.name."""
     found = [p for p in out.parent.glob(out.name + "-*") if (p / "meta.json").is_file()]
     return sorted(p for p in found if load_meta(p).get("name") == out.name)
 
@@ -315,6 +322,10 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
     if (out / "meta.json").exists() and not force:
         return out
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    for old in out.parent.glob(f".{out.name}.*.tmp"):  # left by a preparation that was killed
+        pid = old.name.split(".")[-2]
+        if pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
     say(f"data: preparing {raw} -> {out}")
     try:
         build(raw, tmp, base.name, train_files, dev_files, sources, settings, vocab_size, say)
@@ -331,6 +342,17 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def alive(pid: int) -> bool:
+    """Is process `pid` running (on this machine)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True
 
 
 def build(raw, out, name, train_files, dev_files, sources, settings, vocab_size, say) -> None:

@@ -13,7 +13,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -233,7 +232,7 @@ def test_an_interrupted_blimp_evaluation_resumes_to_the_same_result(ckpt, tmp_pa
     assert json.loads(out.read_text())["pairs"] == whole["pairs"]
 
 
-def test_a_resume_refuses_data_with_another_tokenizer(small_raw, tmp_path, monkeypatch):
+def test_a_resume_refuses_data_other_than_its_own(small_raw, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
     raw = tmp_path / "corpus"
     raw.mkdir()
@@ -245,7 +244,43 @@ def test_a_resume_refuses_data_with_another_tokenizer(small_raw, tmp_path, monke
     (raw / "text.txt").write_text(text[len(text) // 2:])  # the corpus changed under the run
     r = run_train("--out-dir", run, "--resume")
     assert r.returncode == 1
-    assert r.stderr.strip().splitlines()[-1].startswith("error: the prepared data ")
-    assert f"has another tokenizer than {run / 'ckpt.pt'} was trained with" in r.stderr
+    first = json.loads((run / "data.json").read_text())["folder"]  # NAME-KEY it trained on
+    now = next(p for p in (tmp_path / "prep").iterdir() if p.name != first)
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: {run / 'ckpt.pt'} was trained on other data than the prepared {now} (the "
+        f"corpus at {raw}, or its tokenizer, changed since the run began); it cannot be resumed "
+        f"on it")
     assert len(list((tmp_path / "prep").iterdir())) == 2  # the first corpus' folder is intact
-    assert np.array_equal(read_checkpoint(run / "ckpt.pt")["step"], 5)
+    assert read_checkpoint(run / "ckpt.pt")["step"] == 5
+
+
+def test_a_kill_mid_write_leaves_nothing_a_resume_trips_on(trained_run):
+    """What SIGKILL leaves at the worst moment: a half-written log line and a temp checkpoint of
+    the dead process. A resume drops the one and removes the other."""
+    with open(trained_run / "log.jsonl", "a") as f:
+        f.write('{"step": 11, "loss": 4.')
+    (trained_run / ".ckpt.pt.999999999.tmp").write_bytes(b"\0" * 1000)
+    r = run_train("--out-dir", trained_run, "--resume", "--stop-at", 15)
+    assert r.returncode == 0, r.stderr
+    log = [json.loads(line) for line in (trained_run / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log] == [5, 10, 15]
+    assert not list(trained_run.glob(".*"))
+
+
+def test_a_signal_while_the_data_is_prepared_leaves_nothing(small_raw, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
+    raw = tmp_path / "corpus"
+    raw.mkdir()
+    (raw / "text.txt").write_text((small_raw / "childes.train").read_text() * 20)
+    proc = start_train("--data", raw, "--vocab-size", 1000, "--out-dir", tmp_path / "run", *FAST)
+    assert proc.stdout.readline().startswith("data: preparing ")
+    t0 = time.time()
+    while not list((tmp_path / "prep").glob(".*.tmp")):  # mid-preparation (the tokenizer)
+        assert time.time() - t0 < 60 and proc.poll() is None
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and err.strip().splitlines()[-1] == (
+        "SIGTERM: stopped; nothing more was saved"), err
+    assert not list((tmp_path / "prep").iterdir())  # not even the temporary folder
+    assert not (tmp_path / "run").exists()
