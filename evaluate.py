@@ -21,6 +21,7 @@ the pairs (a fixed split by pair id) and reported on the other half only.
 """
 import argparse
 import copy
+import functools
 import glob
 import gzip
 import json
@@ -130,16 +131,20 @@ def read_blimp(dirs) -> list[dict]:
             rows = read_jsonl(f)
             if not rows:
                 raise SystemExit(f"error: {f} holds no pairs")
-            ids = [r.get("pair_id", r.get("pairID")) for r in rows]
-            if None in ids or len(set(ids)) < len(ids):
-                ids = list(range(len(rows)))  # the supplement has no unique pair id: use the line
-            for n, (r, pid) in enumerate(zip(rows, ids), 1):
+            items = [r.get("pair_id", r.get("pairID", r.get("pair_ID"))) for r in rows]
+            if None in items:  # most of the supplement has no pair id: the line is the item
+                items = list(range(len(rows)))
+            # subject_aux_inversion's pair_ID names an item shared by its variants (3,867 pairs,
+            # 988 ids): a pair is then item/line, and the item keeps its variants in one half
+            unique = len(set(items)) == len(items)
+            for n, (r, pid) in enumerate(zip(rows, items), 1):
                 good, bad = r.get("sentence_good"), r.get("sentence_bad")
                 if not isinstance(good, str) or not isinstance(bad, str):
                     raise SystemExit(f"error: {f}:{n} has no sentence_good/sentence_bad strings")
                 uid = r.get("UID", f.stem)
                 term = r.get("linguistics_term", f.stem)
-                pairs.append({"id": f"{uid}/{pid}", "uid": uid, "group": d.name,
+                pairs.append({"id": f"{uid}/{pid}" if unique else f"{uid}/{pid}/{n}",
+                              "item": f"{uid}/{pid}", "uid": uid, "group": d.name,
                               "field": r.get("field", "supplement"),
                               "phenomenon": PHENOMENON.get(term, term), "good": good, "bad": bad})
     return pairs
@@ -154,13 +159,16 @@ def word_starts(tok) -> torch.Tensor:
 
 
 @torch.no_grad()
-def token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progress=True):
+def token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progress=True,
+                   bf16=False):
     """Log-probability of every scored token of every sequence, under every temperature.
 
     seqs: token-id lists, [CLS] ... [SEP]. Returns (sentence index (C,), position (C,),
     log-probs (C, len(temps))) for the C = sum(len - 2) masked copies. Copies of equal length
     share a batch of at most `batch_tokens` tokens, so nothing is padded and no Python loop runs
-    per token. With l2r, a copy also masks the target's later pieces in the same word.
+    per token. With l2r, a copy also masks the target's later pieces in the same word. Scored in
+    float32 unless bf16: in bf16 near-ties flip from one GPU kind to another, and BLiMP pairs
+    are decided by such differences.
     """
     L = np.array([len(s) for s in seqs])
     ids = pad(seqs)
@@ -182,7 +190,7 @@ def token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progre
         ar = torch.arange(length, device=device)
         target = ar == p                                             # (n, length)
         hide = target | ((ar > p) & (w == w.gather(1, p))) if l2r else target
-        with autocast(device):
+        with autocast(device, bf16):
             _, logits = model(rows.masked_fill(hide, MASK), predict=target)  # (n, V), row order
         z = logits.float()
         z_target = z.gather(1, rows.gather(1, p))                      # (n, 1)
@@ -191,9 +199,11 @@ def token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progre
     return sent, pos, out
 
 
-def pll(model, seqs, temps, l2r, batch_tokens, device, starts, progress=True) -> np.ndarray:
+def pll(model, seqs, temps, l2r, batch_tokens, device, starts, progress=True,
+        bf16=False) -> np.ndarray:
     """(len(seqs), len(temps)) pseudo-log-likelihoods: the sums of token_logprobs per sentence."""
-    sent, _, lp = token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progress)
+    sent, _, lp = token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progress,
+                                 bf16)
     scores = np.zeros((len(seqs), len(temps)))
     np.add.at(scores, sent, lp)
     return scores
@@ -282,7 +292,8 @@ def blimp(args):
     fingerprint = {"ckpt": str(Path(args.ckpt).resolve()), "size": stat.st_size,
                    "mtime_ns": stat.st_mtime_ns, "scorer": args.scorer, "temperatures": temps,
                    "dirs": [str(d) for d in args.blimp_dir], "pairs": len(pairs),
-                   "batch_tokens": batch_tokens, "device": str(device), "chunk_pairs": CHUNK_PAIRS}
+                   "batch_tokens": batch_tokens, "device": str(device), "chunk_pairs": CHUNK_PAIRS,
+                   "bf16": args.bf16}
     done = read_partial(partial, fingerprint)
     parts = chunks(pairs, CHUNK_PAIRS)
     if done:
@@ -295,7 +306,8 @@ def blimp(args):
         if i in done:
             scores[rows] = done[i]
             continue
-        s = pll(model, [seqs[r] for r in rows], temps, l2r, batch_tokens, device, word_starts(tok))
+        s = pll(model, [seqs[r] for r in rows], temps, l2r, batch_tokens, device,
+                word_starts(tok), bf16=args.bf16)
         with writing(partial), open(partial, "a") as f:
             f.write(json.dumps({"chunk": i, "scores": s.tolist()}) + "\n")
         scores[rows], scored = s, scored + len(rows)
@@ -308,7 +320,7 @@ def blimp(args):
     good, bad = scores[:len(pairs)], scores[len(pairs):]
     correct = good > bad                                             # (P, T); ties are wrong
     uids = [p["uid"] for p in pairs]
-    halves = np.array([half_of(p["id"]) for p in pairs])
+    halves = np.array([half_of(p["item"]) for p in pairs])
     best = choose_temperature(correct, uids, halves, temps)
     report = halves == 1
 
@@ -316,16 +328,20 @@ def blimp(args):
     # nan where no pair is in that half
     acc = lambda m, t: float(correct[m, t].mean()) if m.any() else float("nan")
 
-    def table(key):  # {group: {value: [acc T=1, acc T=1 and T* on the report half, pairs]}}
-        values = np.array([p[key] for p in pairs])
-        out = {}
-        for g, v in sorted(set(zip(groups, values))):
-            m = (groups == g) & (values == v)
-            row = [acc(m, t1), acc(m & report, t1), acc(m & report, best), int(m.sum())]
-            out.setdefault(str(g), {})[str(v)] = row
-        return out
-
-    paradigms, phenomena = table("uid"), table("phenomenon")
+    # {group: {paradigm: [acc T=1, acc T=1 and T* on the report half, pairs]}}
+    uid_of = np.array(uids)
+    paradigms = {}
+    for g, u in sorted(set(zip(groups, uid_of))):
+        m = (groups == g) & (uid_of == u)
+        row = [acc(m, t1), acc(m & report, t1), acc(m & report, best), int(m.sum())]
+        paradigms.setdefault(str(g), {})[str(u)] = row
+    # a phenomenon's accuracy is the mean of its paradigms' (BLiMP's Table 4), not of its pairs
+    phenomena = {}
+    for g, u, ph in sorted({(p["group"], p["uid"], p["phenomenon"]) for p in pairs}):
+        phenomena.setdefault(g, {}).setdefault(ph, []).append(paradigms[g][u])
+    phenomena = {g: {ph: [*np.nanmean([r[:3] for r in rows], 0).tolist(),
+                          sum(r[3] for r in rows)] for ph, rows in tab.items()}
+                 for g, tab in phenomena.items()}
     summary = {g: {"macro_paradigms": np.mean([r[:3] for r in rows.values()], 0).tolist(),
                    "macro_phenomena": np.mean([r[:3] for r in phenomena[g].values()], 0).tolist()}
                for g, rows in paradigms.items()}
@@ -340,7 +356,8 @@ def blimp(args):
         for g, rows in tab.items():
             if name == "phenomenon" and rows.keys() == paradigms[g].keys():
                 continue  # one paradigm per phenomenon (the supplement): the table above again
-            print(f"\n{g}, per {name} (accuracy %; 'rep' = the reporting half of the pairs)\n"
+            what = "accuracy %" if name == "paradigm" else "mean of its paradigms' accuracies %"
+            print(f"\n{g}, per {name} ({what}; 'rep' = the reporting half of the pairs)\n"
                   f"{head}  pairs")
             for k, r in rows.items():
                 print(line(k, r))
@@ -353,7 +370,8 @@ def blimp(args):
 
     result = {
         "kind": "blimp", "ckpt": str(args.ckpt), "pretrain_seed": model.train_args.get("seed"),
-        "scorer": args.scorer, "dirs": [str(d) for d in args.blimp_dir], "temperatures": temps,
+        "scorer": args.scorer, "bf16": args.bf16, "dirs": [str(d) for d in args.blimp_dir],
+        "temperatures": temps,
         "best_temperature": temps[best], "sentences_per_s": scored / seconds,
         "summary": summary, "paradigms": paradigms, "phenomena": phenomena,
         "pairs": [{"id": p["id"], "uid": p["uid"], "group": p["group"],
@@ -423,16 +441,58 @@ def masked_lm(args):
 # ---------------------------------------------------------------------------------------------
 # Fine-tuning on (Super)GLUE and MSGS
 
-class Classifier(nn.Module):
-    """The pretrained encoder + a head on the [CLS] state: dropout, dense, GELU, LayerNorm,
-    dropout, linear to the classes (the head LTG-BERT fine-tunes with)."""
+# Fine-tuning recipes: ours, and the BabyLM 2025 pipeline's (babylm/evaluation-pipeline-2025 at
+# bf55c11: eval_finetuning.sh and evaluation_pipeline/finetune/{run,trainer,utils}.py), so that a
+# score can be set beside the leaderboard's. Flags typed on the command line override either.
+RECIPES = {
+    "nanomlm": dict(lr=5e-5, batch_size=32, epochs=10, patience=3, max_len=128,
+                    group_by_length=True),
+    # AdamW (0.9, 0.999, eps 1e-8, decay 0.01 on every tensor), no clipping; warm-up over 6% of
+    # the steps, then cosine to 0.1 x lr; shuffled batches, the last partial one dropped; every
+    # epoch run, and the epoch with the best validation score kept (no early stopping); WSC 30
+    # epochs, BoolQ and MultiRC batches of 16
+    "babylm2025": dict(lr=3e-5, batch_size=32, epochs=10, patience=None, max_len=512,
+                       group_by_length=False),
+}
+BABYLM_TASK = {"wsc": dict(epochs=30), "boolq": dict(batch_size=16),
+               "multirc": dict(batch_size=16)}
 
-    def __init__(self, encoder, k):
+
+def recipe_settings(args) -> None:
+    """Fill the fine-tuning flags left unset from --recipe (and, for babylm2025, the task)."""
+    defaults = {**RECIPES[args.recipe],
+                **(BABYLM_TASK.get(args.task, {}) if args.recipe == "babylm2025" else {})}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
+def cosine_with_warmup(step: int, warmup: int, steps: int, floor: float = 0.1) -> float:
+    """The BabyLM pipeline's schedule factor (finetune/utils.py): linear from 0 over `warmup`
+    steps, then a cosine from 1 down to `floor` at `steps`."""
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, steps - warmup)
+    return max(floor, floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+class Classifier(nn.Module):
+    """The pretrained encoder + a head on the [CLS] state. ltg: dropout, dense, GELU, LayerNorm,
+    dropout, linear to the classes (the head LTG-BERT fine-tunes with). babylm2025: the BabyLM
+    pipeline's ClassifierHead: LayerNorm (no affine), dense, GELU, LayerNorm (no affine),
+    dropout 0.1, linear."""
+
+    def __init__(self, encoder, k, head="ltg"):
         super().__init__()
         d, p = encoder.config.d_model, encoder.config.dropout
         self.encoder = encoder
-        self.head = nn.Sequential(nn.Dropout(p), nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d),
-                                  nn.Dropout(p), nn.Linear(d, k))
+        if head == "babylm2025":
+            norm = lambda: nn.LayerNorm(d, 1e-5, elementwise_affine=False)
+            self.head = nn.Sequential(norm(), nn.Linear(d, d), nn.GELU(), norm(), nn.Dropout(0.1),
+                                      nn.Linear(d, k))
+        else:
+            self.head = nn.Sequential(nn.Dropout(p), nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d),
+                                      nn.Dropout(p), nn.Linear(d, k))
 
     def forward(self, ids, mask):
         return self.head(self.encoder(ids, mask)[:, 0])
@@ -474,16 +534,23 @@ def predict(model, seqs, batch_size, device) -> np.ndarray:
 
 def finetune_once(args, encoder, task, train: Examples, valid: Examples, dev: Examples | None,
                   seed, device) -> dict:
-    """One fine-tuning run: AdamW, linear warmup (10%) and decay, early stopping with --patience
-    epochs on the first metric of `dev` (the validation set itself when dev is None, as the
-    BabyLM pipeline does); returns the chosen epoch's validation predictions and metrics."""
+    """One fine-tuning run, by --recipe. nanomlm: AdamW, linear warmup (10%) and decay, gradients
+    clipped at 1, early stopping with --patience epochs on the first metric of `dev` (the
+    validation set itself when dev is None, as the BabyLM pipeline does). babylm2025: as
+    RECIPES says. Returns the chosen epoch's validation predictions and metrics."""
     _, k, metrics = TASKS.get(task, MSGS)
+    babylm = args.recipe == "babylm2025"
     torch.manual_seed(seed)
-    model = Classifier(copy.deepcopy(encoder), k).to(device).train()
+    model = Classifier(copy.deepcopy(encoder), k, args.recipe).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    steps = args.epochs * math.ceil(len(train.seqs) / args.batch_size)
-    warmup = max(1, steps // 10)
-    rate = lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / (steps - warmup)))
+    per_epoch = (len(train.seqs) // args.batch_size if babylm  # (the last partial batch dropped)
+                 else math.ceil(len(train.seqs) / args.batch_size))
+    steps = args.epochs * max(1, per_epoch)
+    if babylm:
+        rate = functools.partial(cosine_with_warmup, warmup=int(0.06 * steps), steps=steps)
+    else:
+        warmup = max(1, steps // 10)
+        rate = lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / (steps - warmup)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
     rng = np.random.default_rng(seed)
     lengths = np.array([len(s) for s in train.seqs])
@@ -495,12 +562,15 @@ def finetune_once(args, encoder, task, train: Examples, valid: Examples, dev: Ex
         else:
             order = rng.permutation(len(train.seqs))
             batches = [order[i:i + args.batch_size] for i in range(0, len(order), args.batch_size)]
+            if babylm and len(batches) > 1 and len(batches[-1]) < args.batch_size:
+                batches.pop()
         for idx in bar(batches, desc=f"seed {seed} epoch {epoch}", leave=False, disable=None):
             with autocast(device):
                 logits = model(*padded(train.seqs, idx, device)).float()
                 loss = F.cross_entropy(logits, torch.from_numpy(train.labels[idx]).to(device))
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not babylm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
@@ -518,16 +588,21 @@ def finetune_once(args, encoder, task, train: Examples, valid: Examples, dev: Ex
             waited = 0
         else:
             waited += 1
-            if waited >= args.patience:
+            if args.patience is not None and waited >= args.patience:
                 break
     return {**best, "epochs_run": epoch, "seconds": time.time() - t0}
 
 
 def finetune(args):
+    recipe_settings(args)
     device = pick_device(args.device)
     encoder, tok = load_checkpoint(args.ckpt, "cpu", encoder_only=True)
     if not Path(args.data_dir).is_dir():
         raise SystemExit(f"error: no task folder at {args.data_dir}")
+    if args.max_len > encoder.config.max_position:
+        print(f"note: --max-len {args.max_len} is more than the model's "
+              f"{encoder.config.max_position} positions; examples are cut to that many tokens")
+        args.max_len = encoder.config.max_position
     train = read_task(args.data_dir, args.task, "train", tok, args.max_len)
     valid = read_task(args.data_dir, args.task, "valid", tok, args.max_len)
     dev = None
@@ -539,7 +614,8 @@ def finetune(args):
     chosen = ("the validation set (optimistic)" if dev is None
               else f"{len(dev.seqs)} held-out training examples")
     print(f"{args.task}: {len(train.seqs)} train, {len(valid.seqs)} validation examples, {k} "
-          f"classes, seeds {args.seeds}; epochs chosen on {chosen}")
+          f"classes, seeds {args.seeds}; recipe {args.recipe} (lr {args.lr:g}, batch "
+          f"{args.batch_size}, {args.epochs} epochs); epochs chosen on {chosen}")
     runs = {seed: finetune_once(args, encoder, args.task, train, valid, dev, seed, device)
             for seed in args.seeds}
     aggregate = {}
@@ -643,11 +719,13 @@ def multibootstrap(A: list[dict], B: list[dict], nboot=1000, seed=0, block=100) 
     diffs = np.concatenate(diffs)
     lo, hi = np.percentile(diffs, [2.5, 97.5])
     worse = diffs < 0 if better == "higher" else diffs > 0
+    p = float(worse.mean() + 0.5 * (diffs == 0).mean())
     return {"metric": metric, "mean_a": mean_a, "mean_b": mean_b, "diff": mean_b - mean_a,
             "ci95": [float(lo), float(hi)],
             # one-sided: how often B is not better than A; exact ties count half (mid-p), so
-            # identical inputs give 0.5 rather than 1
-            "p": float(worse.mean() + 0.5 * (diffs == 0).mean()), "better": better,
+            # identical inputs give 0.5 rather than 1. No resample the other way does not make
+            # p 0: it is below 1/nboot, and reported as 1/nboot with p_floored
+            "p": max(p, 1 / nboot), "p_floored": p < 1 / nboot, "better": better,
             "nboot": nboot,
             "paired_seeds": paired_seeds, "paired_examples": paired_examples,
             "seeds_a": seeds_a, "seeds_b": seeds_b}
@@ -687,7 +765,8 @@ def compare(args):
     sign = lambda x: ("+" if x >= 0 else "-") + show(abs(x))
     print(f"mean A {show(r['mean_a'])} | mean B {show(r['mean_b'])} | B - A {sign(r['diff'])} "
           f"(95% CI {sign(r['ci95'][0])} .. {sign(r['ci95'][1])}) | p = P(B - A "
-          f"{'<=' if r['better'] == 'higher' else '>='} 0) = {r['p']:.4f}  "
+          f"{'<=' if r['better'] == 'higher' else '>='} 0) "
+          f"{'<' if r['p_floored'] else '='} {r['p']:.4g}  "
           f"[{r['nboot']} resamples; {r['better']} is better]")
     if args.out:
         files = {"a": list(map(str, a_files)), "b": list(map(str, b_files))}
@@ -749,6 +828,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="PLL (Salazar et al.) or PLL-word-l2r (Kauf & Ivanova) (default pll)")
     add("--temperatures", type=floats, default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0],
         help="comma-separated grid; 1 is always added (default 0.5,0.75,1,1.5,2,3)")
+    add("--bf16", action="store_true", help="score under bfloat16 autocast (faster on a GPU; "
+        "near-ties then differ between GPU kinds). Default: float32")
     add("--batch-tokens", type=int, default=None, help="tokens per scoring batch (default 4096 "
         "on CPU, the fastest of 2k/4k/16k measured; 32768 on CUDA)")
     device(b)
@@ -777,20 +858,29 @@ def build_parser() -> argparse.ArgumentParser:
     add("--data-dir", required=True, help="folder with TASK.train.jsonl and TASK.valid.jsonl")
     add("--seeds", type=ints, default=[1],
         help="comma-separated fine-tuning seeds; mean ± std over them (default 1)")
-    add("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5)")
+    add("--recipe", default="nanomlm", choices=list(RECIPES),
+        help="defaults for the flags below: nanomlm (ours: lr 5e-5, batch 32, 10 epochs, "
+        "patience 3, 128 tokens, length-grouped, clipped, linear decay) or babylm2025 (the BabyLM "
+        "2025 pipeline's: lr 3e-5, batch 32 (16 for boolq, multirc), 10 epochs (30 for wsc), no "
+        "early stopping, 512 tokens, cosine to 0.1 after 6%% warm-up, no clipping, its head) "
+        "(default nanomlm)")
+    add("--lr", type=float, default=None, help="AdamW learning rate (default: the recipe's)")
     add("--weight-decay", type=float, default=0.01, help="(default 0.01)")
-    add("--batch-size", type=int, default=32, help="(default 32)")
-    add("--epochs", type=int, default=10, help="at most this many epochs (default 10)")
-    add("--patience", type=int, default=3,
-        help="stop after this many epochs without a better validation score (default 3)")
+    add("--batch-size", type=int, default=None, help="(default: the recipe's)")
+    add("--epochs", type=int, default=None, help="at most this many epochs (default: the "
+        "recipe's)")
+    add("--patience", type=int, default=None,
+        help="stop after this many epochs without a better validation score (default: the "
+        "recipe's; babylm2025 has none)")
     add("--holdout", type=float, default=0.0, help="choose the epoch on this fraction of the "
         "training set instead of on the validation set it reports (default 0: as the BabyLM "
         "pipeline)")
-    add("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
-        help="training batches of similar lengths, so less of each is padding (default on; "
-        "--no-group-by-length: plain shuffled batches)")
-    add("--max-len", type=int, default=128,
-        help="tokens per example, longer pairs truncated longest-first (default 128)")
+    add("--group-by-length", action=argparse.BooleanOptionalAction, default=None,
+        help="training batches of similar lengths, so less of each is padding (default: on for "
+        "nanomlm; --no-group-by-length: plain shuffled batches)")
+    add("--max-len", type=int, default=None,
+        help="tokens per example, longer pairs truncated longest-first (default: the recipe's, "
+        "128 or 512)")
     device(f)
     f.set_defaults(func=finetune)
 

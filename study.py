@@ -549,9 +549,10 @@ def build_report(spec, scale_name, folder, jobs, nboot, figures=True) -> str:
                              f"{fmt(r['mean_b'], better)} | | | |")
             else:
                 lo, hi = r["ci95"]
+                p = f"{'< ' if r.get('p_floored') else ''}{r['p']:.3f}"  # below 1/nboot: floored
                 lines.append(f"| {arm} | {len(r['seeds_b'])} | {fmt(r['mean_b'], better)} | "
                              f"{signed(r['diff'], better)} | {signed(lo, better)} .. "
-                             f"{signed(hi, better)} | {r['p']:.3f} |")
+                             f"{signed(hi, better)} | {p} |")
         lines.append("")
     for m, by_phen in comp["phenomena"].items():
         shown_arms = [a for a in arms if a in next(iter(by_phen.values()))]

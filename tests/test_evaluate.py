@@ -244,7 +244,8 @@ def test_known_shift_is_detected():
     A = [result(s, (rng.random(2000) < 0.60).astype(int)) for s in range(5)]
     B = [result(s, (rng.random(2000) < 0.66).astype(int)) for s in range(5)]
     r = E.multibootstrap(A, B, nboot=1000)
-    assert r["diff"] == pytest.approx(0.06, abs=0.01) and r["ci95"][0] > 0.03 and r["p"] < 0.001
+    assert r["diff"] == pytest.approx(0.06, abs=0.01) and r["ci95"][0] > 0.03
+    assert r["p"] == 1 / 1000 and r["p_floored"]  # no resample the other way: p < 1/nboot
 
 
 def test_tiny_case_matches_brute_force_enumeration():
@@ -541,3 +542,85 @@ def test_masked_lm_against_a_loop_over_hidden_tokens(ckpt, small_raw, prepared, 
     assert r["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
     assert r["examples_loss"]["better"] == "lower" and r["pretrain_seed"] == 7
     assert "6 validation segments" in capsys.readouterr().out
+
+
+def test_babylm2025_schedule_is_the_pipelines_rule():
+    """Transcribed from the pipeline's finetune/utils.py: lr 0 at step 0, the peak at the end
+    of warm-up, half way down the cosine at the middle of the rest, 0.1 at the end."""
+    f = lambda s: E.cosine_with_warmup(s, warmup=6, steps=106)
+    assert f(0) == 0 and f(3) == 0.5 and f(6) == 1.0
+    assert f(56) == pytest.approx(0.1 + 0.9 * 0.5) and f(106) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("task, typed, want", [
+    ("rte", [], dict(lr=3e-5, batch_size=32, epochs=10, patience=None, max_len=512)),
+    ("wsc", [], dict(epochs=30, batch_size=32)),
+    ("boolq", [], dict(batch_size=16, epochs=10)),
+    ("wsc", ["--epochs", "3", "--lr", "1e-4"], dict(epochs=3, lr=1e-4)),  # typed flags win
+])
+def test_babylm2025_recipe_settings(task, typed, want):
+    args = E.build_parser().parse_args(["finetune", "--ckpt", "x", "--task", task, "--data-dir",
+                                        "d", "--recipe", "babylm2025", *typed])
+    E.recipe_settings(args)
+    assert {k: getattr(args, k) for k in want} == want
+    assert args.group_by_length is False
+
+
+def test_finetune_babylm2025_runs_every_epoch_and_keeps_the_best(ckpt, tmp_path):
+    keyword_task(tmp_path, 150, 0)  # (150 > 100: the training file)
+    keyword_task(tmp_path, 40, 1)
+    out = tmp_path / "keyword.json"
+    E.main(["finetune", "--ckpt", str(ckpt), "--task", "keyword", "--data-dir", str(tmp_path),
+            "--recipe", "babylm2025", "--epochs", "3", "--lr", "1e-3", "--device", "cpu",
+            "--out", str(out)])
+    r = json.loads(out.read_text())
+    run = r["runs"]["1"]
+    assert run["epochs_run"] == 3 and r["settings"]["max_len"] == 512  # no early stopping
+    assert r["settings"]["patience"] is None and r["settings"]["batch_size"] == 32
+    cm = E.confusion(r["examples"]["label"], run["pred"], 2)
+    assert run["metrics"]["mcc"] == pytest.approx(E.mcc(cm))
+
+
+def test_supplement_pair_ids_keep_an_items_variants_in_one_half(tmp_path):
+    rows = [{"sentence_good": f"good {i}", "sentence_bad": f"bad {i}", "pair_ID": i // 4}
+            for i in range(40)]  # 10 items of 4 variants, as subject_aux_inversion
+    (tmp_path / "subject_aux_inversion.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows))
+    pairs = E.read_blimp([tmp_path])
+    assert len({p["id"] for p in pairs}) == 40 and len({p["item"] for p in pairs}) == 10
+    assert pairs[5]["id"] == "subject_aux_inversion/1/6"
+    halves = {}
+    for p in pairs:
+        halves.setdefault(p["item"], set()).add(E.half_of(p["item"]))
+    assert all(len(h) == 1 for h in halves.values())
+
+
+def test_phenomenon_is_the_mean_of_its_paradigms(ckpt, tmp_path):
+    src = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
+    folder = tmp_path / "mini"
+    folder.mkdir()
+    for name, n in (("anaphor_gender_agreement", 30), ("anaphor_number_agreement", 6)):
+        (folder / f"{name}.jsonl").write_text(
+            "".join((src / f"{name}.jsonl").read_text().splitlines(True)[:n]))
+    out = tmp_path / "b.json"
+    E.main(["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(folder), "--device", "cpu",
+            "--out", str(out)])
+    r = json.loads(out.read_text())
+    para = r["paradigms"]["mini"]
+    phen = r["phenomena"]["mini"]["anaphor_agreement"]
+    a, b = para["anaphor_gender_agreement"], para["anaphor_number_agreement"]
+    assert phen[0] == pytest.approx((a[0] + b[0]) / 2) and phen[3] == 36
+    # pooled over pairs it would weigh the 30-pair paradigm five times the other
+    assert a[0] == b[0] or phen[0] != pytest.approx((30 * a[0] + 6 * b[0]) / 36)
+
+
+def test_scores_are_float32_unless_bf16_is_asked(ckpt, tmp_path):
+    model, tok = E.load_checkpoint(ckpt)
+    seqs = [[2, *tok.encode("the cat sat on the mat"), 3], [2, *tok.encode("a dog ran"), 3]]
+    starts = E.word_starts(tok)
+    score = lambda **k: E.pll(model, seqs, [1.0], False, 64, torch.device("cpu"), starts,
+                              progress=False, **k)
+    with torch.autocast("cpu", enabled=False):
+        want = score(bf16=False)
+    assert np.array_equal(score(), want)  # the default is float32
+    assert not np.allclose(score(bf16=True), want, atol=1e-4)  # bf16 differs: the flag reaches it
