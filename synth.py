@@ -90,11 +90,15 @@ def relation(deprel: str) -> str:
     return deprel.split(":")[0]
 
 
-def grammar(sentences, n_rels: int = 20):
+def grammar(sentences, n_rels: int = 20, rare: str = "other"):
     """-> dict(symbols, rules, lemmas, lengths): symbols = the kept relations by frequency (+
     `other` if anything was folded into it); rules[lhs] = {rhs tuple: probability} where rhs
     lists dependents' relations and "*" for the head's word; lemmas[rel] = distinct lemmas seen
-    with that relation; lengths = the treebank's sentence lengths."""
+    with that relation; lengths = the sentence lengths of the trees the rules were read from.
+    rare: what becomes of the relations outside the n_rels most frequent: `other`, one
+    nonterminal for all of them (their words and subtrees stay), or `drop`, the word and its
+    whole subtree removed (most likely the blog's rule: its 1M sentences are ~15M tokens, ours
+    with `other` 21.6M words)."""
     counts = Counter(relation(w["deprel"]) for s in sentences for w in s)
     keep = [r for r, _ in counts.most_common(n_rels)]
     if "root" not in keep:
@@ -102,20 +106,30 @@ def grammar(sentences, n_rels: int = 20):
     name = lambda deprel: relation(deprel) if relation(deprel) in keep else OTHER
     rule_counts = defaultdict(Counter)
     lemmas = defaultdict(set)
+    lengths = []
     for s in sentences:
         children = defaultdict(list)
         for w in s:
             children[w["head"]].append(w)
-        for w in s:
+        words = s
+        if rare == "drop":  # the words reached from the root through kept relations only
+            words, todo = [], [c for c in children[0] if name(c["deprel"]) != OTHER]
+            while todo:
+                words.append(todo.pop())
+                todo += [c for c in children[words[-1]["id"]] if name(c["deprel"]) != OTHER]
+        here = {w["id"] for w in words}
+        for w in words:
             rhs = tuple(name(c["deprel"]) if c is not w else "*"
-                        for c in sorted(children[w["id"]] + [w], key=lambda c: c["id"]))
+                        for c in sorted(children[w["id"]] + [w], key=lambda c: c["id"])
+                        if c["id"] in here)
             rule_counts[name(w["deprel"])][rhs] += 1
             lemmas[name(w["deprel"])].add(w["lemma"])
+        lengths.append(len(words))
     symbols = keep + ([OTHER] if OTHER in rule_counts else [])
     rules = {lhs: {rhs: c / sum(rc.values()) for rhs, c in rc.items()}
              for lhs, rc in rule_counts.items()}
     return dict(symbols=symbols, rules=rules, lemmas={r: len(v) for r, v in lemmas.items()},
-                lengths=[len(s) for s in sentences])
+                lengths=lengths)
 
 
 def block_cdf(block, weight) -> np.ndarray:
@@ -225,10 +239,13 @@ def relex_loglinear(rels, sids, sizes, rng, dim: int = 10, chunk: int = 2000) ->
     """Token ids after Ri & Tsuruoka (2022, sec. 3.1): every token w has a vector v_w ~ N(0, I_dim),
     each sentence a topic v_t ~ N(0, I_dim), and a word of relation r is drawn from r's set with
     p(w | t) proportional to exp(v_w . v_t). Sentences are done `chunk` at a time: for each one
-    the cumulative distribution of every set, then one searchsorted for all its words."""
+    the cumulative distribution of every set, then one searchsorted for all its words.
+    The scale is the paper's: v_w . v_t has variance dim, so a topic favours few words of each
+    set (same-sentence PMI 1.4 on the French treebanks). Until 2026-11-24 v_w was drawn from
+    N(0, I/dim), unit variance and a PMI of 0.59: the corpora of the studies made before."""
     V, R = sizes.sum(), len(sizes)
     block = np.repeat(np.arange(R), sizes)
-    vec = rng.standard_normal((V, dim)) / math.sqrt(dim)
+    vec = rng.standard_normal((V, dim))
     out = np.empty(len(rels), np.int64)
     ends = np.cumsum(sizes) - 1
     bounds = np.searchsorted(sids, np.r_[np.arange(0, sids.max() + 1, chunk), sids.max() + 1])
@@ -288,6 +305,10 @@ def main(argv=None):
     add("--treebanks", nargs="+", default=TREEBANKS, help=f"(default {' '.join(TREEBANKS)})")
     add("--n-rels", type=int, default=20,
         help="relations kept as nonterminals; the rest become `other` (default 20)")
+    add("--rare", default="other", choices=["other", "drop"],
+        help="relations outside the --n-rels most frequent: other (one nonterminal for them all, "
+        "their subtrees kept) or drop (removed with their subtrees, most likely the blog's "
+        "rule) (default other)")
     add("--relex", default="zipf", choices=["zipf", "loglinear"],
         help="word distribution (default zipf)")
     add("--vocab", type=int, default=5000, help="made-up words in all (default 5000)")
@@ -301,7 +322,7 @@ def main(argv=None):
     ud = Path(args.ud or raw_root() / "ud")
     t0 = time.time()
     sentences = [s for f in treebank_files(ud, args.treebanks) for s in read_conllu(f)]
-    g = grammar(sentences, args.n_rels)
+    g = grammar(sentences, args.n_rels, args.rare)
     n_rules = sum(len(r) for r in g["rules"].values())
     print(f"grammar: {len(sentences)} trees, {len(g['symbols'])} nonterminals, {n_rules} rules "
           f"({time.time() - t0:.1f} s)")
@@ -321,12 +342,13 @@ def main(argv=None):
               if sizes[r] >= 20}
     stats = dict(sentences=args.sentences, tokens=int(len(tokens)), sample_s=t2 - t1,
                  relex_s=t3 - t2, sentences_per_s=args.sentences / (t2 - t1),
-                 mean_length=float(lengths.mean()),
+                 mean_length=float(lengths.mean()), median_length=float(np.median(lengths)),
                  treebank_mean_length=float(np.mean(g["lengths"])), rank_slope_by_relation=slopes,
                  same_sentence_pmi=same_sentence_pmi(tokens, rels, sids))
     print(f"sampled {args.sentences} sentences, {len(tokens)} words, in {t2 - t1:.1f} s "
           f"({stats['sentences_per_s']:.0f} sentences/s); relexicalised ({args.relex}) in "
-          f"{t3 - t2:.1f} s | mean length {stats['mean_length']:.1f} (treebank "
+          f"{t3 - t2:.1f} s | mean length {stats['mean_length']:.1f}, median "
+          f"{stats['median_length']:.0f} (treebank "
           f"{stats['treebank_mean_length']:.1f}) | same-sentence PMI "
           f"{stats['same_sentence_pmi']:.3f}")
     out = Path(args.out)

@@ -49,10 +49,36 @@ def test_grammar_hand_computed(tmp_path):
     assert g["lemmas"]["obj"] == 2 and g["lengths"] == [5, 2]
 
 
+def test_grammar_dropping_rare_relations_hand_computed(tmp_path):
+    """With n_rels=3 (root, obj, det) and rare="drop", sentence 1 loses nsubj(B) with its
+    det(A) and aux(C): root D keeps only obj F; sentence 2 is whole."""
+    (tmp_path / "a.conllu").write_text(EDGE)
+    g = S.grammar(S.read_conllu(tmp_path / "a.conllu"), n_rels=3, rare="drop")
+    assert g["symbols"] == ["root", "obj", "det"]
+    assert g["rules"] == {"root": {("*", "obj"): 1.0}, "obj": {("*",): 1.0}}
+    assert g["lengths"] == [2, 2] and g["lemmas"] == {"root": 2, "obj": 2}
+
+
+def test_dropping_rare_relations_shortens_the_sentences(treebank, french):
+    """The blog's 1M sentences are about 15M tokens; ours with `other` 21.6 words a sentence.
+    Dropping the rare relations' subtrees brings the trees, and what is sampled, closer."""
+    other, drop = french, S.grammar(treebank, rare="drop")
+    assert np.mean(drop["lengths"]) < np.mean(other["lengths"]) - 2
+    sampled = {}
+    for name, g in (("other", other), ("drop", drop)):
+        _, sids = S.Sampler(g).sample(20000, 0)
+        sampled[name] = np.bincount(sids).mean()
+    assert sampled["drop"] < sampled["other"] - 2
+
+
 @pytest.fixture(scope="module")
-def french():
-    sents = [s for f in S.treebank_files(shared_data() / "ud") for s in S.read_conllu(f)]
-    return S.grammar(sents, n_rels=20)
+def treebank():
+    return [s for f in S.treebank_files(shared_data() / "ud") for s in S.read_conllu(f)]
+
+
+@pytest.fixture(scope="module")
+def french(treebank):
+    return S.grammar(treebank, n_rels=20)
 
 
 def test_real_grammar_is_a_distribution_per_nonterminal(french):
@@ -133,3 +159,20 @@ def test_cli_writes_a_corpus_folder_that_trains_word_by_word(tmp_path, monkeypat
     assert meta["vocab_size"] == len(set(words)) + 5 and meta["train_tokens"] == len(words)
     r = run_train("--data", out, "--out-dir", tmp_path / "run", "--max-steps", 2, *TINY)
     assert r.returncode == 0, r.stderr
+
+
+def test_loglinear_draws_words_by_the_papers_scale():
+    """One sentence of 20,000 words of one relation: their frequencies are softmax(v_t . v_w)
+    with v_w and v_t both ~ N(0, I_10) (Ri & Tsuruoka 2022, sec. 3.1), redrawn here from the
+    same seed in the same order (the word vectors, then the chunk's topics)."""
+    V, n = 50, 20000
+    tokens = S.relex_loglinear(np.zeros(n, np.int64), np.zeros(n, np.int64), np.array([V]),
+                               np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    vec = rng.standard_normal((V, 10))
+    topic = rng.standard_normal(10)
+    p = np.exp(vec @ topic - (vec @ topic).max())
+    p /= p.sum()
+    freq = np.bincount(tokens, minlength=V) / n
+    assert 0.5 * np.abs(freq - p).sum() < 0.02  # total variation: sampling noise only
+    assert p.max() > 0.2  # a topic favours a few words (under the old 1/sqrt(10) scale: < 0.1)
