@@ -6,7 +6,8 @@ Models"; word distributions after Ri & Tsuruoka 2022, "Pretraining with Artifici
     python synth.py --relex loglinear --sentences 1000000 --out data/raw/synth_loglinear
 
 The output folder reads like any corpus (`train.py --data data/raw/synth_zipf`); its
-tokenizer.json asks data/prepare.py for a word-level vocabulary, one token per made-up word.
+tokenizer.json asks data/prepare.py for a word-level vocabulary, one token per made-up word, and
+for [SEP] after every sentence in the token stream (--no-separate-sentences: none).
 
 The transfer study (train.py --init-from CKPT --reset embeddings[,positions], --freeze
 embeddings; data/breton.py; evaluate.py weights) is described, with commands and results, in
@@ -309,6 +310,10 @@ def main(argv=None):
         help="relations outside the --n-rels most frequent: other (one nonterminal for them all, "
         "their subtrees kept) or drop (removed with their subtrees, most likely the blog's "
         "rule) (default other)")
+    add("--separate-sentences", action=argparse.BooleanOptionalAction, default=True,
+        help="ask data/prepare.py for [SEP] after every sentence in the token stream, so that a "
+        "training segment packing several independent sentences keeps their boundaries "
+        "(default on; --no-separate-sentences: joined, as the studies before 2026-11-24)")
     add("--relex", default="zipf", choices=["zipf", "loglinear"],
         help="word distribution (default zipf)")
     add("--vocab", type=int, default=5000, help="made-up words in all (default 5000)")
@@ -366,7 +371,8 @@ def main(argv=None):
                                                   "args": vars(args), "rules": rules}))
     (out / "stats.json").write_text(json.dumps(stats, indent=1))
     # data/prepare.py then makes one token per word
-    (out / "tokenizer.json").write_text(json.dumps({"model_type": "word"}))
+    (out / "tokenizer.json").write_text(json.dumps(
+        {"model_type": "word", "separate_sentences": args.separate_sentences}))
     print(f"wrote {out}")
 
 

@@ -66,8 +66,9 @@ CODE = ["model.py", "train.py", "sparse.py", "data/prepare.py"]  # a run's code/
 def make_batch(ids, args, vocab_size, gen):
     if args.masking == "uniform":  # the MLSM code's: int(p T) tokens per row, all [MASK]
         inputs, labels = uniform_mask(ids, args.mask_p, gen)
-    else:                          # LTG-BERT's spans, 80/10/10 per span
-        inputs, labels = span_mask(ids, args.mask_p, vocab_size, gen)
+    else:  # LTG-BERT's spans, 80/10/10 per span; token: spans of one, i.e. BERT's masking
+        inputs, labels = span_mask(ids, args.mask_p, vocab_size, gen,
+                                   mean_span=1.0 if args.masking == "token" else 3.0)
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), inputs=inputs, labels=labels)
 
 
@@ -472,9 +473,10 @@ def build_parser():
         "mean gradient norm exceeds this multiple of its median over the phase so far, or its "
         "loss stays 1 nat above the phase's lowest for two log lines; 0 = off (default 10)")
     add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict (default 0.15)")
-    add("--masking", default="span", choices=["span", "uniform"], help="span: LTG-BERT's spans, "
-        "80/10/10 per span; uniform: int(p T) tokens per sequence, all [MASK], as the MLSM code "
-        "(default span; kd, kd+mlm, mlsm, mlsm+mlm uniform)")
+    add("--masking", default="span", choices=["span", "token", "uniform"], help="span: "
+        "LTG-BERT's spans, 80/10/10 per span; token: BERT's, each token chosen alone, 80/10/10 "
+        "(the synthetic-language blog's); uniform: int(p T) tokens per sequence, all [MASK], as "
+        "the MLSM code (default span; kd, kd+mlm, mlsm, mlsm+mlm uniform)")
     add("--max-steps", type=int, default=None,
         help="optimizer steps (default: --epochs of the training data at the global batch)")
     add("--epochs", type=float, default=10.0, help="the budget when --max-steps is not given: "

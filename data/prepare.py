@@ -20,7 +20,8 @@ reads that stream back as `seq_len - 2` token segments wrapped in [CLS] ... [SEP
 
 A raw folder with a `tokenizer.json` saying {"model_type": "word"} (synth.py writes one) gets a
 word-level vocabulary instead: every distinct training word is one token, --vocab-size is not
-used, and a word never seen in training reads as [UNK].
+used, and a word never seen in training reads as [UNK]. With "separate_sentences": true as well,
+every line is followed by [SEP] in the stream.
 
 A prepared folder is named by what it is made of: NAME-KEY, KEY a hash of the raw files (name, size,
 sha256) and the tokenizer settings. Changed raw files or settings make a new folder beside the old
@@ -235,28 +236,34 @@ def tokenizer_settings(vocab_size: int, word_level: bool = False) -> dict:
                 shuffle_input_sentence=True, seed_sentencepiece_size=1_000_000, **specials)
 
 
-def is_word_level(raw: Path) -> bool:
-    """Does the raw folder ask for a word-level vocabulary (tokenizer.json:
-    {"model_type": "word"})?"""
+def word_level(raw: Path) -> dict | None:
+    """The raw folder's request for a word-level vocabulary, tokenizer.json:
+    {"model_type": "word"}, and optionally "separate_sentences": true ([SEP] after every line in
+    the token stream, so that a segment packing several sentences keeps their boundaries, as
+    synth.py asks for its independent sentences); None without the file."""
     f = raw / "tokenizer.json"
     if not f.is_file():
-        return False
+        return None
     try:
-        kind = json.loads(f.read_text()).get("model_type")
-    except (json.JSONDecodeError, AttributeError):
-        kind = None
-    if kind != "word":
-        raise SystemExit(f'error: {f} must be {{"model_type": "word"}} (the only setting it takes)')
-    return True
+        spec = json.loads(f.read_text())
+    except json.JSONDecodeError:
+        spec = None
+    if (not isinstance(spec, dict) or spec.get("model_type") != "word"
+            or not set(spec) <= {"model_type", "separate_sentences"}
+            or not isinstance(spec.get("separate_sentences", False), bool)):
+        raise SystemExit(f'error: {f} must be {{"model_type": "word"}}, with optionally '
+                         f'"separate_sentences": true or false (the only settings it takes)')
+    return spec
 
 
-def encode(sp: spm.SentencePieceProcessor, lines: list[str], desc: str) -> np.ndarray:
+def encode(sp: spm.SentencePieceProcessor, lines: list[str], desc: str,
+           sep: bool = False) -> np.ndarray:
     """Tokenize lines on all cores (sentencepiece's own threads) into one flat uint16 stream."""
     out, chunk = [], 1024
     with bar(total=len(lines), desc=desc, unit=" lines", disable=None) as progress:
         for i in range(0, len(lines), chunk):
             ids = sp.encode(lines[i:i + chunk], num_threads=os.cpu_count())
-            out += [np.asarray(x, dtype=np.uint16) for x in ids]
+            out += [np.asarray(x + [SEP] * sep, dtype=np.uint16) for x in ids]
             progress.update(len(ids))
     return np.concatenate(out) if out else np.zeros(0, np.uint16)
 
@@ -292,8 +299,8 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
         return base  # a prepared folder named in full (or by its name before keys)
     if not raw.is_dir():  # prepared elsewhere, raw text not copied: the one prepared copy
         copies = [p for p in prepared_copies(base)
-                  if load_meta(p).get("tokenizer") in (tokenizer_settings(vocab_size),
-                                                      {"model_type": "word"})]
+                  if load_meta(p)["tokenizer"] == tokenizer_settings(vocab_size)
+                  or load_meta(p)["tokenizer"].get("model_type") == "word"]
         if len(copies) == 1 and not force:
             say(f"data: raw corpus not found at {raw}; using the prepared {copies[0]} as it is")
             return copies[0]
@@ -315,8 +322,7 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
                          f"plain or .gz). {advice}")
     sources = [{"split": split, "file": p.name, "bytes": p.stat().st_size, "sha256": sha256(p)}
                for split, files in (("train", train_files), ("dev", dev_files)) for p in files]
-    words = is_word_level(raw)
-    settings = tokenizer_settings(vocab_size) if not words else {"model_type": "word"}
+    settings = word_level(raw) or tokenizer_settings(vocab_size)
     made_of = json.dumps([VERSION, sources, settings], sort_keys=True).encode()
     out = base.with_name(f"{base.name}-{hashlib.sha256(made_of).hexdigest()[:10]}")
     if (out / "meta.json").exists() and not force:
@@ -357,7 +363,8 @@ def alive(pid: int) -> bool:
 
 def build(raw, out, name, train_files, dev_files, sources, settings, vocab_size, say) -> None:
     """Read, tokenize and write one prepared folder (prepare's work once it knows what to do)."""
-    t0, words = time.time(), settings == {"model_type": "word"}
+    t0, words = time.time(), settings.get("model_type") == "word"
+    sep = settings.get("separate_sentences", False)
     train_lines = [line for p in train_files for line in read_lines(p)]
     if dev_files:
         val_lines = [line for p in dev_files for line in read_lines(p)]
@@ -383,7 +390,8 @@ def build(raw, out, name, train_files, dev_files, sources, settings, vocab_size,
     (out / "tokenizer.model").write_bytes(model)
     sp = spm.SentencePieceProcessor(model_proto=model)
     t2 = time.time()
-    train, val = encode(sp, train_lines, "tokenize train"), encode(sp, val_lines, "tokenize val")
+    train = encode(sp, train_lines, "tokenize train", sep)
+    val = encode(sp, val_lines, "tokenize val", sep)
     t3 = time.time()
     train.tofile(out / "train.bin")
     val.tofile(out / "val.bin")

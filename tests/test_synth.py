@@ -154,9 +154,15 @@ def test_cli_writes_a_corpus_folder_that_trains_word_by_word(tmp_path, monkeypat
     # data/prepare.py reads it with one token per made-up word; train.py trains on it
     from data.prepare import prepare
     monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prepared"))
-    meta = json.loads((prepare(str(out), quiet=True) / "meta.json").read_text())
+    folder = prepare(str(out), quiet=True)
+    meta = json.loads((folder / "meta.json").read_text())
     words = [w for line in train for w in line.split()]
-    assert meta["vocab_size"] == len(set(words)) + 5 and meta["train_tokens"] == len(words)
+    # one token per word, and [SEP] (id 3) after every sentence: boundaries kept when packed
+    assert meta["vocab_size"] == len(set(words)) + 5
+    assert meta["train_tokens"] == len(words) + len(train)
+    stream = np.fromfile(folder / "train.bin", np.uint16)
+    ends = np.cumsum([len(line.split()) + 1 for line in train]) - 1
+    assert (stream[ends] == 3).all() and (stream == 3).sum() == len(train)
     r = run_train("--data", out, "--out-dir", tmp_path / "run", "--max-steps", 2, *TINY)
     assert r.returncode == 0, r.stderr
 

@@ -66,6 +66,26 @@ def test_masking_defaults_follow_each_paper():
     assert (batch["inputs"][batch["labels"] != -100] == MASK).all()
 
 
+def test_token_masking_is_berts():
+    """--masking token: each token chosen alone with p (a chosen token's neighbour no more often
+    than any token, unlike spans), then 80% [MASK], 10% a random token, 10% kept."""
+    ids = torch.randint(5, 3000, (256, 128))
+    chosen = {}
+    for masking in ("token", "span"):
+        args = T.get_args(["--masking", masking])
+        b = T.make_batch(ids, args, 3000, torch.Generator().manual_seed(0))
+        chosen[masking] = c = b["labels"] != -100
+        next_too = (c[:, 1:] & c[:, :-1]).sum() / c[:, :-1].sum()
+        if masking == "token":
+            assert c.float().mean() == pytest.approx(0.15, abs=0.005)
+            assert next_too == pytest.approx(0.15, abs=0.01)  # independent of its neighbour
+            masked = (b["inputs"] == MASK)[c].float().mean()
+            kept = (b["inputs"] == ids)[c].float().mean()
+            assert masked == pytest.approx(0.8, abs=0.01) and kept == pytest.approx(0.1, abs=0.01)
+        else:
+            assert next_too > 0.5  # spans: a chosen token's neighbour mostly chosen too
+
+
 def test_learning_rate_by_size_then_objective_then_flag():
     lr = lambda *argv: T.get_args(list(argv)).lr
     assert lr() == lr("--size", "small") == lr("--size", "base") == 5e-3  # small is the default
