@@ -27,13 +27,17 @@ the student at theta0 and a support and a query batch of one labelled task:
       eq. 8). h > 0: the pseudo example moved the student downhill on the query; make it likelier.
   soft labels  x^, y^ are the teacher's distributions (the student embeds x^ as expected word
       vectors, y^ is a soft cross-entropy target), so L_query(theta2) is a differentiable function
-      of the teacher and its gradient is exact. For that, step (1) is unrolled as the SGD step
-      theta0 - eta grad L_pseudo(theta0) (AdamW's first updates are close to sign(g), whose
-      derivative is useless), with torch.func.functional_call; the student still keeps AdamW.
-Auxiliary teacher losses (Shen, sec. 3.4), always on: given x_u, write an MLM task (x^ -> x_m,
-y^ -> x_u); given x_m, perform it (x^ -> x_m, y^ -> y_m). The meta term is weighted by
---meta-weight. --labels mlm pretrains the same student with plain MLM on the same unlabelled
-batches; --labels none does not pretrain at all.
+      of the teacher and its gradient is exact. Step (1) is unrolled as the student's own AdamW
+      step, from the moments its optimiser holds (adamw_unroll; MetaLMO does it with `higher`),
+      or with --unroll sgd as theta0 - eta grad L_pseudo(theta0); torch.func.functional_call
+      runs the student on the unrolled weights. As in MetaLMO's soft runs, the meta term weighs
+      100 and half of the steps take MLM on other text as their labelled task (--meta-weight,
+      --mlm-task-p).
+The support and the query batch never share an example. Auxiliary teacher losses (Shen, sec.
+3.4), always on: given x_u relabelled [MLM] (the teacher reads unlabelled text under its own [U]
+token for the meta loss), write an MLM task (x^ -> x_m, y^ -> x_u); given x_m, perform it
+(x^ -> x_m, y^ -> y_m). --labels mlm pretrains the same student with plain MLM on the same
+unlabelled batches; --labels none does not pretrain at all.
 """
 import argparse
 import contextlib
@@ -61,13 +65,16 @@ CODE = ["meta.py", "model.py", "data/prepare.py"]  # a run's code/
 
 # ---------------------------------------------------------------------------------------------
 # Vocabulary: a base vocabulary (text pieces, or Two Moons' 64 coordinates) and, after it, the
-# tokens only meta-learning needs: [MLM], one [TASK] per labelled task, one token per label
+# tokens only meta-learning needs: [MLM], [U] (unlabelled text: what the teacher reads), one
+# [TASK] per labelled task, one token per label
 
 def extra_tokens(base: int, tasks: list[str], n_labels: int, size: int = 0) -> dict:
     """Ids of the meta tokens after a base vocabulary of `base` ids; vocab >= size."""
-    label = list(range(base + 1 + len(tasks), base + 1 + len(tasks) + n_labels))
-    return {"base": base, "mlm": base, "task": {t: base + 1 + i for i, t in enumerate(tasks)},
-            "label": label, "vocab": max(size, label[-1] + 1)}
+    first = base + 2 + len(tasks)
+    label = list(range(first, first + n_labels))
+    return {"base": base, "mlm": base, "unl": base + 1,
+            "task": {t: base + 2 + i for i, t in enumerate(tasks)}, "label": label,
+            "vocab": max(size, label[-1] + 1)}
 
 
 class Labeled(NamedTuple):
@@ -101,7 +108,7 @@ def to_grid(xy):
 
 
 def two_moons(seed: int, n_unlabeled=32000, n_labeled=160, n_test=1000, points=16) -> dict:
-    """The toy data, a pure function of the seed. unlabeled (n, 1 + 2 points): [MLM] then the
+    """The toy data, a pure function of the seed. unlabeled (n, 1 + 2 points): [U] then the
     points sorted by (x, y), coordinates flattened; labeled: 160 examples [MOON] x y and their
     labels, alternating classes so that every even-sized prefix (the 10, 20, ... sets) is
     balanced; test: n_test more."""
@@ -110,7 +117,7 @@ def two_moons(seed: int, n_unlabeled=32000, n_labeled=160, n_test=1000, points=1
     c = to_grid(make_moons(n_unlabeled * points, rng)[0]).reshape(n_unlabeled, points, 2)
     order = np.lexsort((c[..., 1], c[..., 0]), axis=-1)               # (n, points): by x, then y
     c = np.take_along_axis(c, order[..., None], 1).reshape(n_unlabeled, 2 * points)
-    unlabeled = np.concatenate([np.full((n_unlabeled, 1), tok["mlm"]), COORD + c], 1)
+    unlabeled = np.concatenate([np.full((n_unlabeled, 1), tok["unl"]), COORD + c], 1)
     xy, label = make_moons(4 * n_labeled, rng)
     half = n_labeled // 2
     pick = np.stack([np.flatnonzero(label == 0)[:half], np.flatnonzero(label == 1)[:half]], 1)
@@ -128,11 +135,11 @@ def two_moons(seed: int, n_unlabeled=32000, n_labeled=160, n_test=1000, points=1
 # Batches in the one (x, y) format; all on the device, seeded by (seed, step) so a resumed run
 # draws the same batches
 
-def mask_tokens(x, gen, lo: int, hi: int, p: float = 0.15):
-    """BERT masking of x (B, T) long, position 0 (the task token) and PAD never: each other
-    position is chosen with probability p; a chosen one becomes [MASK] (80%), a random token from
-    [lo, hi) (10%) or stays (10%). -> x_m (B, T), y_m (B, T): the original token where chosen,
-    else PAD."""
+def mask_tokens(x, gen, lo: int, hi: int, mlm: int, p: float = 0.15):
+    """An MLM example of x (B, T) long: BERT masking, position 0 (the task token) and PAD never:
+    each other position is chosen with probability p; a chosen one becomes [MASK] (80%), a
+    random token from [lo, hi) (10%) or stays (10%). -> x_m (B, T) with `mlm` ([MLM]) as its
+    task token, y_m (B, T): the original token where chosen, else PAD."""
     u = torch.rand(x.shape, generator=gen, device=x.device)
     chosen = (u < p) & (x != PAD)
     chosen[:, 0] = False
@@ -140,7 +147,19 @@ def mask_tokens(x, gen, lo: int, hi: int, p: float = 0.15):
     x_m = torch.where(chosen & (r < 0.8), MASK, x)
     rand = torch.randint(lo, hi, x.shape, generator=gen, device=x.device)
     x_m = torch.where(chosen & (r >= 0.8) & (r < 0.9), rand, x_m)
+    x_m[:, 0] = mlm
     return x_m, torch.where(chosen, x, PAD)
+
+
+def support_and_query(n: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of a support and a query batch of k examples each out of n, never sharing an
+    example (MetaLMO draws its query apart from its support): the first k and the next k of a
+    random permutation, or its two halves when 2k > n."""
+    k = min(k, n // 2)
+    if k < 1:
+        raise SystemExit(f"error: {n} labelled example(s) cannot make a support and a query batch")
+    perm = torch.randperm(n, generator=gen, device=gen.device)
+    return perm[:k], perm[k:2 * k]
 
 
 def task_batch(x, labels, idx, label_ids):
@@ -295,16 +314,45 @@ def hard_step(student, opt, b, lx, ly, args, gen):
                     "example": (x_hat, y_hat)}
 
 
-def soft_unroll(student, px, py, b, inner_lr):
+def adamw_unroll(theta0: dict, grads: list, opt: torch.optim.AdamW, params: list,
+                 clip: float) -> dict:
+    """The step opt.step() takes from theta0 with `grads` (after clip_grad_norm_(clip)), as a
+    differentiable function of the gradients (MetaLMO unrolls the student's own AdamW through
+    `higher`): with the moments m, v and step count t the optimiser holds for `params` now,
+        m' = b1 m + (1 - b1) g,  v' = b2 v + (1 - b2) g^2,
+        theta1 = theta0 (1 - lr wd) - lr (m' / (1 - b1^t')) / (sqrt(v' / (1 - b2^t')) + eps).
+    Its first step is nearly lr sign(g), whose derivative is nearly 0; later ones are not."""
+    group = opt.param_groups[0]
+    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    norm = torch.sqrt(sum((g * g).sum() for g in grads))
+    scale = torch.clamp(clip / (norm + 1e-6), max=1.0)         # as torch's clip_grad_norm_
+    theta1 = {}
+    for (n, p), g, param in zip(theta0.items(), grads, params):
+        state = opt.state.get(param, {})
+        g = g * scale
+        t = float(state.get("step", 0)) + 1
+        m = b1 * state.get("exp_avg", torch.zeros_like(g)) + (1 - b1) * g
+        v = b2 * state.get("exp_avg_sq", torch.zeros_like(g)) + (1 - b2) * g * g
+        denom = (v / (1 - b2 ** t)).clamp(min=1e-40).sqrt() + eps  # (clamp: no inf at v = 0)
+        theta1[n] = p * (1 - lr * wd) - lr * (m / (1 - b1 ** t)) / denom
+    return theta1
+
+
+def soft_unroll(student, opt, px, py, b, args):
     """Steps (1)-(3) as one differentiable function of the teacher's distributions px, py
-    (B, T, V), step (1) as SGD: -> (L_query(theta2), L_pseudo, L_support, grad L_pseudo(theta0)
+    (B, T, V), step (1) as the student's own AdamW step (--unroll adamw, MetaLMO's) or as SGD at
+    --inner-lr (--unroll sgd): -> (L_query(theta2), L_pseudo, L_support, grad L_pseudo(theta0)
     (its graph kept))."""
     theta0 = params_of(student, detach=True)
     with sdpa_kernel(SDPBackend.MATH):                # the fused kernels have no double backward
         lp = seq_loss(student, theta0, px, py, b["m_u"])
         g0 = torch.autograd.grad(lp, list(theta0.values()), create_graph=True)
-        theta1 = {n: p - inner_lr * g for (n, p), g in zip(theta0.items(), g0)}
-        lq, _, ls = support_query(theta1, *task_losses(student, b), inner_lr, create_graph=True)
+        if args.unroll == "adamw":
+            theta1 = adamw_unroll(theta0, g0, opt, list(student.parameters()), args.clip)
+        else:
+            theta1 = {n: p - args.inner_lr * g for (n, p), g in zip(theta0.items(), g0)}
+        lq, _, ls = support_query(theta1, *task_losses(student, b), args.inner_lr,
+                                  create_graph=True)
     return lq, lp, ls, g0
 
 
@@ -312,7 +360,7 @@ def soft_step(student, opt, b, lx, ly, args, gen):
     """Soft labels: the meta loss is L_query(theta2) itself; the student keeps its AdamW step on
     g0."""
     px, py = wide(lx).softmax(-1), wide(ly).softmax(-1)             # (B, T, V) each
-    lq, lp, ls, g0 = soft_unroll(student, px, py, b, args.inner_lr)
+    lq, lp, ls, g0 = soft_unroll(student, opt, px, py, b, args)
     for p, g in zip(student.parameters(), g0):
         p.grad = g.detach().clone()
     nn.utils.clip_grad_norm_(student.parameters(), args.clip)
@@ -336,7 +384,11 @@ def meta_step(student, teacher, opt_s, opt_t, b, args, gen) -> dict:
     step = hard_step if args.labels == "hard" else soft_step
     meta, info = step(student, opt_s, b, lx, ly, args, gen)
     m = b["m_u"]
-    write = 0.5 * (token_ce(lx, b["x_m"], m) + token_ce(ly, b["x_u"], m))      # write an MLM task
+    # the auxiliary losses (MetaLMO's mlm_step) read x_u under [MLM], not its own [U]: they teach
+    # the teacher what an MLM task is without shaping what it writes for the meta loss
+    x_w = torch.cat([b["x_m"][:, :1], b["x_u"][:, 1:]], 1)                  # [MLM] + the text
+    lx_w, ly_w = teacher(x_w, m)
+    write = 0.5 * (token_ce(lx_w, b["x_m"], m) + token_ce(ly_w, x_w, m))   # write an MLM task
     lx_m, ly_m = teacher(b["x_m"], m)
     perform = 0.5 * (token_ce(lx_m, b["x_m"], m) + token_ce(ly_m, b["y_m"], m))  # and do it
     outer_step(teacher, opt_t, args.meta_weight * meta + write + perform, args.clip)
@@ -353,8 +405,20 @@ def optimizers(student, teacher, args):
             torch.optim.AdamW(teacher.parameters(), lr=args.teacher_lr, weight_decay=wd))
 
 
+def label_defaults(args):
+    """--meta-weight and --mlm-task-p left unset take their labels' defaults: soft, MetaLMO's
+    soft runs (soft_pretrainer.py: meta weight 100; MLM a labelled task half the time); else
+    weight 1 and no MLM task."""
+    soft = args.labels == "soft"
+    return replace_args(args, meta_weight=(100.0 if soft else 1.0) if args.meta_weight is None
+                        else args.meta_weight,
+                        mlm_task_p=(0.5 if soft else 0.0) if args.mlm_task_p is None
+                        else args.mlm_task_p)
+
+
 def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=None, show=None,
              start=0, opts=None, save=None):
+    args = label_defaults(args)
     opt_s, opt_t = opts or optimizers(student, teacher, args)
     warm = max(1, args.steps // 20)
     t0 = time.time()
@@ -365,6 +429,14 @@ def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=No
                 g["lr"] = base * min(1.0, (step + 1) / warm) * (1 - 0.9 * step / args.steps)
         gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + step)
         b = {**unlabeled(step, gen), **labeled(step, gen)}
+        if np.random.default_rng([args.seed, step]).random() < args.mlm_task_p:
+            # this step's labelled task is MLM (MetaLMO's soft runs: without it the teacher
+            # learns to teach only the downstream task): support and query from other text
+            u = unlabeled(-1 - step, gen)
+            k = min(args.task_batch, len(u["x_m"]) // 2)
+            for s, rows in (("s", slice(0, k)), ("q", slice(k, 2 * k))):
+                b.update({f"x_{s}": u["x_m"][rows], f"y_{s}": u["y_m"][rows],
+                          f"m_{s}": u["m_u"][rows]})
         with autocast(device):
             info = meta_step(student, teacher, opt_s, opt_t, b, args, gen)
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:  # .item() only here
@@ -409,18 +481,18 @@ def moons_cell(args, data, size, seed, device):
 
     def unlabeled(step, gen):
         x = U[torch.randint(len(U), (args.batch_size,), generator=gen, device=device)]
-        x_m, y_m = mask_tokens(x, gen, *data["random"])
+        x_m, y_m = mask_tokens(x, gen, *data["random"], tok["mlm"])
         return {"x_u": x, "m_u": torch.ones_like(x), "x_m": x_m, "y_m": y_m}
 
     def labeled(step, gen):
         out = {}
-        for s in "sq":
-            idx = torch.randint(size, (args.task_batch,), generator=gen, device=device)
+        for s, idx in zip("sq", support_and_query(size, args.task_batch, gen)):
             x, y = task_batch(train.x, train.y, idx, label_ids)
             out.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": torch.ones_like(x)})
         return out
 
-    names = {tok["mlm"]: "[MLM]", tok["task"]["moon"]: "[MOON]", tok["label"][0]: "[L0]",
+    names = {tok["mlm"]: "[MLM]", tok["unl"]: "[U]", tok["task"]["moon"]: "[MOON]",
+             tok["label"][0]: "[L0]",
              tok["label"][1]: "[L1]", MASK: "[MASK]"}
     name = lambda i: str(i - COORD) if COORD <= i < COORD + GRID else names.get(i, f"[{i}]")
     words = lambda t: " ".join(map(name, t[0].tolist()))  # the first sequence
@@ -511,16 +583,16 @@ def run_glue(args, device, folder: RunFolder):
         starts = torch.randint(len(stream) - args.seq_len, (args.batch_size,),
                                generator=seeded(args.seed * 1_000_003 + step))
         x = np.stack([stream[s:s + args.seq_len - 1] for s in starts.tolist()]).astype(np.int64)
-        x = torch.cat([torch.full((len(x), 1), ids["mlm"]), torch.from_numpy(x)], 1).to(device)
-        x_m, y_m = mask_tokens(x, gen, len(SPECIALS), V)
+        x = torch.cat([torch.full((len(x), 1), ids["unl"]), torch.from_numpy(x)], 1).to(device)
+        x_m, y_m = mask_tokens(x, gen, len(SPECIALS), V, ids["mlm"])
         return {"x_u": x, "m_u": torch.ones_like(x), "x_m": x_m, "y_m": y_m}
 
     def labeled(step, gen):
         t = tasks[step % len(tasks)]                                      # tasks take turns
         examples, out = sets[t], {}
-        for s in "sq":
-            seed = args.seed * 7919 + 2 * step + (s == "q")
-            idx = torch.randint(len(examples.seqs), (args.task_batch,), generator=seeded(seed))
+        pair = support_and_query(len(examples.seqs), args.task_batch,
+                                 seeded(args.seed * 7919 + step))
+        for s, idx in zip("sq", pair):
             idx = idx.tolist()
             task_first = [[ids["task"][t]] + examples.seqs[i][1:] for i in idx]  # [CLS] -> [TASK]
             x = torch.from_numpy(pad(task_first)).to(device)
@@ -529,7 +601,8 @@ def run_glue(args, device, folder: RunFolder):
             out.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": (x != PAD).long()})
         return out
 
-    meta_names = {ids["mlm"]: "[MLM]", **{v: f"[{k.upper()}]" for k, v in ids["task"].items()},
+    meta_names = {ids["mlm"]: "[MLM]", ids["unl"]: "[U]",
+                  **{v: f"[{k.upper()}]" for k, v in ids["task"].items()},
                   **{v: f"[LABEL{j}]" for j, v in enumerate(ids["label"])}}
     name = lambda i: tok.id_to_piece(i) if i < V else meta_names.get(i, f"[{i}]")
     words = lambda t: " ".join(name(i) for i in t.tolist())
@@ -611,7 +684,13 @@ def main(argv=None):
         help="the student's AdamW learning rate (the MLM baseline's too)")
     add("--teacher-lr", type=float, default=3e-3, help="the teacher's AdamW learning rate")
     add("--inner-lr", type=float, default=0.1, help="SGD learning rate eta of the unrolled steps")
-    add("--meta-weight", type=float, default=1.0,
+    add("--unroll", choices=("adamw", "sgd"), default="adamw",
+        help="soft labels: step (1) unrolled as the student's own AdamW step (MetaLMO's) or as "
+        "an SGD step at --inner-lr (default adamw)")
+    add("--mlm-task-p", type=float, default=None,
+        help="probability that a step's labelled task is MLM on other unlabelled text (default: "
+        "0.5 for soft, as MetaLMO's soft runs; 0 otherwise)")
+    add("--meta-weight", type=float, default=None,
         help="weight of the meta term against the teacher's two MLM losses")
     add("--weight-decay", type=float, default=0.01, help="AdamW weight decay, all optimisers")
     add("--clip", type=float, default=1.0, help="gradient-norm clip of every outer step")

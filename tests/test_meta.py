@@ -25,7 +25,7 @@ def batch(seed=0, B=3, T=6):
     x_u[:, 0] = 20
     x_u[1, -2:] = PAD
     m_u = (x_u != PAD).long()
-    x_m, y_m = M.mask_tokens(x_u, g, 5, 20, p=0.5)
+    x_m, y_m = M.mask_tokens(x_u, g, 5, 20, 20, p=0.5)
     b = {"x_u": x_u, "m_u": m_u, "x_m": x_m, "y_m": y_m}
     for s in "sq":
         x = torch.randint(5, 20, (4, 4), generator=g)
@@ -41,22 +41,42 @@ def models(seed=0):
 
 
 def args(**kw):
-    base = M.argparse.Namespace(labels="soft", inner_lr=0.3, clip=1e9, meta_weight=1.0)
+    base = M.argparse.Namespace(labels="soft", inner_lr=0.3, clip=1e9, meta_weight=1.0,
+                                unroll="sgd")
     return M.replace_args(base, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
 # Soft labels: the exact meta-gradient
 
-def test_soft_teacher_gradient_matches_finite_differences():
+def stepped_adamw(student, b, steps=3, lr=1e-2, weight_decay=0.01):
+    """An AdamW on the student that holds moments: `steps` steps taken on copies of the student
+    (so the student itself stays where it is), the state then moved over to its parameters."""
+    copy = Encoder(CFG).double().train()
+    copy.load_state_dict(student.state_dict())
+    warm = torch.optim.AdamW(copy.parameters(), lr=lr, weight_decay=weight_decay)
+    for _ in range(steps):
+        M.seq_loss(copy, M.params_of(copy), b["x_m"], b["y_m"], b["m_u"]).backward()
+        warm.step()
+        warm.zero_grad()
+    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=weight_decay)
+    opt.load_state_dict(warm.state_dict())
+    return opt
+
+
+@pytest.mark.parametrize("unroll", ["sgd", "adamw"])
+def test_soft_teacher_gradient_matches_finite_differences(unroll):
     """d L_query(theta2(teacher)) / d teacher, by autograd through the functional unroll, against
-    central differences in float64, on entries of three different teacher tensors."""
+    central differences in float64, on entries of three different teacher tensors; step (1) as
+    SGD or as the student's AdamW step with its moments."""
     student, teacher = models()
     b = batch()
+    opt = stepped_adamw(student, b) if unroll == "adamw" else None
 
     def query_loss():
         lx, ly = teacher(b["x_u"], b["m_u"])
-        return M.soft_unroll(student, lx.softmax(-1), ly.softmax(-1), b, inner_lr=0.3)[0]
+        return M.soft_unroll(student, opt, lx.softmax(-1), ly.softmax(-1), b,
+                             args(unroll=unroll))[0]
 
     query_loss().backward()
     checked = 0
@@ -84,7 +104,7 @@ def test_soft_unroll_is_sgd_then_sgd():
     with torch.no_grad():
         lx, ly = teacher(b["x_u"], b["m_u"])
     px, py = lx.softmax(-1), ly.softmax(-1)
-    lq = M.soft_unroll(student, px, py, b, inner_lr=0.3)[0]
+    lq = M.soft_unroll(student, None, px, py, b, args(unroll="sgd"))[0]
     copy = Encoder(CFG).double()
     copy.load_state_dict(student.state_dict())
     sgd = torch.optim.SGD(copy.parameters(), lr=0.3)
@@ -94,6 +114,50 @@ def test_soft_unroll_is_sgd_then_sgd():
         sgd.zero_grad()
     want = M.seq_loss(copy, M.params_of(copy), b["x_q"], b["y_q"], b["m_q"]).item()
     assert lq.item() == pytest.approx(want, rel=1e-10)
+
+
+@pytest.mark.parametrize("clip", [1e9, 0.05])
+def test_adamw_unroll_is_the_optimisers_own_step(clip):
+    """theta1 of the unroll equals what torch.optim.AdamW.step does with the same (clipped)
+    gradients and state, in float64: the first step and one with moments."""
+    student, teacher = models(3)
+    b = batch(3)
+    for warm in (0, 3):
+        opt = stepped_adamw(student, b, steps=warm)
+        theta0 = M.params_of(student, detach=True)
+        loss = M.seq_loss(student, theta0, b["x_s"], b["y_s"], b["m_s"])
+        grads = torch.autograd.grad(loss, list(theta0.values()))
+        theta1 = M.adamw_unroll(theta0, grads, opt, list(student.parameters()), clip)
+        copy = Encoder(CFG).double().train()
+        copy.load_state_dict(student.state_dict())
+        ref = torch.optim.AdamW(copy.parameters(), lr=1e-2, weight_decay=0.01)
+        ref.load_state_dict(opt.state_dict())
+        for p, g in zip(copy.parameters(), grads):
+            p.grad = g.clone()
+        nn.utils.clip_grad_norm_(copy.parameters(), clip)
+        ref.step()
+        for (name, want) in copy.named_parameters():
+            torch.testing.assert_close(theta1[name], want.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_support_and_query_never_share_an_example():
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((160, 8), (10, 8), (3, 8)):
+        for _ in range(20):
+            s, q = M.support_and_query(n, k, g)
+            assert len(s) == len(q) == min(k, n // 2)
+            assert not set(s.tolist()) & set(q.tolist()) and max(s.max(), q.max()) < n
+    with pytest.raises(SystemExit, match="cannot make a support and a query"):
+        M.support_and_query(1, 8, g)
+
+
+def test_soft_defaults_are_metalmos_and_mlm_takes_turns_as_the_task():
+    a = M.label_defaults(M.argparse.Namespace(labels="soft", meta_weight=None, mlm_task_p=None))
+    assert (a.meta_weight, a.mlm_task_p) == (100.0, 0.5)
+    a = M.label_defaults(M.argparse.Namespace(labels="hard", meta_weight=None, mlm_task_p=None))
+    assert (a.meta_weight, a.mlm_task_p) == (1.0, 0.0)
+    a = M.label_defaults(M.argparse.Namespace(labels="soft", meta_weight=3.0, mlm_task_p=0.0))
+    assert (a.meta_weight, a.mlm_task_p) == (3.0, 0.0)  # typed values stay
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,6 +229,21 @@ def test_meta_step_leaves_the_student_with_its_outer_step_only(labels):
     assert moved == (labels != "mlm")
 
 
+def test_the_teacher_reads_unlabelled_text_under_its_own_token():
+    """The meta loss's x^, y^ come from x_u under [U]; the auxiliary losses read x_u relabelled
+    [MLM] (to write an MLM task) and x_m (to do one), as MetaLMO's mlm_step."""
+    student, teacher = models(4)
+    b = batch(4)
+    b["x_u"][:, 0] = 19  # [U] here; 20 is [MLM], x_m's first token
+    read = []
+    forward = teacher.forward
+    teacher.forward = lambda x, m: (read.append(x.clone()), forward(x, m))[1]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (student, teacher)]
+    M.meta_step(student, teacher, *opts, b, args(labels="hard"), torch.Generator().manual_seed(0))
+    assert [int(x[0, 0]) for x in read] == [19, 20, 20]
+    assert torch.equal(read[1][:, 1:], b["x_u"][:, 1:]) and torch.equal(read[2], b["x_m"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Pieces
 
@@ -195,10 +274,11 @@ def test_mask_tokens_rates_and_never_the_task_token_or_padding():
     x = torch.randint(5, 69, (400, 33), generator=g)
     x[:, 0] = 69
     x[:50, -5:] = PAD
-    x_m, y_m = M.mask_tokens(x, g, 5, 69)
+    x_m, y_m = M.mask_tokens(x, g, 5, 69, 70)
     chosen = y_m != PAD
-    assert not chosen[:, 0].any() and not chosen[x == PAD].any()
-    assert torch.equal(y_m[chosen], x[chosen]) and torch.equal(x_m[~chosen], x[~chosen])
+    assert not chosen[:, 0].any() and not chosen[x == PAD].any() and (x_m[:, 0] == 70).all()
+    assert torch.equal(y_m[chosen], x[chosen])
+    assert torch.equal(x_m[:, 1:][~chosen[:, 1:]], x[:, 1:][~chosen[:, 1:]])
     eligible = (x != PAD).sum() - 400
     assert chosen.sum() / eligible == pytest.approx(0.15, abs=0.01)
     assert (x_m[chosen] == MASK).float().mean() == pytest.approx(0.8, abs=0.03)
@@ -223,7 +303,7 @@ def test_two_moons_is_deterministic_by_seed_and_shaped_as_described():
     tok = a["tokens"]
     assert tok["vocab"] == 512
     u = a["unlabeled"]
-    assert u.shape == (300, 33) and (u[:, 0] == tok["mlm"]).all()
+    assert u.shape == (300, 33) and (u[:, 0] == tok["unl"]).all()
     pts = (u[:, 1:] - M.COORD).reshape(300, 16, 2)
     assert pts.min() >= 0 and pts.max() < 64
     key = pts[..., 0] * 64 + pts[..., 1]
@@ -278,7 +358,7 @@ def test_glue_cli_writes_a_student_evaluate_can_load(prepared, tmp_path, capsys)
               "--n-head", "2", "--d-ff", "32", "--device", "cpu", "--out-dir", str(out)]
     M.main([*common, "--steps", "4", "--save-every", "2"])
     samples = (out / "samples.txt").read_text()
-    assert "read    [MLM]" in samples and "x^" in samples and "y^" in samples
+    assert "read    [U]" in samples and "x^" in samples and "y^" in samples
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [2, 4] and all(-1 <= r["h"] <= 1 for r in log)
     model, tok = load_checkpoint(out / "ckpt.pt")
