@@ -454,8 +454,8 @@ def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=No
 # ---------------------------------------------------------------------------------------------
 # Two Moons: pretrain, fine-tune on 10 ... 160 labelled points, test on 1000; per seed and size
 
-def finetune_accuracy(student, train: Labeled, test: Labeled, label_ids, args, seed) -> float:
-    """Full-batch AdamW on the labelled examples for --ft-steps, then test accuracy."""
+def finetune_predict(student, train: Labeled, test: Labeled, label_ids, args, seed) -> list:
+    """Full-batch AdamW on the labelled examples for --ft-steps, then the test predictions."""
     model = Encoder(student.config).to(train.x.device)
     model.load_state_dict(student.state_dict())
     torch.manual_seed(seed)
@@ -465,12 +465,12 @@ def finetune_accuracy(student, train: Labeled, test: Labeled, label_ids, args, s
     for _ in range(args.ft_steps):
         loss = seq_loss(model, params_of(model), xs, ys, (xs != PAD).long())
         outer_step(model, opt, loss, args.clip)
-    return (predict(model.eval(), test.x, label_ids) == test.y).float().mean().item()
+    return predict(model.eval(), test.x, label_ids).tolist()
 
 
 def moons_cell(args, data, size, seed, device):
     """One entry of the table: pretrain with --labels (its labelled task: the first `size`
-    points), fine-tune on the same points, -> (test accuracy, what the teacher wrote last)."""
+    points), fine-tune on the same points, -> (test predictions, what the teacher wrote last)."""
     tok = data["tokens"]
     cfg = model_config(args, tok["vocab"])
     torch.manual_seed(seed)
@@ -505,7 +505,7 @@ def moons_cell(args, data, size, seed, device):
         pretrain(student, teacher, unlabeled, labeled, replace_args(args, seed=seed), device,
                  desc=f"{args.labels} n={size} seed={seed}", show=show)
     test = Labeled(*(torch.as_tensor(a, device=device) for a in data["test"]))
-    return finetune_accuracy(student, train, test, label_ids, args, seed), "".join(written)
+    return finetune_predict(student, train, test, label_ids, args, seed), "".join(written)
 
 
 def replace_args(args, **kw):
@@ -519,9 +519,9 @@ def cell_worker(job):
     torch.set_num_threads(1)
     t0 = time.time()
     data = two_moons(args.data_seed)
-    acc, written = moons_cell(replace_args(args, labels=labels), data, size, seed,
-                              pick_device("cpu"))
-    return f"{labels}/{size}/{seed}", acc, written, time.time() - t0
+    preds, written = moons_cell(replace_args(args, labels=labels), data, size, seed,
+                                pick_device("cpu"))
+    return f"{labels}/{size}/{seed}", preds, written, time.time() - t0
 
 
 def run_two_moons(args, device, folder: RunFolder):
@@ -538,9 +538,21 @@ def run_two_moons(args, device, folder: RunFolder):
         done = ((f"{l}/{n}/{s}", *moons_cell(replace_args(a, labels=l), data, n, s, device),
                  time.time() - t0) for a, l, n, s in jobs for t0 in [time.time()])
     folder.write("config", asdict(model_config(args, MOONS_TOKENS["vocab"])))
+    test_y = two_moons(args.data_seed)["test"].y.tolist()
+    (folder.path / "cells").mkdir(exist_ok=True)
     with pool, open(folder.path / "samples.txt", "a") as samples:
-        for key, acc, written, seconds in done:
+        for key, preds, written, seconds in done:
+            acc = float(np.mean(np.array(preds) == np.array(test_y)))
             results[key] = acc
+            # every test prediction, in the form evaluate.py compare reads: rows of the table
+            # compared over pretraining seeds and test points, e.g.
+            #   evaluate.py compare "RUN/cells/mlm_n10_s*.json" "RUN/cells/soft_n10_s*.json"
+            labels, size, seed = key.split("/")
+            folder.write(f"cells/{labels}_n{size}_s{seed}", {
+                "kind": "two_moons", "labels": labels, "n": int(size),
+                "pretrain_seed": int(seed), "accuracy": acc,
+                "examples": {"id": list(range(len(test_y))), "label": test_y, "pred": [preds],
+                             "metric": "accuracy", "k": 2}})
             print(f"{key}: test accuracy {100 * acc:.1f}% ({seconds:.0f}s)")
             results_path.write_text(json.dumps(results, indent=1))
             if written:  # what the teacher wrote last (Shen's Tables 1 and 3: does it degenerate?)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import evaluate as E
 import meta as M
 from conftest import shared_data
 from data.prepare import MASK, PAD
@@ -340,6 +341,16 @@ def test_two_moons_cli_prints_the_table_and_resumes(tmp_path, capsys):
         assert f"| {labels} |" in text
     results = json.loads((out / "results.json").read_text())
     assert len(results) == 16 and all(0 <= v <= 1 for v in results.values())
+    # every entry's test predictions, which evaluate.py compare reads
+    assert len(list((out / "cells").glob("*.json"))) == 16
+    cell = json.loads((out / "cells" / "soft_n4_s1.json").read_text())
+    ex = cell["examples"]
+    assert np.mean(np.array(ex["pred"][0]) == np.array(ex["label"])) == results["soft/4/1"]
+    A, B = ([E.load_examples(out / "cells" / f"{lab}_n4_s{s}.json", "examples") for s in (0, 1)]
+            for lab in ("mlm", "soft"))
+    r = E.multibootstrap(A, B, nboot=50)
+    assert r["seeds_a"] == r["seeds_b"] == [0, 1] and r["mean_b"] == pytest.approx(
+        (results["soft/4/0"] + results["soft/4/1"]) / 2)
     assert (out / "args.json").exists() and (out / "code" / "meta.py").exists()
     with pytest.raises(SystemExit, match="exists"):
         M.main(["--labels", "mlm", *common])
