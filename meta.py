@@ -358,8 +358,13 @@ def soft_unroll(student, opt, px, py, b, args):
 
 def soft_step(student, opt, b, lx, ly, args, gen):
     """Soft labels: the meta loss is L_query(theta2) itself; the student keeps its AdamW step on
-    g0."""
-    px, py = wide(lx).softmax(-1), wide(ly).softmax(-1)             # (B, T, V) each
+    g0. --labels denoise: y^ is x_u itself, one-hot (MetaLMO's --fixed_y, Shen's Appendix B):
+    the teacher only learns how to corrupt the text the student restores."""
+    px = wide(lx).softmax(-1)                                        # (B, T, V)
+    if args.labels == "denoise":
+        py = F.one_hot(b["x_u"], px.shape[-1]).to(px.dtype)
+    else:
+        py = wide(ly).softmax(-1)
     lq, lp, ls, g0 = soft_unroll(student, opt, px, py, b, args)
     for p, g in zip(student.parameters(), g0):
         p.grad = g.detach().clone()
@@ -409,7 +414,7 @@ def label_defaults(args):
     """--meta-weight and --mlm-task-p left unset take their labels' defaults: soft, MetaLMO's
     soft runs (soft_pretrainer.py: meta weight 100; MLM a labelled task half the time); else
     weight 1 and no MLM task."""
-    soft = args.labels == "soft"
+    soft = args.labels in ("soft", "denoise")
     return replace_args(args, meta_weight=(100.0 if soft else 1.0) if args.meta_weight is None
                         else args.meta_weight,
                         mlm_task_p=(0.5 if soft else 0.0) if args.mlm_task_p is None
@@ -686,7 +691,8 @@ def main(argv=None):
     add("--task", choices=("two_moons", "glue"), default="two_moons",
         help="the toy task, or text + (Super)GLUE")
     add("--labels", default="hard", help="comma-separated, of: hard, soft (the teacher's "
-        "examples), mlm (plain MLM, the baseline), none (no pretraining); --task glue takes one")
+        "examples), denoise (soft with y^ fixed to the text read: Shen's Appendix B), mlm (plain "
+        "MLM, the baseline), none (no pretraining); --task glue takes one")
     add("--steps", type=int, default=1000,
         help="pretraining steps (default 1000: one pass over 32k sequences)")
     add("--batch-size", type=int, default=32, help="unlabelled sequences per step")
@@ -741,9 +747,10 @@ def main(argv=None):
     add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to train")
     args = ap.parse_args(argv)
     args.labels_list = args.labels.split(",")
-    bad = [x for x in args.labels_list if x not in ("hard", "soft", "mlm", "none")]
+    bad = [x for x in args.labels_list if x not in ("hard", "soft", "denoise", "mlm", "none")]
     if bad:
-        raise SystemExit(f"error: --labels {','.join(bad)}: each must be hard, soft, mlm or none")
+        raise SystemExit(f"error: --labels {','.join(bad)}: each must be hard, soft, denoise, "
+                         f"mlm or none")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.sizes = [int(s) for s in args.sizes.split(",")]
     if args.task == "two_moons":

@@ -206,7 +206,7 @@ def test_hard_h_uses_the_adaptive_step_not_the_gradient():
 # ---------------------------------------------------------------------------------------------
 # The student keeps its own outer step only
 
-@pytest.mark.parametrize("labels", ["hard", "soft", "mlm"])
+@pytest.mark.parametrize("labels", ["hard", "soft", "denoise", "mlm"])
 def test_meta_step_leaves_the_student_with_its_outer_step_only(labels):
     student, teacher = models(2)
     b = batch(2)
@@ -228,6 +228,20 @@ def test_meta_step_leaves_the_student_with_its_outer_step_only(labels):
     assert any(not torch.equal(v, before[k]) for k, v in student.state_dict().items())
     moved = any(not torch.equal(v, teacher_before[k]) for k, v in teacher.state_dict().items())
     assert moved == (labels != "mlm")
+
+
+def test_denoise_writes_x_only_and_restores_the_text_read():
+    """--labels denoise: the pseudo example's target is x_u itself, one-hot (MetaLMO's
+    --fixed_y); the teacher's y head gets no meta gradient."""
+    student, teacher = models(5)
+    b = batch(5)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    lx, ly = teacher(b["x_u"], b["m_u"])
+    meta, info = M.soft_step(student, opt, b, lx, ly, args(labels="denoise"), None)
+    px, py = info["example"]
+    assert torch.equal(py.argmax(-1), b["x_u"]) and (py.sum(-1) == 1).all()
+    g_y = torch.autograd.grad(meta, ly, allow_unused=True)[0]
+    assert g_y is None or not g_y.any()
 
 
 def test_the_teacher_reads_unlabelled_text_under_its_own_token():
@@ -356,7 +370,7 @@ def test_two_moons_cli_prints_the_table_and_resumes(tmp_path, capsys):
         M.main(["--labels", "mlm", *common])
     M.main(["--labels", "hard,soft,mlm,none", *common, "--resume"])
     assert ": test accuracy" not in capsys.readouterr().out             # no entry recomputed
-    with pytest.raises(SystemExit, match="hard, soft, mlm or none"):
+    with pytest.raises(SystemExit, match="hard, soft, denoise, mlm or none"):
         M.main(["--labels", "hrad", *common])
 
 
