@@ -4,6 +4,8 @@ examples and learns from how much they help the student on a labelled task.
     python meta.py --task two_moons --labels hard     # 15 entries of ~72 s: ~9 min with 2 workers
     python meta.py --task two_moons --labels none,mlm,hard,soft  # docs/studies/ (32 min)
     python meta.py --task two_moons --labels soft --sizes 10,160 --seeds 0,1,2,3,4
+    python meta.py --task two_moons --protocol shen --labels none,mlm,hard,soft,denoise \\
+        --sizes 10,160 --seeds 0,1,2 --workers 16     # Shen's Appendix A: hours
     NANOMLM_RAW=../shared/data python meta.py --task glue --data babylm_10m \\
         --glue-tasks rte,mrpc,cola --labels hard --size tiny --steps 2000
     python evaluate.py finetune --ckpt runs/meta_glue_hard/ckpt.pt --task rte --data-dir ...
@@ -123,12 +125,17 @@ def two_moons(seed: int, n_unlabeled=32000, n_labeled=160, n_test=1000, points=1
     pick = np.stack([np.flatnonzero(label == 0)[:half], np.flatnonzero(label == 1)[:half]], 1)
     pick = pick.ravel()
     xy_t, label_t = make_moons(n_test, rng)
+    xy_v, label_v = make_moons(4 * n_labeled, rng)  # a validation pool, balanced like `labeled`
+    pick_v = np.stack([np.flatnonzero(label_v == 0)[:half],
+                       np.flatnonzero(label_v == 1)[:half]], 1).ravel()
 
     def examples(xy):
         return np.concatenate([np.full((len(xy), 1), tok["task"]["moon"]), COORD + to_grid(xy)], 1)
     return {"tokens": tok, "unlabeled": unlabeled,
             "labeled": Labeled(examples(xy[pick]), label[pick]),
-            "test": Labeled(examples(xy_t), label_t), "random": (COORD, COORD + GRID)}
+            "test": Labeled(examples(xy_t), label_t),
+            "valid": Labeled(examples(xy_v[pick_v]), label_v[pick_v]),
+            "random": (COORD, COORD + GRID)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,9 +412,50 @@ def meta_step(student, teacher, opt_s, opt_t, b, args, gen) -> dict:
 # support/query batches from `labeled(step, gen)`
 
 def optimizers(student, teacher, args):
-    wd = args.weight_decay
-    return (torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=wd),
-            torch.optim.AdamW(teacher.parameters(), lr=args.teacher_lr, weight_decay=wd))
+    adamw = lambda model, lr: torch.optim.AdamW(model.parameters(), lr=lr, betas=args.betas,
+                                                eps=args.eps, weight_decay=args.weight_decay)
+    return adamw(student, args.lr), adamw(teacher, args.teacher_lr)
+
+
+# The Two Moons protocols: ours (small and quick), and Shen's (his report's Appendix A, Tables
+# 4-6). His batch of 4 with 4-fold accumulation is one batch of 16 here (for the teacher, he
+# notes, not quite the same: each of his micro-batches took its own student steps).
+PROTOCOLS = {
+    "nanomlm": dict(steps=1000, batch_size=32, task_batch=8, lr=3e-3, clip=1.0,
+                    dropout=0.0, betas=(0.9, 0.999), eps=1e-8, warmup=None, ft_lr=1e-2,
+                    ft_steps=200, ft_epochs=None, ft_warmup=None),
+    # 640k samples = 40k steps of 16; lr/sqrt(n) after a linear warm-up, from 0.08 (so 2.5e-3
+    # at its peak, step 1000); fine-tuning: 100 epochs, the peak 0.04/sqrt(10) = 1.2e-2
+    "shen": dict(steps=40000, batch_size=16, task_batch=4, lr=0.08, clip=5.0,
+                 dropout=0.1, betas=(0.9, 0.98), eps=1e-6, warmup=1000, ft_lr=0.04,
+                 ft_steps=None, ft_epochs=100, ft_warmup=10),
+}
+GLUE_DEFAULTS = {**PROTOCOLS["nanomlm"], "steps": 1000}
+FT_BATCH = {"mlm": (1, 1, 1, 8, 16)}  # Shen's Table 6, for n = 10, 20, 40, 80, 160
+FT_BATCH_OTHERS = (1, 2, 4, 8, 16)
+
+
+def protocol_defaults(args) -> None:
+    """The flags left unset take the --protocol's values (two_moons), or ours (glue)."""
+    values = PROTOCOLS[args.protocol] if args.task == "two_moons" else GLUE_DEFAULTS
+    for k, v in values.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if args.teacher_lr is None:
+        args.teacher_lr = args.lr
+
+
+def inverse_sqrt(step: int, warmup: int) -> float:
+    """MetaLMO's learning-rate factor (trainers/schedulers.py, power -0.5, decaying forever):
+    n^-1/2 at optimizer step n = step + 1, after a linear rise to warmup^-1/2 at n = warmup."""
+    n = step + 1
+    return n / warmup * warmup ** -0.5 if n < warmup else n ** -0.5
+
+
+def ft_batch(labels: str, n: int) -> int:
+    """Shen's fine-tuning batch size (Table 6) for n labelled examples."""
+    sizes = FT_BATCH.get(labels, FT_BATCH_OTHERS)
+    return dict(zip((10, 20, 40, 80, 160), sizes)).get(n, max(1, min(16, n // 10)))
 
 
 def label_defaults(args):
@@ -429,9 +477,13 @@ def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=No
     t0 = time.time()
     steps = range(start, args.steps)
     for step in bar(steps, desc=desc, initial=start, total=args.steps, leave=False, disable=None):
-        for opt, base in ((opt_s, args.lr), (opt_t, args.teacher_lr)):  # warm-up, decay to 10%
+        if args.warmup:  # Shen's: lr / sqrt(n) after a linear warm-up
+            factor = inverse_sqrt(step, args.warmup)
+        else:            # ours: linear warm-up over 5% of the steps, linear decay to 10%
+            factor = min(1.0, (step + 1) / warm) * (1 - 0.9 * step / args.steps)
+        for opt, base in ((opt_s, args.lr), (opt_t, args.teacher_lr)):
             for g in opt.param_groups:
-                g["lr"] = base * min(1.0, (step + 1) / warm) * (1 - 0.9 * step / args.steps)
+                g["lr"] = base * factor
         gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + step)
         b = {**unlabeled(step, gen), **labeled(step, gen)}
         if np.random.default_rng([args.seed, step]).random() < args.mlm_task_p:
@@ -459,18 +511,38 @@ def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=No
 # ---------------------------------------------------------------------------------------------
 # Two Moons: pretrain, fine-tune on 10 ... 160 labelled points, test on 1000; per seed and size
 
-def finetune_predict(student, train: Labeled, test: Labeled, label_ids, args, seed) -> list:
-    """Full-batch AdamW on the labelled examples for --ft-steps, then the test predictions."""
+def finetune_predict(student, train: Labeled, valid: Labeled, test: Labeled, label_ids, args,
+                     seed) -> list:
+    """The test predictions after fine-tuning on the labelled examples. Ours: full-batch AdamW for
+    --ft-steps, the last step. Shen's: --ft-epochs of minibatches (ft_batch), lr/sqrt(n) after
+    --ft-warmup steps, and the epoch with the best accuracy on `valid` (first of ties)."""
     model = Encoder(student.config).to(train.x.device)
     model.load_state_dict(student.state_dict())
     torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.ft_lr, weight_decay=args.weight_decay)
-    xs, ys = task_batch(train.x, train.y, torch.arange(len(train.x), device=train.x.device),
-                        label_ids)
-    for _ in range(args.ft_steps):
-        loss = seq_loss(model, params_of(model), xs, ys, (xs != PAD).long())
-        outer_step(model, opt, loss, args.clip)
-    return predict(model.eval(), test.x, label_ids).tolist()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.ft_lr, betas=args.betas, eps=args.eps,
+                            weight_decay=args.weight_decay)
+    n, device = len(train.x), train.x.device
+    if not args.ft_epochs:
+        xs, ys = task_batch(train.x, train.y, torch.arange(n, device=device), label_ids)
+        for _ in range(args.ft_steps):
+            loss = seq_loss(model, params_of(model), xs, ys, (xs != PAD).long())
+            outer_step(model, opt, loss, args.clip)
+        return predict(model.eval(), test.x, label_ids).tolist()
+    bs, gen, step, best = ft_batch(args.labels, n), torch.Generator().manual_seed(seed), 0, None
+    for _ in range(args.ft_epochs):
+        for idx in torch.randperm(n, generator=gen).to(device).split(bs):
+            for g in opt.param_groups:
+                g["lr"] = args.ft_lr * inverse_sqrt(step, args.ft_warmup)
+            xs, ys = task_batch(train.x, train.y, idx, label_ids)
+            outer_step(model, opt, seq_loss(model, params_of(model), xs, ys, (xs != PAD).long()),
+                       args.clip)
+            step += 1
+        model.eval()
+        acc = (predict(model, valid.x, label_ids) == valid.y).float().mean().item()
+        if best is None or acc > best[0]:
+            best = (acc, predict(model, test.x, label_ids).tolist())
+        model.train()
+    return best[1]
 
 
 def moons_cell(args, data, size, seed, device):
@@ -510,7 +582,9 @@ def moons_cell(args, data, size, seed, device):
         pretrain(student, teacher, unlabeled, labeled, replace_args(args, seed=seed), device,
                  desc=f"{args.labels} n={size} seed={seed}", show=show)
     test = Labeled(*(torch.as_tensor(a, device=device) for a in data["test"]))
-    return finetune_predict(student, train, test, label_ids, args, seed), "".join(written)
+    k = min(size, 128)  # Shen: a validation set of the training set's size, at most 128
+    valid = Labeled(*(torch.as_tensor(a[:k], device=device) for a in data["valid"]))
+    return finetune_predict(student, train, valid, test, label_ids, args, seed), "".join(written)
 
 
 def replace_args(args, **kw):
@@ -693,14 +767,21 @@ def main(argv=None):
     add("--labels", default="hard", help="comma-separated, of: hard, soft (the teacher's "
         "examples), denoise (soft with y^ fixed to the text read: Shen's Appendix B), mlm (plain "
         "MLM, the baseline), none (no pretraining); --task glue takes one")
-    add("--steps", type=int, default=1000,
-        help="pretraining steps (default 1000: one pass over 32k sequences)")
-    add("--batch-size", type=int, default=32, help="unlabelled sequences per step")
-    add("--task-batch", type=int, default=8,
-        help="labelled examples in each of the support and query batches")
-    add("--lr", type=float, default=3e-3,
-        help="the student's AdamW learning rate (the MLM baseline's too)")
-    add("--teacher-lr", type=float, default=3e-3, help="the teacher's AdamW learning rate")
+    add("--protocol", choices=tuple(PROTOCOLS), default="nanomlm",
+        help="two_moons: the defaults of the flags below: nanomlm (ours: 1000 steps of 32, "
+        "fine-tuned full-batch for 200 steps) or shen (his report's Appendix A: 40k steps of 16, "
+        "dropout 0.1, lr/sqrt(n), fine-tuned 100 epochs, best epoch on validation) "
+        "(default nanomlm)")
+    add("--steps", type=int, default=None,
+        help="pretraining steps (default: the protocol's; glue 1000)")
+    add("--batch-size", type=int, default=None, help="unlabelled sequences per step (default: "
+        "the protocol's, 32 or 16)")
+    add("--task-batch", type=int, default=None,
+        help="labelled examples in each of the support and query batches (default 8; shen 4)")
+    add("--lr", type=float, default=None, help="the student's AdamW learning rate, the MLM "
+        "baseline's too (default 3e-3; shen 0.08 x n^-1/2)")
+    add("--teacher-lr", type=float, default=None,
+        help="the teacher's AdamW learning rate (default: as --lr)")
     add("--inner-lr", type=float, default=0.1, help="SGD learning rate eta of the unrolled steps")
     add("--unroll", choices=("adamw", "sgd"), default="adamw",
         help="soft labels: step (1) unrolled as the student's own AdamW step (MetaLMO's) or as "
@@ -711,7 +792,8 @@ def main(argv=None):
     add("--meta-weight", type=float, default=None,
         help="weight of the meta term against the teacher's two MLM losses")
     add("--weight-decay", type=float, default=0.01, help="AdamW weight decay, all optimisers")
-    add("--clip", type=float, default=1.0, help="gradient-norm clip of every outer step")
+    add("--clip", type=float, default=None,
+        help="gradient-norm clip of every outer step (default 1; shen 5)")
     add("--seed", type=int, default=0, help="model init and batches (--task glue)")
     add("--seeds", default="0,1,2", help="two_moons: one pretraining + fine-tuning per seed")
     add("--sizes", default="10,20,40,80,160",
@@ -719,8 +801,12 @@ def main(argv=None):
     add("--data-seed", type=int, default=0, help="two_moons: seed of the generated data")
     add("--workers", type=int, default=2,
         help="two_moons on CPU: table entries computed in parallel processes")
-    add("--ft-steps", type=int, default=200, help="two_moons: full-batch fine-tuning steps")
-    add("--ft-lr", type=float, default=1e-2, help="two_moons: fine-tuning AdamW learning rate")
+    add("--ft-steps", type=int, default=None,
+        help="two_moons, nanomlm: full-batch fine-tuning steps (default 200)")
+    add("--ft-epochs", type=int, default=None,
+        help="two_moons, shen: fine-tuning epochs, the best on validation kept (default 100)")
+    add("--ft-lr", type=float, default=None,
+        help="two_moons: fine-tuning AdamW learning rate (default 1e-2; shen 0.04 x n^-1/2)")
     add("--data", default="babylm_10m",
         help="glue: unlabelled corpus (a name under $NANOMLM_RAW or a folder)")
     add("--vocab-size", type=int, default=VOCAB_SIZE,
@@ -737,7 +823,8 @@ def main(argv=None):
         add(f"--{f.replace('_', '-')}", type=int, default=None,
             help=f"{helps[f]} (overrides the preset)")
     add("--position", choices=("relative", "absolute"), default=None, help=helps["position"])
-    add("--dropout", type=float, default=0.0, help="dropout (0: small data, and exact unrolls)")
+    add("--dropout", type=float, default=None,
+        help="dropout (default 0: small data, and exact unrolls; shen 0.1)")
     add("--log-every", type=int, default=50,
         help="glue: steps between log lines and teacher samples")
     add("--save-every", type=int, default=500, help="glue: steps between checkpoints")
@@ -746,6 +833,7 @@ def main(argv=None):
         help="continue the run in --out-dir (two_moons: skip finished cells)")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to train")
     args = ap.parse_args(argv)
+    protocol_defaults(args)
     args.labels_list = args.labels.split(",")
     bad = [x for x in args.labels_list if x not in ("hard", "soft", "denoise", "mlm", "none")]
     if bad:

@@ -390,3 +390,53 @@ def test_glue_cli_writes_a_student_evaluate_can_load(prepared, tmp_path, capsys)
     assert model.config.vocab_size == tok.get_piece_size()
     M.main([*common, "--steps", "6", "--resume"])
     assert "resuming at step 4" in capsys.readouterr().out
+
+
+def test_shens_schedule_is_metalmos_rule():
+    """Transcribed from MetaLMO's trainers/schedulers.py with power -0.5 and decay forever: a
+    linear rise to warmup^-1/2 at optimizer step n = warmup, then n^-1/2."""
+    assert M.inverse_sqrt(0, 10) == pytest.approx(0.1 * 10 ** -0.5)
+    assert M.inverse_sqrt(9, 10) == pytest.approx(10 ** -0.5)   # the peak: 0.04 -> 1.26e-2
+    assert M.inverse_sqrt(39, 10) == pytest.approx(40 ** -0.5)   # half the peak at 4 x warmup
+    assert M.inverse_sqrt(999, 1000) * 0.08 == pytest.approx(2.53e-3, abs=1e-5)  # his Table 5
+
+
+@pytest.mark.parametrize("typed, want", [
+    ([], dict(steps=40000, batch_size=16, task_batch=4, lr=0.08, teacher_lr=0.08, clip=5.0,
+              dropout=0.1, ft_epochs=100, ft_lr=0.04, betas=(0.9, 0.98), eps=1e-6)),
+    (["--steps", "7", "--lr", "0.01"], dict(steps=7, lr=0.01, teacher_lr=0.01, batch_size=16)),
+])
+def test_shen_protocol_fills_what_is_not_typed(typed, want, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(M, "run_two_moons", lambda args, device, folder: seen.update(vars(args)))
+    monkeypatch.setattr(M.RunFolder, "lock", lambda self: None)
+    monkeypatch.setattr(M.RunFolder, "start", lambda self, *a, **k: None)
+    M.main(["--protocol", "shen", "--out-dir", "/nonexistent/x", *typed])
+    assert {k: seen[k] for k in want} == want
+    assert [M.ft_batch(l, n) for l in ("mlm", "soft") for n in (10, 160)] == [1, 16, 1, 16]
+    assert M.ft_batch("soft", 20) == 2 and M.ft_batch("mlm", 20) == 1
+
+
+def test_shen_fine_tuning_keeps_the_best_validation_epoch(tmp_path, monkeypatch):
+    """Two Moons under --protocol shen end to end (a few steps). The fine-tuning's choice: the
+    test predictions kept are those made after the first epoch with the best accuracy on the
+    10 validation examples."""
+    calls, predict = [], M.predict
+    monkeypatch.setattr(M, "predict", lambda model, x, ids: (
+        calls.append((len(x), predict(model, x, ids))), calls[-1][1])[1])
+    out = tmp_path / "run"
+    M.main(["--protocol", "shen", "--labels", "soft", "--sizes", "10", "--seeds", "0",
+            "--steps", "3", "--ft-epochs", "6", "--ft-lr", "0.3", "--workers", "1",
+            "--device", "cpu", "--out-dir", str(out)])
+    valid_y = torch.as_tensor(M.two_moons(0)["valid"].y[:10])
+    accs, tests, kept = [], [], None
+    for n, preds in calls:
+        if n == 10:
+            accs.append((preds == valid_y).float().mean().item())
+        else:
+            tests.append((len(accs), preds.tolist()))
+    assert len(accs) == 6 and [i for i, _ in tests] == sorted({i for i, _ in tests})
+    best = accs.index(max(accs)) + 1
+    kept = [p for i, p in tests if i == best][0]
+    cell = json.loads((out / "cells" / "soft_n10_s0.json").read_text())
+    assert cell["examples"]["pred"][0] == kept
