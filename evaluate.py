@@ -26,7 +26,6 @@ import glob
 import gzip
 import json
 import math
-import os
 import time
 import zlib
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 
 from data.prepare import (CLS, MASK, MSGS, PAD, SEP, TASKS, Examples, Segments, bar, duration,
                           line_buffered, pad, prepare, read_jsonl, read_task, uniform_mask)
-from model import autocast, load_checkpoint, pick_device, seed_of, writing
+from model import autocast, load_checkpoint, pick_device, replacing, seed_of, writing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,16 +50,11 @@ def write_result(result: dict, out, ckpt, name: str, indent=None) -> Path:
 
 
 def write_lines(path: Path, rows: list, indent=None) -> None:
-    """Each of `rows` as JSON on a line of its own, written whole or not at all (a temp file of
-    this process, then a rename), an OS error one line."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with writing(path):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text("".join(json.dumps(r, indent=indent) + "\n" for r in rows))
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Each of `rows` as JSON on a line of its own, written whole or not at all (`replacing`)."""
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with replacing(path) as tmp:
+        tmp.write_text("".join(json.dumps(r, indent=indent) + "\n" for r in rows))
 
 
 def read_result(path) -> dict:
@@ -295,7 +289,7 @@ def blimp(args):
                    "batch_tokens": batch_tokens, "device": str(device), "chunk_pairs": CHUNK_PAIRS,
                    "bf16": args.bf16}
     done = read_partial(partial, fingerprint)
-    parts = chunks(pairs, CHUNK_PAIRS)
+    parts, starts = chunks(pairs, CHUNK_PAIRS), word_starts(tok)
     if done:
         print(f"resuming: {len(done)} of {len(parts)} chunks already scored in {partial}")
     write_lines(partial, [fingerprint, *({"chunk": i, "scores": s} for i, s in done.items())])
@@ -306,8 +300,8 @@ def blimp(args):
         if i in done:
             scores[rows] = done[i]
             continue
-        s = pll(model, [seqs[r] for r in rows], temps, l2r, batch_tokens, device,
-                word_starts(tok), bf16=args.bf16)
+        s = pll(model, [seqs[r] for r in rows], temps, l2r, batch_tokens, device, starts,
+                bf16=args.bf16)
         with writing(partial), open(partial, "a") as f:
             f.write(json.dumps({"chunk": i, "scores": s.tolist()}) + "\n")
         scores[rows], scored = s, scored + len(rows)

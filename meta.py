@@ -430,14 +430,13 @@ PROTOCOLS = {
                  dropout=0.1, betas=(0.9, 0.98), eps=1e-6, warmup=1000, ft_lr=0.04,
                  ft_steps=None, ft_epochs=100, ft_warmup=10),
 }
-GLUE_DEFAULTS = {**PROTOCOLS["nanomlm"], "steps": 1000}
 FT_BATCH = {"mlm": (1, 1, 1, 8, 16)}  # Shen's Table 6, for n = 10, 20, 40, 80, 160
 FT_BATCH_OTHERS = (1, 2, 4, 8, 16)
 
 
 def protocol_defaults(args) -> None:
     """The flags left unset take the --protocol's values (two_moons), or ours (glue)."""
-    values = PROTOCOLS[args.protocol] if args.task == "two_moons" else GLUE_DEFAULTS
+    values = PROTOCOLS[args.protocol if args.task == "two_moons" else "nanomlm"]
     for k, v in values.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -609,15 +608,16 @@ def run_two_moons(args, device, folder: RunFolder):
     jobs = [(args, labels, size, seed) for labels in args.labels_list for size in args.sizes
             for seed in args.seeds if f"{labels}/{size}/{seed}" not in results]
     parallel = args.workers > 1 and device.type == "cpu" and len(jobs) > 1
+    data = two_moons(args.data_seed)  # (each worker process makes its own)
     if parallel:
         pool = torch.multiprocessing.get_context("spawn").Pool(args.workers)
         done = pool.imap_unordered(cell_worker, jobs)
     else:
-        pool, data = contextlib.nullcontext(), two_moons(args.data_seed)
+        pool = contextlib.nullcontext()
         done = ((f"{l}/{n}/{s}", *moons_cell(replace_args(a, labels=l), data, n, s, device),
                  time.time() - t0) for a, l, n, s in jobs for t0 in [time.time()])
     folder.write("config", asdict(model_config(args, MOONS_TOKENS["vocab"])))
-    test_y = two_moons(args.data_seed)["test"].y.tolist()
+    test_y = data["test"].y.tolist()
     (folder.path / "cells").mkdir(exist_ok=True)
     with pool, open(folder.path / "samples.txt", "a") as samples:
         for key, preds, written, seconds in done:

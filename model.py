@@ -26,6 +26,7 @@ default: slower on the CPU, not yet measured on a GPU, docs/bench.md.)
 
 init_weights documents the initialisation of every tensor.
 """
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -793,24 +794,30 @@ def tensors(x):
             yield from tensors(v)
 
 
-def save_checkpoint(state: dict, path) -> None:
-    """`state` and its checksum, written to a temp file of this process, fsynced, then renamed:
-    a kill at any moment leaves either the old or the new checkpoint at `path`, never a torn
-    one. A failed write (a full disk...) removes the temp file and is one line (`writing`)."""
+@contextlib.contextmanager
+def replacing(path, need: int | None = None):
+    """`with replacing(path) as tmp:` the block writes tmp, a temp file of this process beside
+    `path`, which then replaces `path` in one rename: a kill at any moment leaves the old file or
+    the new one, never a torn one. A failure removes tmp; an OS error is one line (`writing`,
+    with `need` bytes)."""
     path = Path(path)
-    state = {k: v for k, v in state.items() if k != "checksum"}
-    state["checksum"] = checksum(state)  # of the rest: the right side runs before the key exists
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    need = sum(t.nbytes for t in tensors(state))
     try:
         with writing(path, need):
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
+            yield tmp
             os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def save_checkpoint(state: dict, path) -> None:
+    """`state` and its checksum, fsynced to a temp file and renamed (`replacing`)."""
+    state = {k: v for k, v in state.items() if k != "checksum"}
+    state["checksum"] = checksum(state)  # of the rest: the right side runs before the key exists
+    with replacing(path, sum(t.nbytes for t in tensors(state))) as tmp, open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def load_state(path, map_location="cpu") -> dict:

@@ -47,6 +47,7 @@ import torch
 
 import evaluate
 from data.prepare import TASKS, prepare, prepared_copies, raw_root, resolve
+from model import replacing
 
 REPO = Path(__file__).resolve().parent
 
@@ -450,10 +451,8 @@ def write_result(job: Job):
     result = {"kind": "study-run", "arm": job.arm, "seed": job.seed, "pretrain_seed": job.seed,
               "fingerprint": job.fingerprint, **out}
     job.result.parent.mkdir(parents=True, exist_ok=True)
-    tmp = job.result.with_suffix(".tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+    with replacing(job.result) as tmp, gzip.open(tmp, "wt", encoding="utf-8") as f:
         json.dump(result, f)
-    tmp.replace(job.result)
     job.result.with_name(job.result.name.replace(".json.gz", ".failed")).unlink(missing_ok=True)
 
 

@@ -299,8 +299,8 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
         return base  # a prepared folder named in full (or by its name before keys)
     if not raw.is_dir():  # prepared elsewhere, raw text not copied: the one prepared copy
         copies = [p for p in prepared_copies(base)
-                  if load_meta(p)["tokenizer"] == tokenizer_settings(vocab_size)
-                  or load_meta(p)["tokenizer"].get("model_type") == "word"]
+                  if (made := load_meta(p)["tokenizer"]) == tokenizer_settings(vocab_size)
+                  or made.get("model_type") == "word"]
         if len(copies) == 1 and not force:
             say(f"data: raw corpus not found at {raw}; using the prepared {copies[0]} as it is")
             return copies[0]
