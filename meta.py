@@ -113,28 +113,28 @@ def two_moons(seed: int, n_unlabeled=32000, n_labeled=160, n_test=1000, points=1
     """The toy data, a pure function of the seed. unlabeled (n, 1 + 2 points): [U] then the
     points sorted by (x, y), coordinates flattened; labeled: 160 examples [MOON] x y and their
     labels, alternating classes so that every even-sized prefix (the 10, 20, ... sets) is
-    balanced; test: n_test more."""
+    balanced; test: n_test more; valid: a second set drawn like labeled (fine-tuning's
+    validation under --protocol shen)."""
     tok = MOONS_TOKENS
     rng = np.random.default_rng(seed)
     c = to_grid(make_moons(n_unlabeled * points, rng)[0]).reshape(n_unlabeled, points, 2)
     order = np.lexsort((c[..., 1], c[..., 0]), axis=-1)               # (n, points): by x, then y
     c = np.take_along_axis(c, order[..., None], 1).reshape(n_unlabeled, 2 * points)
     unlabeled = np.concatenate([np.full((n_unlabeled, 1), tok["unl"]), COORD + c], 1)
-    xy, label = make_moons(4 * n_labeled, rng)
-    half = n_labeled // 2
-    pick = np.stack([np.flatnonzero(label == 0)[:half], np.flatnonzero(label == 1)[:half]], 1)
-    pick = pick.ravel()
-    xy_t, label_t = make_moons(n_test, rng)
-    xy_v, label_v = make_moons(4 * n_labeled, rng)  # a validation pool, balanced like `labeled`
-    pick_v = np.stack([np.flatnonzero(label_v == 0)[:half],
-                       np.flatnonzero(label_v == 1)[:half]], 1).ravel()
 
     def examples(xy):
         return np.concatenate([np.full((len(xy), 1), tok["task"]["moon"]), COORD + to_grid(xy)], 1)
-    return {"tokens": tok, "unlabeled": unlabeled,
-            "labeled": Labeled(examples(xy[pick]), label[pick]),
-            "test": Labeled(examples(xy_t), label_t),
-            "valid": Labeled(examples(xy_v[pick_v]), label_v[pick_v]),
+
+    def alternating() -> Labeled:  # n_labeled of a pool of 4x, classes alternating
+        xy, label = make_moons(4 * n_labeled, rng)
+        half = n_labeled // 2
+        pick = np.stack([np.flatnonzero(label == 0)[:half], np.flatnonzero(label == 1)[:half]], 1)
+        return Labeled(examples(xy[pick.ravel()]), label[pick.ravel()])
+
+    labeled = alternating()
+    xy_t, label_t = make_moons(n_test, rng)
+    return {"tokens": tok, "unlabeled": unlabeled, "labeled": labeled,
+            "test": Labeled(examples(xy_t), label_t), "valid": alternating(),
             "random": (COORD, COORD + GRID)}
 
 
