@@ -57,8 +57,8 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from data.prepare import (MASK, MSGS, PAD, SPECIALS, TASKS, VOCAB_SIZE, bar, line_buffered,
-                          load_tokenizer, pad, prepare, raw_root, read_task)
+from data.prepare import (MASK, MSGS, PAD, SEP, SPECIALS, TASKS, VOCAB_SIZE, bar,
+                          line_buffered, load_tokenizer, pad, prepare, raw_root, read_task)
 from model import (PRESETS, REPO, Encoder, ModelConfig, RunFolder, autocast, field_help,
                    load_state, pick_device, small_init)
 
@@ -76,7 +76,7 @@ def extra_tokens(base: int, tasks: list[str], n_labels: int, size: int = 0) -> d
     label = list(range(first, first + n_labels))
     return {"base": base, "mlm": base, "unl": base + 1,
             "task": {t: base + 2 + i for i, t in enumerate(tasks)}, "label": label,
-            "vocab": max(size, label[-1] + 1)}
+            "vocab": max(size, first + n_labels)}
 
 
 class Labeled(NamedTuple):
@@ -88,7 +88,12 @@ class Labeled(NamedTuple):
 # Two Moons (Shen's toy task): 16 points per sequence, each coordinate one token
 
 COORD, GRID = len(SPECIALS), 64  # coordinate c in [0, 64) is token COORD + c, after the specials
-MOONS_TOKENS = extra_tokens(COORD + GRID, ["moon"], 2, size=512)  # Shen's 512-token vocabulary
+MOONS_TOKENS = extra_tokens(COORD + GRID, ["moon"], 0, size=512)  # Shen's 512-token vocabulary
+# MetaLMO's labels (data/config/two_moons.py): class 0 is [SEP], class 1 the task token, both in
+# every input, so a student that learnt to copy its input already emits them. Dedicated label
+# tokens, never a target in pretraining, left our hard-label students at chance after 40k steps
+# of copying (docs/studies/meta_two_moons_shen.md).
+MOONS_TOKENS["label"] = [SEP, MOONS_TOKENS["task"]["moon"]]
 
 
 def make_moons(n: int, rng, noise: float = 0.1):
@@ -110,20 +115,24 @@ def to_grid(xy):
 
 
 def two_moons(seed: int, n_unlabeled=32000, n_labeled=160, n_test=1000, points=16) -> dict:
-    """The toy data, a pure function of the seed. unlabeled (n, 1 + 2 points): [U] then the
-    points sorted by (x, y), coordinates flattened; labeled: 160 examples [MOON] x y and their
-    labels, alternating classes so that every even-sized prefix (the 10, 20, ... sets) is
-    balanced; test: n_test more; valid: a second set drawn like labeled (fine-tuning's
-    validation under --protocol shen)."""
+    """The toy data, a pure function of the seed. unlabeled (n, 2 + 2 points): [U], the points
+    sorted by (x, y) with coordinates flattened, [SEP]; labeled: 160 examples [MOON] x y [SEP]
+    (MetaLMO's "[CLS] $A [SEP]") and their labels, alternating classes so that every even-sized
+    prefix (the 10, 20, ... sets) is balanced; test: n_test more; valid: a second set drawn like
+    labeled (fine-tuning's validation under --protocol shen)."""
     tok = MOONS_TOKENS
     rng = np.random.default_rng(seed)
     c = to_grid(make_moons(n_unlabeled * points, rng)[0]).reshape(n_unlabeled, points, 2)
     order = np.lexsort((c[..., 1], c[..., 0]), axis=-1)               # (n, points): by x, then y
     c = np.take_along_axis(c, order[..., None], 1).reshape(n_unlabeled, 2 * points)
-    unlabeled = np.concatenate([np.full((n_unlabeled, 1), tok["unl"]), COORD + c], 1)
+    column = lambda n, t: np.full((n, 1), t)
+    unlabeled = np.concatenate([column(n_unlabeled, tok["unl"]), COORD + c,
+                                column(n_unlabeled, SEP)], 1)
 
     def examples(xy):
-        return np.concatenate([np.full((len(xy), 1), tok["task"]["moon"]), COORD + to_grid(xy)], 1)
+        n = len(xy)
+        return np.concatenate([column(n, tok["task"]["moon"]), COORD + to_grid(xy),
+                               column(n, SEP)], 1)
 
     def alternating() -> Labeled:  # n_labeled of a pool of 4x, classes alternating
         xy, label = make_moons(4 * n_labeled, rng)
@@ -568,8 +577,7 @@ def moons_cell(args, data, size, seed, device):
         return out
 
     names = {tok["mlm"]: "[MLM]", tok["unl"]: "[U]", tok["task"]["moon"]: "[MOON]",
-             tok["label"][0]: "[L0]",
-             tok["label"][1]: "[L1]", MASK: "[MASK]"}
+             SEP: "[SEP]", MASK: "[MASK]"}
     name = lambda i: str(i - COORD) if COORD <= i < COORD + GRID else names.get(i, f"[{i}]")
     words = lambda t: " ".join(map(name, t[0].tolist()))  # the first sequence
     written = []
@@ -844,7 +852,7 @@ def main(argv=None):
     if args.task == "two_moons":
         if any(s < 2 or s > 160 or s % 2 for s in args.sizes):
             raise SystemExit("error: --sizes must be even numbers from 2 to 160")
-        args.seq_len = 33
+        args.seq_len = 34  # [U], 16 points, [SEP]
     else:
         if len(args.labels_list) != 1 or args.labels == "none":
             raise SystemExit("error: --task glue pretrains one student: give one of --labels "

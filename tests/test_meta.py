@@ -318,15 +318,18 @@ def test_two_moons_is_deterministic_by_seed_and_shaped_as_described():
     tok = a["tokens"]
     assert tok["vocab"] == 512
     u = a["unlabeled"]
-    assert u.shape == (300, 33) and (u[:, 0] == tok["unl"]).all()
-    pts = (u[:, 1:] - M.COORD).reshape(300, 16, 2)
+    assert u.shape == (300, 34) and (u[:, 0] == tok["unl"]).all() and (u[:, -1] == M.SEP).all()
+    pts = (u[:, 1:-1] - M.COORD).reshape(300, 16, 2)
     assert pts.min() >= 0 and pts.max() < 64
     key = pts[..., 0] * 64 + pts[..., 1]
     assert (np.diff(key, axis=1) >= 0).all()                            # sorted by x, then y
     x, y = a["labeled"]
-    assert x.shape == (160, 3) and (x[:, 0] == tok["task"]["moon"]).all()
+    assert x.shape == (160, 4) and (x[:, 0] == tok["task"]["moon"]).all()
+    assert (x[:, 3] == M.SEP).all()
+    # MetaLMO's labels: class 0 is [SEP], class 1 the task token, both in every input
+    assert tok["label"] == [M.SEP, tok["task"]["moon"]]
     assert all(y[:n].sum() == n // 2 for n in (10, 20, 40, 80, 160))   # every prefix balanced
-    assert a["test"][0].shape == (1000, 3)
+    assert a["test"][0].shape == (1000, 4)
 
 
 def test_moons_lie_on_their_half_circles():
