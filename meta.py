@@ -68,15 +68,24 @@ CODE = ["meta.py", "model.py", "data/prepare.py"]  # a run's code/
 # ---------------------------------------------------------------------------------------------
 # Vocabulary: a base vocabulary (text pieces, or Two Moons' 64 coordinates) and, after it, the
 # tokens only meta-learning needs: [MLM], [U] (unlabelled text: what the teacher reads), one
-# [TASK] per labelled task, one token per label
+# [TASK] per labelled task
 
-def extra_tokens(base: int, tasks: list[str], n_labels: int, size: int = 0) -> dict:
+def extra_tokens(base: int, tasks: list[str], size: int = 0) -> dict:
     """Ids of the meta tokens after a base vocabulary of `base` ids; vocab >= size."""
-    first = base + 2 + len(tasks)
-    label = list(range(first, first + n_labels))
     return {"base": base, "mlm": base, "unl": base + 1,
-            "task": {t: base + 2 + i for i, t in enumerate(tasks)}, "label": label,
-            "vocab": max(size, first + n_labels)}
+            "task": {t: base + 2 + i for i, t in enumerate(tasks)},
+            "vocab": max(size, base + 2 + len(tasks))}
+
+
+def label_tokens(task: int, n: int) -> list[int]:
+    """The tokens of a task's n <= 3 classes, MetaLMO's (data/config/two_moons.py, nlp.py):
+    [SEP], the task's own token, [MASK]. All occur in the inputs, so a student that learnt to
+    copy its input already emits them. Tokens of their own, never a pretraining target, were
+    pushed down by 40k steps of hard-label copying until the student fine-tuned to chance
+    (docs/studies/meta_two_moons_shen.md)."""
+    if n > 3:
+        raise SystemExit(f"error: a task with {n} classes: meta.py labels at most 3")
+    return [SEP, task, MASK][:n]
 
 
 class Labeled(NamedTuple):
@@ -88,12 +97,8 @@ class Labeled(NamedTuple):
 # Two Moons (Shen's toy task): 16 points per sequence, each coordinate one token
 
 COORD, GRID = len(SPECIALS), 64  # coordinate c in [0, 64) is token COORD + c, after the specials
-MOONS_TOKENS = extra_tokens(COORD + GRID, ["moon"], 0, size=512)  # Shen's 512-token vocabulary
-# MetaLMO's labels (data/config/two_moons.py): class 0 is [SEP], class 1 the task token, both in
-# every input, so a student that learnt to copy its input already emits them. Dedicated label
-# tokens, never a target in pretraining, left our hard-label students at chance after 40k steps
-# of copying (docs/studies/meta_two_moons_shen.md).
-MOONS_TOKENS["label"] = [SEP, MOONS_TOKENS["task"]["moon"]]
+MOONS_TOKENS = extra_tokens(COORD + GRID, ["moon"], size=512)  # Shen's 512-token vocabulary
+MOONS_TOKENS["label"] = label_tokens(MOONS_TOKENS["task"]["moon"], 2)
 
 
 def make_moons(n: int, rng, noise: float = 0.1):
@@ -670,12 +675,12 @@ def run_glue(args, device, folder: RunFolder):
     V = tok.get_piece_size()
     tasks = args.glue_tasks
     sets = {t: read_task(args.glue_dir, t, "train", tok, args.seq_len) for t in tasks}
-    n_labels = max(TASKS.get(t, MSGS)[1] for t in tasks)
-    ids = extra_tokens(V, tasks, n_labels)
+    ids = extra_tokens(V, tasks)
     cfg = model_config(args, ids["vocab"])
     folder.write("config", asdict(cfg))
     stream = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
-    label_ids = torch.tensor(ids["label"], device=device)
+    label_ids = {t: torch.tensor(label_tokens(ids["task"][t], TASKS.get(t, MSGS)[1]),
+                                 device=device) for t in tasks}
     seeded = lambda seed: torch.Generator().manual_seed(seed)
 
     def unlabeled(step, gen):
@@ -696,13 +701,12 @@ def run_glue(args, device, folder: RunFolder):
             task_first = [[ids["task"][t]] + examples.seqs[i][1:] for i in idx]  # [CLS] -> [TASK]
             x = torch.from_numpy(pad(task_first)).to(device)
             labels = torch.as_tensor(examples.labels[idx], device=device)
-            x, y = task_batch(x, labels, torch.arange(len(x), device=device), label_ids)
+            x, y = task_batch(x, labels, torch.arange(len(x), device=device), label_ids[t])
             out.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": (x != PAD).long()})
         return out
 
     meta_names = {ids["mlm"]: "[MLM]", ids["unl"]: "[U]",
-                  **{v: f"[{k.upper()}]" for k, v in ids["task"].items()},
-                  **{v: f"[LABEL{j}]" for j, v in enumerate(ids["label"])}}
+                  **{v: f"[{k.upper()}]" for k, v in ids["task"].items()}}
     name = lambda i: tok.id_to_piece(i) if i < V else meta_names.get(i, f"[{i}]")
     words = lambda t: " ".join(name(i) for i in t.tolist())
     samples = open(folder.path / "samples.txt", "a")

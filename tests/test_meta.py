@@ -328,6 +328,9 @@ def test_two_moons_is_deterministic_by_seed_and_shaped_as_described():
     assert (x[:, 3] == M.SEP).all()
     # MetaLMO's labels: class 0 is [SEP], class 1 the task token, both in every input
     assert tok["label"] == [M.SEP, tok["task"]["moon"]]
+    assert M.label_tokens(9, 3) == [M.SEP, 9, MASK]           # MetaLMO's CB: a third class [MASK]
+    with pytest.raises(SystemExit, match="4 classes"):
+        M.label_tokens(9, 4)
     assert all(y[:n].sum() == n // 2 for n in (10, 20, 40, 80, 160))   # every prefix balanced
     assert a["test"][0].shape == (1000, 4)
 
