@@ -79,10 +79,11 @@ def extra_tokens(base: int, tasks: list[str], size: int = 0) -> dict:
 
 def label_tokens(task: int, n: int) -> list[int]:
     """The tokens of a task's n <= 3 classes, MetaLMO's (data/config/two_moons.py, nlp.py):
-    [SEP], the task's own token, [MASK]. All occur in the inputs, so a student that learnt to
-    copy its input already emits them. Tokens of their own, never a pretraining target, were
-    pushed down by 40k steps of hard-label copying until the student fine-tuned to chance
-    (docs/studies/meta_two_moons_shen.md)."""
+    [SEP], the task's own token, [MASK]. [SEP] ends every input and [MASK] fills MLM inputs,
+    so a student that learnt to copy what it reads already emits them; the task token starts
+    every labelled input (pretraining inputs hold it only if the teacher writes it). With two
+    tokens of their own, in no input, 40k steps of hard-label copying left our Two Moons
+    students fine-tuning to chance (docs/studies/meta_two_moons_shen.md)."""
     if n > 3:
         raise SystemExit(f"error: a task with {n} classes: meta.py labels at most 3")
     return [SEP, task, MASK][:n]
@@ -827,7 +828,7 @@ def main(argv=None):
         "$NANOMLM_RAW/babylm_eval/full_eval/glue_filtered)")
     add("--glue-tasks", default="rte,mrpc,cola",
         help="glue: labelled tasks (TASK.train.jsonl), taking turns step by step")
-    add("--seq-len", type=int, default=128, help="glue: sequence length (two_moons: 33, fixed)")
+    add("--seq-len", type=int, default=128, help="glue: sequence length (two_moons: 34, fixed)")
     add("--size", choices=tuple(PRESETS), default="tiny",
         help="glue: model preset (two_moons: 2 layers, d_model 8)")
     helps = field_help()

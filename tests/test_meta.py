@@ -326,9 +326,9 @@ def test_two_moons_is_deterministic_by_seed_and_shaped_as_described():
     x, y = a["labeled"]
     assert x.shape == (160, 4) and (x[:, 0] == tok["task"]["moon"]).all()
     assert (x[:, 3] == M.SEP).all()
-    # MetaLMO's labels: class 0 is [SEP], class 1 the task token, both in every input
+    # MetaLMO's labels (data/config/two_moons.py): class 0 is [SEP], class 1 the task token
     assert tok["label"] == [M.SEP, tok["task"]["moon"]]
-    assert M.label_tokens(9, 3) == [M.SEP, 9, MASK]           # MetaLMO's CB: a third class [MASK]
+    assert M.label_tokens(9, 3) == [M.SEP, 9, MASK]        # as MetaLMO's CB: a third class [MASK]
     with pytest.raises(SystemExit, match="4 classes"):
         M.label_tokens(9, 4)
     assert all(y[:n].sum() == n // 2 for n in (10, 20, 40, 80, 160))   # every prefix balanced
