@@ -18,11 +18,11 @@ The grammar. Every node of a dependency tree is a nonterminal named by its relat
 where the node's own word stands:  obj -> det amod * nmod  says an object is a determiner, an
 adjective, the object's word, a nominal modifier. Rule probabilities are counted (maximum
 likelihood). Relation subtypes are folded into their universal relation (`obl:mod` -> `obl`),
-the `--n-rels` most frequent relations are kept and every other one becomes one extra
-nonterminal, `other` (the blog keeps the most frequent relations; how it maps the rest could not
-be read from here, so this is our choice: an `other` constituent keeps the rare relations'
-positions and subtrees instead of deleting them). Multiword-token ranges (`1-2`) and empty
-nodes (`1.1`) are not tree nodes and are skipped.
+the `--n-rels` most frequent relations are kept, and the rest either become one extra
+nonterminal, `other`, keeping their positions and subtrees (--rare other, the default), or are
+deleted with their subtrees (--rare drop: most likely the blog's rule, whose corpus has about 15
+tokens a sentence). Multiword-token ranges (`1-2`) and empty nodes (`1.1`) are not tree nodes and
+are skipped.
 
 The sampler expands every nonterminal of a whole batch of sentences at once with numpy, one
 tree level per pass: no Python work per token. At --max-depth, nonterminals are rewritten as

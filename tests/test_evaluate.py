@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import evaluate as E
+import model as model_module
 from conftest import shared_data
 from data.prepare import CLS, MASK, SEP, load_tokenizer
 from model import PRESETS, BootHeads, BootPredictor, Encoder, ModelConfig, save_checkpoint
@@ -566,7 +567,7 @@ def test_babylm2025_recipe_settings(task, typed, want):
     assert args.group_by_length is False
 
 
-def test_finetune_babylm2025_runs_every_epoch_and_keeps_the_best(ckpt, tmp_path):
+def test_finetune_babylm2025_runs_every_epoch_and_keeps_the_best(ckpt, tmp_path, capsys):
     keyword_task(tmp_path, 150, 0)  # (150 > 100: the training file)
     keyword_task(tmp_path, 40, 1)
     out = tmp_path / "keyword.json"
@@ -576,6 +577,10 @@ def test_finetune_babylm2025_runs_every_epoch_and_keeps_the_best(ckpt, tmp_path)
     r = json.loads(out.read_text())
     run = r["runs"]["1"]
     assert run["epochs_run"] == 3 and r["settings"]["max_len"] == 512  # no early stopping
+    # the pipeline's rule: the epoch with the best validation score, the first of ties
+    printed = [float(line.split("mcc ")[1].split(",")[0]) for line in
+               capsys.readouterr().out.splitlines() if line.startswith("  seed 1 epoch ")]
+    assert len(printed) == 3 and run["epoch"] == printed.index(max(printed)) + 1
     assert r["settings"]["patience"] is None and r["settings"]["batch_size"] == 32
     cm = E.confusion(r["examples"]["label"], run["pred"], 2)
     assert run["metrics"]["mcc"] == pytest.approx(E.mcc(cm))
@@ -614,7 +619,12 @@ def test_phenomenon_is_the_mean_of_its_paradigms(ckpt, tmp_path):
     assert a[0] == b[0] or phen[0] != pytest.approx((30 * a[0] + 6 * b[0]) / 36)
 
 
-def test_scores_are_float32_unless_bf16_is_asked(ckpt, tmp_path):
+def bf16_by_default(device, bf16=None):
+    """model.use_bf16 as it answers on a CUDA device (bf16 unless told), to stand in on the CPU."""
+    return True if bf16 is None else bf16
+
+
+def test_scores_are_float32_unless_bf16_is_asked(ckpt, monkeypatch):
     model, tok = E.load_checkpoint(ckpt)
     seqs = [[2, *tok.encode("the cat sat on the mat"), 3], [2, *tok.encode("a dog ran"), 3]]
     starts = E.word_starts(tok)
@@ -622,5 +632,23 @@ def test_scores_are_float32_unless_bf16_is_asked(ckpt, tmp_path):
                               progress=False, **k)
     with torch.autocast("cpu", enabled=False):
         want = score(bf16=False)
-    assert np.array_equal(score(), want)  # the default is float32
+    monkeypatch.setattr(model_module, "use_bf16", bf16_by_default)  # as on CUDA
+    assert not np.allclose(score(bf16=None), want, atol=1e-4)  # the stand-in takes effect
+    assert np.array_equal(score(), want)  # the default is float32 even there
     assert not np.allclose(score(bf16=True), want, atol=1e-4)  # bf16 differs: the flag reaches it
+
+
+def test_masked_lm_scores_in_float32_unless_bf16_is_asked(ckpt, small_raw, prepared, tmp_path,
+                                                         monkeypatch):
+    monkeypatch.setenv("NANOMLM_DATA", str(prepared.parent))
+
+    def losses(*flags):
+        out = tmp_path / "mlm.json"
+        E.main(["mlm", "--ckpt", str(ckpt), "--data", str(small_raw), "--segments", "4",
+                "--seq-len", "32", "--device", "cpu", "--out", str(out), *flags])
+        return json.loads(out.read_text())["examples_loss"]["pred"][0]
+
+    want = losses()  # on the CPU: float32 whatever the default
+    monkeypatch.setattr(model_module, "use_bf16", bf16_by_default)  # as on CUDA
+    assert losses() == want
+    assert not np.allclose(losses("--bf16"), want, atol=1e-4)

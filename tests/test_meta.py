@@ -409,7 +409,8 @@ def test_shens_schedule_is_metalmos_rule():
 
 @pytest.mark.parametrize("typed, want", [
     ([], dict(steps=40000, batch_size=16, task_batch=4, lr=0.08, teacher_lr=0.08, clip=5.0,
-              dropout=0.1, ft_epochs=100, ft_lr=0.04, betas=(0.9, 0.98), eps=1e-6)),
+              dropout=0.1, ft_epochs=100, ft_lr=0.04, ft_warmup=10, warmup=1000,
+              betas=(0.9, 0.98), eps=1e-6)),
     (["--steps", "7", "--lr", "0.01"], dict(steps=7, lr=0.01, teacher_lr=0.01, batch_size=16)),
 ])
 def test_shen_protocol_fills_what_is_not_typed(typed, want, monkeypatch):
@@ -421,6 +422,65 @@ def test_shen_protocol_fills_what_is_not_typed(typed, want, monkeypatch):
     assert {k: seen[k] for k in want} == want
     assert [M.ft_batch(l, n) for l in ("mlm", "soft") for n in (10, 160)] == [1, 16, 1, 16]
     assert M.ft_batch("soft", 20) == 2 and M.ft_batch("mlm", 20) == 1
+
+
+def test_shen_fine_tuning_steps_follow_his_schedule(monkeypatch):
+    """Every fine-tuning step's lr, by hand: 10 warm-up steps rising linearly to 0.04 / sqrt(10)
+    (his 1.2e-2 peak), then 0.04 / sqrt(n) at step n; batches of 2 for n = 20 (his Table 6)."""
+    lrs = []
+    monkeypatch.setattr(M, "outer_step", lambda model, opt, loss, clip: (
+        lrs.append(opt.param_groups[0]["lr"]), opt.zero_grad()))
+    data = M.two_moons(0, n_unlabeled=16, n_labeled=20, n_test=8)
+    a = M.argparse.Namespace(labels="soft", ft_epochs=3, ft_lr=0.04, ft_warmup=10,
+                             betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, clip=5.0)
+    student = Encoder(ModelConfig(vocab_size=data["tokens"]["vocab"], n_layer=1, n_head=2,
+                                  d_model=8, d_ff=16, dropout=0.0, max_position=40))
+    split = lambda part: M.Labeled(*map(torch.as_tensor, part))
+    M.finetune_predict(student, split(data["labeled"]), split(data["valid"]), split(data["test"]),
+                       torch.tensor(data["tokens"]["label"]), a, seed=0)
+    want = [0.04 * (n / 10) / math.sqrt(10) if n < 10 else 0.04 / math.sqrt(n)
+            for n in range(1, 3 * 10 + 1)]  # 3 epochs of 20 / 2 steps
+    assert lrs == pytest.approx(want, rel=1e-12)
+    assert max(lrs) == pytest.approx(1.26e-2, abs=1e-4)
+
+
+def test_mlm_takes_turns_as_the_labelled_task(monkeypatch):
+    """--labels soft (--mlm-task-p 0.5): about half of the steps replace the support and query
+    batches with MLM on other unlabelled text (x = the masked text under [MLM], y = the hidden
+    tokens); the other steps keep the labelled task."""
+    seen = []
+    monkeypatch.setattr(M, "meta_step", lambda student, teacher, opt_s, opt_t, b, args, gen: (
+        seen.append({k: v.clone() for k, v in b.items()}), {})[1])
+    U = torch.arange(5, 5 + 64 * 6).view(64, 6)  # distinct tokens: every row traceable
+    MLM_ID = 1000
+
+    def unlabeled(step, gen):
+        x = U[torch.randint(64, (8,), generator=gen)]
+        x_m, y_m = M.mask_tokens(x, gen, 5, 5 + 64 * 6, MLM_ID, p=0.5)
+        return {"x_u": x, "m_u": torch.ones_like(x), "x_m": x_m, "y_m": y_m}
+
+    task = torch.full((4, 6), 2000)
+    labeled = lambda step, gen: {f"{v}_{s}": task for v in "xym" for s in "sq"}
+    a = M.argparse.Namespace(labels="soft", steps=400, warmup=10, lr=1e-3, teacher_lr=1e-3,
+                             betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, seed=0,
+                             task_batch=3, log_every=1000, save_every=1000, meta_weight=None,
+                             mlm_task_p=None)
+    M.pretrain(Encoder(CFG), M.Teacher(CFG), unlabeled, labeled, a, torch.device("cpu"))
+    assert len(seen) == 400
+    mlm = [b for b in seen if (b["x_s"][:, 0] == MLM_ID).all()]
+    assert all(torch.equal(b["x_s"], task) and torch.equal(b["x_q"], task)
+               for b in seen if not (b["x_s"][:, 0] == MLM_ID).all())
+    assert abs(len(mlm) - 200) < 3 * 10  # Binomial(400, 1/2): sd 10
+    masked = []
+    for b in mlm:
+        for s in "sq":
+            x, y = b[f"x_{s}"], b[f"y_{s}"]
+            assert x.shape == y.shape == (3, 6) and (x[:, 0] == MLM_ID).all()
+            hidden = y != PAD
+            text = torch.where(hidden, y, x)[:, 1:]  # the text the example was made from
+            assert all((t == U[:, 1:]).all(1).any() for t in text)
+            masked.append((x[hidden] == MASK).float())
+    assert 0.75 < torch.cat(masked).mean() < 0.85  # BERT's 80% [MASK]
 
 
 def test_shen_fine_tuning_keeps_the_best_validation_epoch(tmp_path, monkeypatch):
