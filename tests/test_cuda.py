@@ -66,9 +66,13 @@ def test_pll_on_cuda_matches_the_cpu(corpus):
         m = model.to(device)
         got[device, bf16] = evaluate.pll(m, seqs, [1.0, 2.0], True, 4096, torch.device(device),
                                          starts, progress=False, bf16=bf16)  # starts: on the CPU
+    default = evaluate.pll(model.to("cuda"), seqs, [1.0, 2.0], True, 4096, torch.device("cuda"),
+                           starts, progress=False)
+    assert np.array_equal(default, got["cuda", False])  # float32 unless asked, on CUDA too
     scored = np.array([len(s) - 2 for s in seqs])[:, None]
-    assert (np.abs(got["cuda", False] - got["cpu", False]) <= 1e-3 * scored).all()
-    assert (np.abs(got["cuda", True] - got["cpu", False]) <= 0.05 * scored).all()
+    err = {bf16: np.abs(got["cuda", bf16] - got["cpu", False]) for bf16 in (False, True)}
+    assert (err[False] <= 1e-3 * scored).all() and (err[True] <= 0.05 * scored).all()
+    assert err[True].max() > err[False].max()  # --bf16 did reach the autocast
 
 
 def test_resume_on_cuda(corpus, tmp_path):
