@@ -35,10 +35,10 @@ the student at theta0 and a support and a query batch of one labelled task:
       runs the student on the unrolled weights. As in MetaLMO's soft runs, the meta term weighs
       100 and half of the steps take MLM on other text as their labelled task (--meta-weight,
       --mlm-task-p).
-The support and the query batch never share an example. Auxiliary teacher losses (Shen, sec.
-3.4), always on: given x_u relabelled [MLM] (the teacher reads unlabelled text under its own [U]
-token for the meta loss), write an MLM task (x^ -> x_m, y^ -> x_u); given x_m, perform it
-(x^ -> x_m, y^ -> y_m). --labels mlm pretrains the same student with plain MLM on the same
+The support and the query batch of a labelled task never share an example. Auxiliary teacher
+losses (Shen, sec. 3.4), always on: given x_u relabelled [MLM] (the teacher reads unlabelled text
+under its own [U] token for the meta loss), write an MLM task (x^ -> x_m, y^ -> the relabelled
+x_u, as MetaLMO's in-place relabel makes it); given x_m, perform it (x^ -> x_m, y^ -> y_m). --labels mlm pretrains the same student with plain MLM on the same
 unlabelled batches; --labels none does not pretrain at all.
 """
 import argparse
