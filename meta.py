@@ -38,8 +38,9 @@ the student at theta0 and a support and a query batch of one labelled task:
 The support and the query batch of a labelled task never share an example. Auxiliary teacher
 losses (Shen, sec. 3.4), always on: given x_u relabelled [MLM] (the teacher reads unlabelled text
 under its own [U] token for the meta loss), write an MLM task (x^ -> x_m, y^ -> the relabelled
-x_u, as MetaLMO's in-place relabel makes it); given x_m, perform it (x^ -> x_m, y^ -> y_m). --labels mlm pretrains the same student with plain MLM on the same
-unlabelled batches; --labels none does not pretrain at all.
+x_u, as MetaLMO's in-place relabel makes it); given x_m, perform it (x^ -> x_m, y^ -> y_m).
+--labels mlm pretrains the same student with plain MLM on the same unlabelled batches; --labels
+none does not pretrain at all.
 """
 import argparse
 import contextlib
