@@ -580,7 +580,8 @@ def test_finetune_babylm2025_runs_every_epoch_and_keeps_the_best(ckpt, tmp_path,
     # the pipeline's rule: the epoch with the best validation score, the first of ties
     printed = [float(line.split("mcc ")[1].split(",")[0]) for line in
                capsys.readouterr().out.splitlines() if line.startswith("  seed 1 epoch ")]
-    assert len(printed) == 3 and run["epoch"] == printed.index(max(printed)) + 1
+    assert len(printed) == 3 and len(set(printed)) > 1  # (a choice to make)
+    assert run["epoch"] == printed.index(max(printed)) + 1
     assert r["settings"]["patience"] is None and r["settings"]["batch_size"] == 32
     cm = E.confusion(r["examples"]["label"], run["pred"], 2)
     assert run["metrics"]["mcc"] == pytest.approx(E.mcc(cm))

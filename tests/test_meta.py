@@ -471,7 +471,7 @@ def test_mlm_takes_turns_as_the_labelled_task(monkeypatch):
     assert all(torch.equal(b["x_s"], task) and torch.equal(b["x_q"], task)
                for b in seen if not (b["x_s"][:, 0] == MLM_ID).all())
     assert abs(len(mlm) - 200) < 3 * 10  # Binomial(400, 1/2): sd 10
-    masked = []
+    masked, in_x_u = [], []
     for b in mlm:
         for s in "sq":
             x, y = b[f"x_{s}"], b[f"y_{s}"]
@@ -479,8 +479,11 @@ def test_mlm_takes_turns_as_the_labelled_task(monkeypatch):
             hidden = y != PAD
             text = torch.where(hidden, y, x)[:, 1:]  # the text the example was made from
             assert all((t == U[:, 1:]).all(1).any() for t in text)
+            in_x_u += [(t == b["x_u"][:, 1:]).all(1).any().item() for t in text]
             masked.append((x[hidden] == MASK).float())
     assert 0.75 < torch.cat(masked).mean() < 0.85  # BERT's 80% [MASK]
+    # other text than the step's own x_u: a row is in it by chance only (8 draws of 64: < 12%)
+    assert np.mean(in_x_u) < 0.25
 
 
 def test_shen_fine_tuning_keeps_the_best_validation_epoch(tmp_path, monkeypatch):
