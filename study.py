@@ -509,6 +509,16 @@ def signed(x, better) -> str:
     return ("+" if x >= 0 else "-") + fmt(abs(x), better)
 
 
+def ran_in(results: dict) -> Path | None:
+    """The study folder the runs were made in, read from an arm's recorded train command (its
+    --out-dir is FOLDER/ARM/sSEED): a report may be built in another (--report --out)."""
+    for r in (r for rs in results.values() for r in rs):
+        argv = shlex.split(r["commands"][0])
+        if "--out-dir" in argv:
+            return Path(argv[argv.index("--out-dir") + 1]).parent.parent
+    return None
+
+
 def build_report(spec, scale_name, folder, jobs, nboot, figures=True) -> str:
     scale = spec["scales"][scale_name]
     arms = list(spec["arms"])
@@ -607,11 +617,15 @@ def build_report(spec, scale_name, folder, jobs, nboot, figures=True) -> str:
         lines.append("")
     lines += ["## Commands", "", "Each run, as study.py ran it (seed "
               f"{scale['seeds'][0]}; the other seeds change `--seed` and the folders):", ""]
+    # corpus and source runs keep no result file: plan them again where the arms ran
+    root = ran_in(results)
+    as_ran = {j.name: j for j in plan(spec, scale_name, root)} if root else {}
     for j in jobs:
         if j.seed == scale["seeds"][0] or (j.arm is None and j.name.endswith(
                 f"s{scale['seeds'][0]}")) or j.name.startswith("corpus"):
             ran = [r for r in results.get(j.arm, []) if r["seed"] == j.seed]  # as it was run
-            commands = ran[0]["commands"] if ran else [shown(s.argv) for s in j.steps]
+            commands = ran[0]["commands"] if ran else [
+                shown(s.argv) for s in as_ran.get(j.name, j).steps]
             lines += [f"`{j.name}`:", "```bash", *commands, "```"]
     if figures:
         lines += ["", *draw_figures(folder, spec, results, comp)]

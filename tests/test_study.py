@@ -132,6 +132,23 @@ def test_merged_from_two_folders_equals_one_folder(whole, tmp_path):
     assert got["phenomena"] == want["phenomena"]
 
 
+def test_a_report_built_elsewhere_shows_the_folders_the_runs_used(env, tmp_path):
+    """The Breton study's committed results, reported into another folder (--out): the corpus
+    and source runs keep no result file, yet their commands must name the folders the Breton
+    runs read them from, as the recorded commands do."""
+    shutil.copytree(REPO / "docs" / "studies" / "synthetic_breton_cpu" / "results",
+                    tmp_path / "results")
+    run_study(REPO / "studies" / "synthetic_breton.toml", "--out", tmp_path, "--report")
+    md = (tmp_path / "REPORT.md").read_text()
+    commands = md[md.index("## Commands"):]
+    paths = re.findall(r"--(?:out|out-dir|data|init-from|ckpt) (\S*/\S*)", commands)
+    assert len(paths) > 20 and str(tmp_path) not in commands
+    assert all(p.startswith("runs/synthetic_breton/cpu/") for p in paths), paths
+    sources = set(re.findall(r"--out-dir (\S+/sources/\S+) ", commands))
+    inits = set(re.findall(r"--init-from (\S+)/ckpt.pt", commands))
+    assert inits and inits <= sources  # each arm's source is a run the report shows
+
+
 FINETUNE = f"""
 [scales.cpu.evaluate.finetune]
 data_dir = "{shared_data().resolve() / 'babylm_eval' / 'full_eval' / 'glue_filtered'}"
