@@ -114,6 +114,17 @@ def make_moons(n: int, rng, noise: float = 0.1):
     return xy + rng.normal(0, noise, (n, 2)), label
 
 
+def even_moons(n: int, rng, noise: float = 0.1):
+    """scikit-learn's make_moons(n, noise=0.1) as MetaLMO draws its labelled and validation sets
+    ("an even distribution since the sizes are so small", data/config/two_moons.py): t evenly
+    spaced, linspace(0, pi, n/2) on each moon, plus N(0, noise^2); classes alternate. n even."""
+    t = np.linspace(0, np.pi, n // 2)
+    upper = np.stack([np.cos(t), np.sin(t)], 1)                       # (n/2, 2), label 0
+    lower = np.stack([1 - np.cos(t), 0.5 - np.sin(t)], 1)             # (n/2, 2), label 1
+    xy = np.stack([upper, lower], 1).reshape(n, 2)
+    return xy + rng.normal(0, noise, (n, 2)), np.tile([0, 1], n // 2)
+
+
 def to_grid(xy):
     """Scale x from [-1.5, 2.5] and y from [-1, 1.5] to [0, 64), floor, clip: integer
     coordinates."""
@@ -136,22 +147,36 @@ def two_moons(seed: int, n_unlabeled=32000, n_labeled=160, n_test=1000, points=1
     unlabeled = np.concatenate([column(n_unlabeled, tok["unl"]), COORD + c,
                                 column(n_unlabeled, SEP)], 1)
 
-    def examples(xy):
-        n = len(xy)
-        return np.concatenate([column(n, tok["task"]["moon"]), COORD + to_grid(xy),
-                               column(n, SEP)], 1)
-
     def alternating() -> Labeled:  # n_labeled of a pool of 4x, classes alternating
         xy, label = make_moons(4 * n_labeled, rng)
         half = n_labeled // 2
         pick = np.stack([np.flatnonzero(label == 0)[:half], np.flatnonzero(label == 1)[:half]], 1)
-        return Labeled(examples(xy[pick.ravel()]), label[pick.ravel()])
+        return Labeled(moon_examples(xy[pick.ravel()]), label[pick.ravel()])
 
     labeled = alternating()
     xy_t, label_t = make_moons(n_test, rng)
     return {"tokens": tok, "unlabeled": unlabeled, "labeled": labeled,
-            "test": Labeled(examples(xy_t), label_t), "valid": alternating(),
+            "test": Labeled(moon_examples(xy_t), label_t), "valid": alternating(),
             "random": (COORD, COORD + GRID)}
+
+
+def moon_examples(xy) -> np.ndarray:
+    """(n, 2) points -> (n, 4) examples [MOON] x y [SEP] (MetaLMO's "[CLS] $A [SEP]")."""
+    n, tok = len(xy), MOONS_TOKENS
+    return np.concatenate([np.full((n, 1), tok["task"]["moon"]), COORD + to_grid(xy),
+                           np.full((n, 1), SEP)], 1)
+
+
+def labeled_sets(data: dict, size: int, layout: str, data_seed: int) -> tuple:
+    """(train, valid) for a labelled-set size. random: the first `size` points of one draw (the
+    sets are nested) and of a second; even: MetaLMO's, each size its own evenly spaced draw.
+    The validation set has the training set's size, at most 128 (Shen)."""
+    k = min(size, 128)
+    if layout == "random":
+        return (Labeled(*(a[:size] for a in data["labeled"])),
+                Labeled(*(a[:k] for a in data["valid"])))
+    draw = lambda n, part: even_moons(n, np.random.default_rng((data_seed, part, n)))
+    return tuple(Labeled(moon_examples(xy), y) for xy, y in (draw(size, 1), draw(k, 2)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,12 +464,12 @@ def optimizers(student, teacher, args):
 PROTOCOLS = {
     "nanomlm": dict(steps=1000, batch_size=32, task_batch=8, lr=3e-3, clip=1.0,
                     dropout=0.0, betas=(0.9, 0.999), eps=1e-8, warmup=None, ft_lr=1e-2,
-                    ft_steps=200, ft_epochs=None, ft_warmup=None),
+                    ft_steps=200, ft_epochs=None, ft_warmup=None, labeled_points="random"),
     # 640k samples = 40k steps of 16; lr/sqrt(n) after a linear warm-up, from 0.08 (so 2.5e-3
     # at its peak, step 1000); fine-tuning: 100 epochs, the peak 0.04/sqrt(10) = 1.2e-2
     "shen": dict(steps=40000, batch_size=16, task_batch=4, lr=0.08, clip=5.0,
                  dropout=0.1, betas=(0.9, 0.98), eps=1e-6, warmup=1000, ft_lr=0.04,
-                 ft_steps=None, ft_epochs=100, ft_warmup=10),
+                 ft_steps=None, ft_epochs=100, ft_warmup=10, labeled_points="even"),
 }
 FT_BATCH = {"mlm": (1, 1, 1, 8, 16)}  # Shen's Table 6, for n = 10, 20, 40, 80, 160
 FT_BATCH_OTHERS = (1, 2, 4, 8, 16)
@@ -568,7 +593,8 @@ def moons_cell(args, data, size, seed, device):
     torch.manual_seed(seed)
     student, teacher = Encoder(cfg).to(device).train(), Teacher(cfg).to(device).train()
     U = torch.as_tensor(data["unlabeled"], device=device)
-    train = Labeled(*(torch.as_tensor(a[:size], device=device) for a in data["labeled"]))
+    train, valid = (Labeled(*(torch.as_tensor(a, device=device) for a in part))
+                    for part in labeled_sets(data, size, args.labeled_points, args.data_seed))
     label_ids = torch.tensor(tok["label"], device=device)
 
     def unlabeled(step, gen):
@@ -596,8 +622,6 @@ def moons_cell(args, data, size, seed, device):
         pretrain(student, teacher, unlabeled, labeled, replace_args(args, seed=seed), device,
                  desc=f"{args.labels} n={size} seed={seed}", show=show)
     test = Labeled(*(torch.as_tensor(a, device=device) for a in data["test"]))
-    k = min(size, 128)  # Shen: a validation set of the training set's size, at most 128
-    valid = Labeled(*(torch.as_tensor(a[:k], device=device) for a in data["valid"]))
     return finetune_predict(student, train, valid, test, label_ids, args, seed), "".join(written)
 
 
@@ -813,6 +837,10 @@ def main(argv=None):
     add("--sizes", default="10,20,40,80,160",
         help="two_moons: labelled-set sizes (even, at most 160)")
     add("--data-seed", type=int, default=0, help="two_moons: seed of the generated data")
+    add("--labeled-points", choices=("random", "even"), default=None,
+        help="two_moons: the labelled and validation points: random (drawn as the rest; the "
+        "first n of one draw) or even (MetaLMO's make_moons(n): evenly spaced along each moon, "
+        "then noise; one draw per size) (default random; shen even)")
     add("--workers", type=int, default=2,
         help="two_moons on CPU: table entries computed in parallel processes")
     add("--ft-steps", type=int, default=None,

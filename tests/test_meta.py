@@ -347,6 +347,32 @@ def test_moons_lie_on_their_half_circles():
     assert np.unique(grid[:, 0]).size > 50  # the grid is used, not collapsed
 
 
+def test_even_labelled_points_are_scikit_learns_make_moons():
+    """--labeled-points even: MetaLMO's make_moons(n) (scikit-learn's: n/2 points per moon at t =
+    linspace(0, pi, n/2), then noise); without noise, n = 10 by hand: t = 0, pi/4, ..., pi."""
+    xy, label = M.even_moons(10, np.random.default_rng(0), noise=0.0)
+    r = math.sqrt(0.5)
+    upper = [(1, 0), (r, r), (0, 1), (-r, r), (-1, 0)]                  # (cos t, sin t)
+    lower = [(0, 0.5), (1 - r, 0.5 - r), (1, -0.5), (1 + r, 0.5 - r), (2, 0.5)]
+    assert label.tolist() == [0, 1] * 5
+    assert np.allclose(xy[0::2], upper) and np.allclose(xy[1::2], lower)
+    noisy, _ = M.even_moons(10, np.random.default_rng(0))
+    assert 0.03 < np.std(noisy - xy) < 0.2                              # N(0, 0.1^2) added
+    # the sets: one draw per size (not nested), validation apart from training, by data seed
+    data = M.two_moons(0, n_unlabeled=16)
+    (tr, va), (tr2, _) = (M.labeled_sets(data, n, "even", 0) for n in (10, 20))
+    assert tr.x.shape == (10, 4) and va.x.shape == (10, 4) and tr2.x.shape == (20, 4)
+    assert (tr.x[:, 0] == data["tokens"]["task"]["moon"]).all() and (tr.x[:, 3] == M.SEP).all()
+    assert not np.array_equal(tr.x, va.x) and not np.array_equal(tr.x, tr2.x[:10])
+    assert np.array_equal(M.labeled_sets(data, 10, "even", 0)[0].x, tr.x)
+    assert not np.array_equal(M.labeled_sets(data, 10, "even", 1)[0].x, tr.x)
+    assert M.labeled_sets(data, 160, "even", 0)[1].x.shape == (128, 4)  # at most 128
+    # random: the first n of the data's own draws, as before the flag
+    rt, rv = M.labeled_sets(data, 10, "random", 0)
+    assert np.array_equal(rt.x, data["labeled"].x[:10])
+    assert np.array_equal(rv.y, data["valid"].y[:10])
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 
@@ -410,7 +436,8 @@ def test_shens_schedule_is_metalmos_rule():
 @pytest.mark.parametrize("typed, want", [
     ([], dict(steps=40000, batch_size=16, task_batch=4, lr=0.08, teacher_lr=0.08, clip=5.0,
               dropout=0.1, ft_epochs=100, ft_lr=0.04, ft_warmup=10, warmup=1000,
-              betas=(0.9, 0.98), eps=1e-6)),
+              betas=(0.9, 0.98), eps=1e-6, labeled_points="even")),
+    (["--labeled-points", "random"], dict(labeled_points="random", steps=40000)),
     (["--steps", "7", "--lr", "0.01"], dict(steps=7, lr=0.01, teacher_lr=0.01, batch_size=16)),
 ])
 def test_shen_protocol_fills_what_is_not_typed(typed, want, monkeypatch):
@@ -490,14 +517,19 @@ def test_shen_fine_tuning_keeps_the_best_validation_epoch(tmp_path, monkeypatch)
     """Two Moons under --protocol shen end to end (a few steps). The fine-tuning's choice: the
     test predictions kept are those made after the first epoch with the best accuracy on the
     10 validation examples."""
-    calls, predict = [], M.predict
+    calls, predict, sets, finetune = [], M.predict, [], M.finetune_predict
     monkeypatch.setattr(M, "predict", lambda model, x, ids: (
         calls.append((len(x), predict(model, x, ids))), calls[-1][1])[1])
+    monkeypatch.setattr(M, "finetune_predict", lambda student, train, valid, *a: (
+        sets.append((train, valid)), finetune(student, train, valid, *a))[1])
     out = tmp_path / "run"
     M.main(["--protocol", "shen", "--labels", "soft", "--sizes", "10", "--seeds", "0",
             "--steps", "3", "--ft-epochs", "6", "--ft-lr", "0.3", "--workers", "1",
             "--device", "cpu", "--out-dir", str(out)])
-    valid_y = torch.as_tensor(M.two_moons(0)["valid"].y[:10])
+    train, valid = M.labeled_sets(M.two_moons(0), 10, "even", 0)  # shen: MetaLMO's points
+    assert [torch.equal(got.x, torch.as_tensor(want.x)) for got, want in
+            zip(sets[0], (train, valid))] == [True, True]
+    valid_y = torch.as_tensor(valid.y)
     accs, tests, kept = [], [], None
     for n, preds in calls:
         if n == 10:
