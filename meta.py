@@ -103,26 +103,28 @@ MOONS_TOKENS = extra_tokens(COORD + GRID, ["moon"], size=512)  # Shen's 512-toke
 MOONS_TOKENS["label"] = label_tokens(MOONS_TOKENS["task"]["moon"], 2)
 
 
-def make_moons(n: int, rng, noise: float = 0.1):
-    """n points on two interleaved half circles plus N(0, noise^2) (scikit-learn's make_moons,
-    drawn afresh): label 0 on (cos t, sin t), label 1 on (1 - cos t, 1/2 - sin t), t ~ U[0, pi]."""
-    label = rng.integers(0, 2, n)
-    t = rng.uniform(0, np.pi, n)
+def on_moons(t, label):
+    """(n,) angles and labels -> (n, 2) points on two interleaved half circles: label 0 on
+    (cos t, sin t), label 1 on (1 - cos t, 1/2 - sin t)."""
     upper = np.stack([np.cos(t), np.sin(t)], 1)
     lower = np.stack([1 - np.cos(t), 0.5 - np.sin(t)], 1)
-    xy = np.where(label[:, None] == 0, upper, lower)
-    return xy + rng.normal(0, noise, (n, 2)), label
+    return np.where(label[:, None] == 0, upper, lower)
+
+
+def make_moons(n: int, rng, noise: float = 0.1):
+    """n points on the moons plus N(0, noise^2) (scikit-learn's make_moons, drawn afresh): random
+    labels, t ~ U[0, pi]."""
+    label = rng.integers(0, 2, n)
+    t = rng.uniform(0, np.pi, n)
+    return on_moons(t, label) + rng.normal(0, noise, (n, 2)), label
 
 
 def even_moons(n: int, rng, noise: float = 0.1):
     """scikit-learn's make_moons(n, noise=0.1) as MetaLMO draws its labelled and validation sets
     ("an even distribution since the sizes are so small", data/config/two_moons.py): t evenly
     spaced, linspace(0, pi, n/2) on each moon, plus N(0, noise^2); classes alternate. n even."""
-    t = np.linspace(0, np.pi, n // 2)
-    upper = np.stack([np.cos(t), np.sin(t)], 1)                       # (n/2, 2), label 0
-    lower = np.stack([1 - np.cos(t), 0.5 - np.sin(t)], 1)             # (n/2, 2), label 1
-    xy = np.stack([upper, lower], 1).reshape(n, 2)
-    return xy + rng.normal(0, noise, (n, 2)), np.tile([0, 1], n // 2)
+    t, label = np.repeat(np.linspace(0, np.pi, n // 2), 2), np.tile([0, 1], n // 2)
+    return on_moons(t, label) + rng.normal(0, noise, (n, 2)), label
 
 
 def to_grid(xy):
