@@ -51,9 +51,10 @@ import torch.nn.functional as F
 
 import evaluate
 import sparse
-from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
+from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, mask_capacity, raw_root
 from model import (PRESETS, REPO, Encoder, ModelConfig, autocast, ema_update, flex_relative,
-                   pick_device, relative_buckets, relative_scores, use_bf16, use_flex)
+                   pick_device, relative_buckets, relative_scores, use_bf16, use_compile,
+                   use_flex)
 from tests.ltg_bert import LtgBert
 
 V = VOCAB_SIZE
@@ -90,10 +91,10 @@ def row(bench, case, unit, ours, ref_name="-", ref=None, **extra):
 
 def bench_step(args, device, tmp):
     """One train.py run per (size, objective); mlm first, whose checkpoint the two-phase
-    objectives distil from (mlsm: a dictionary of random unit atoms, which codes faster than a
-    learned one, see sparse). Beside tokens/s: the recompilations torch.compile logged (dynamo's
-    TORCH_LOGS=recompiles) and, for mlsm, the share of training time spent coding targets."""
-    rows = []
+    objectives distil from (mlsm: a dictionary of random unit atoms; fista100 takes 100 steps
+    whatever the atoms). Beside tokens/s: the recompilations torch.compile logged (dynamo's
+    TORCH_LOGS=recompiles) and, for mlsm, a batch's coding time alone (coder_ms) and its share
+    of a step's time (code_share; coder_seconds)."""
     k = max(1, args.steps // 5)  # steps per log interval: 5 intervals, the first not timed
     for size in args.sizes:
         base = None
@@ -131,18 +132,33 @@ def bench_step(args, device, tmp):
             tps = [e["tok_per_s"] for e in log if "tok_per_s" in e][1:]  # the first warms up
             extra = {"peak_mem_gb": max((e.get("peak_mem_gb", 0) for e in log), default=0),
                      "recompiles": r.stderr.count("Recompiling function")}
-            shares = [e["code_share"] for e in log if "code_share" in e][1:]
-            if shares:
-                extra["code_share"] = statistics.median(shares)
+            if objective.startswith("mlsm"):  # the coder timed alone, not inside the step
+                coder = coder_seconds(args, device, D)
+                step_s = args.batch_size * args.seq_len / statistics.median(tps)
+                extra.update(coder_ms=1e3 * coder, code_share=coder / step_s)
             if device.type == "cuda" and objective == "mlm":
                 cfg = ModelConfig(**PRESETS[size], vocab_size=V)
                 extra["mfu"] = mfu(cfg, args.seq_len, statistics.median(tps), device)
             reference = ("mlm", base) if objective != "mlm" else ("-", None)
             case = f"{objective} {size} {args.batch_size}x{args.seq_len}"
-            rows.append(row("step", case, "tokens/s", tps, *reference, **extra))
+            yield row("step", case, "tokens/s", tps, *reference, **extra)
             if objective == "mlm":
                 base = tps
-    return rows
+
+
+def coder_seconds(args, device, D) -> float:
+    """Seconds of one batch's fista100 targets, timed alone: mask_capacity's B int(p T) unit
+    vectors (mlsm's uniform masking) against D, compiled where train.py compiles the step.
+    Timing it inside the step would split the step's compiled graph."""
+    C = mask_capacity(args.batch_size, args.seq_len, 0.15)
+    g = torch.Generator().manual_seed(0)
+    H = F.normalize(torch.randn(C, D.shape[0], generator=g), dim=-1).to(device)
+    D = D.to(device)
+    L = torch.linalg.matrix_norm(D, ord=2) ** 2
+    code = lambda: sparse.fista_fixed(H, D, sparse.DictConfig().lam, 100, L)
+    if use_compile(device, args.compile):
+        code = torch.compile(code)
+    return 1 / statistics.median(rates(code, 1, device, 2, 5))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, masked=0.15) -> float:
@@ -190,8 +206,7 @@ def bench_bert(args, device, tmp):
     except ImportError:
         print("note: transformers is not installed; the BertForMaskedLM rows are skipped (it is "
               "never a requirement)")
-        return []
-    rows = []
+        return
     B, T = args.batch_size, args.seq_len
     warmup, repeat = (1, 3) if args.quick else (3, 10)
     bf16 = use_bf16(device, args.bf16)
@@ -238,12 +253,11 @@ def bench_bert(args, device, tmp):
             name += ", compiled (both)" if args.compile else ""
             params = f"{ours.num_params() / 1e6:.1f}M vs {theirs.num_parameters() / 1e6:.1f}M"
             case = f"mlm step {size} {B}x{T}{name} ({params} params)"
-            rows.append(row("bert", case, "tokens/s", a, "BertForMaskedLM", b,
-                            flops_ratio=flops_per_token(cfg, T) / bert_flops_per_token(cfg, T)))
+            yield row("bert", case, "tokens/s", a, "BertForMaskedLM", b,
+                      flops_ratio=flops_per_token(cfg, T) / bert_flops_per_token(cfg, T))
             if args.profile:
                 PROFILES[f"bert: {case}"] = {"ours": profile_ops(step_ours, device),
                                              "BertForMaskedLM": profile_ops(step_theirs, device)}
-    return rows
 
 
 def alternate(fn_a, fn_b, work, device, warmup, repeat):
@@ -287,7 +301,6 @@ def print_profiles():
 def bench_ltg(args, device, tmp):
     """Our MLM step against LTG-BERT's model code (tests/ltg_bert.py) with the same weights, the
     two timed alternately; max_abs_diff: their logits against ours in float32, dropout off."""
-    rows = []
     B, T = args.batch_size, args.seq_len
     warmup, repeat = (1, 3) if args.quick else (3, 10)
     amp = autocast(device, args.bf16)
@@ -321,12 +334,11 @@ def bench_ltg(args, device, tmp):
                                 ids.t()[masked.t()])
         a, b = alternate(step_ours, step_ltg, B * T, device, warmup, repeat)
         case = f"mlm step {size} {B}x{T}" + (", compiled (both)" if args.compile else "")
-        rows.append(row("ltg", case, "tokens/s", a, "LTG-BERT model code", b,
-                        max_abs_diff=diff.max().item()))
+        yield row("ltg", case, "tokens/s", a, "LTG-BERT model code", b,
+                  max_abs_diff=diff.max().item())
         if args.profile:
             PROFILES[f"ltg: {case}"] = {name: profile_ops(fn, device) for name, fn in
                                         (("ours", step_ours), ("LTG-BERT model code", step_ltg))}
-    return rows
 
 
 
@@ -382,7 +394,6 @@ def bench_attn(args, device, tmp):
     """One attention layer's core, forward and backward, dropout off, a quarter of the rows
     padded at the end: each variant against the gather path, with the largest difference from
     it in the output and in every gradient (max_abs_diff). A variant that fails says why."""
-    rows = []
     B, T = args.batch_size, args.seq_len
     warmup, repeat = (1, 2) if args.quick else (3, 10)
     dtype = torch.bfloat16 if use_bf16(device, args.bf16) else torch.float32
@@ -423,18 +434,16 @@ def bench_attn(args, device, tmp):
                 diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
                 a, b = alternate(lambda: run(fn, bw), lambda: run(variants["gather"], bw), B * T,
                                  device, warmup, repeat)
-                rows.append(row("attn", f"{size} {B}x{T}, {name}", "tokens/s", a, "gather", b,
-                                max_abs_diff=diff))
+                yield row("attn", f"{size} {B}x{T}, {name}", "tokens/s", a, "gather", b,
+                          max_abs_diff=diff)
             except Exception as e:  # a kernel that refuses these inputs: the row says so
-                rows.append(row("attn", f"{size} {B}x{T}, {name}", "tokens/s", [0.0], "gather",
-                                ref, failed=f"{type(e).__name__}: {str(e)[:120]}"))
-    return rows
+                yield row("attn", f"{size} {B}x{T}, {name}", "tokens/s", [0.0], "gather",
+                          ref, failed=f"{type(e).__name__}: {str(e)[:120]}")
 
 # ---------------------------------------------------------------------------------------------
 # EMA, PLL scoring, sparse coding, the sampler
 
 def bench_ema(args, device, tmp):
-    rows = []
     for size in args.sizes:
         student = Encoder(ModelConfig(**PRESETS[size], vocab_size=V)).to(device)
         teacher = copy.deepcopy(student)
@@ -442,9 +451,8 @@ def bench_ema(args, device, tmp):
         fused = rates(lambda: ema_update(teacher, student, 0.999, fused=True), 1, device, *reps)
         loop = rates(lambda: ema_update(teacher, student, 0.999, fused=False), 1, device, *reps)
         tensors = sum(1 for _ in student.parameters())
-        rows.append(row("ema", f"{size} ({tensors} tensors)", "updates/s", fused,
-                        "per-tensor loop", loop))
-    return rows
+        yield row("ema", f"{size} ({tensors} tensors)", "updates/s", fused,
+                  "per-tensor loop", loop)
 
 
 @torch.no_grad()
@@ -465,7 +473,6 @@ def pll_naive(model, seqs, device):
 def bench_pll(args, device, tmp):
     """evaluate.py's scorer as `evaluate.py blimp` runs it (its batch size for the device,
     temperature 1), against one forward per masked copy."""
-    rows = []
     g = torch.Generator().manual_seed(0)
     n = 8 if args.quick else 64
     lengths = torch.randint(8, 25, (n,), generator=g).tolist()
@@ -485,17 +492,16 @@ def bench_pll(args, device, tmp):
         ours = rates(batched, n, device, *reps)
         naive = rates(lambda: pll_naive(model, seqs, device), n, device,
                       *((0, 1) if args.quick else (1, 2)))
-        rows.append(row("pll", f"{size}, {n} sentences of 8-24 tokens", "sentences/s", ours,
-                        "one forward per copy", naive, max_abs_diff=err))
+        yield row("pll", f"{size}, {n} sentences of 8-24 tokens", "sentences/s", ours,
+                  "one forward per copy", naive, max_abs_diff=err)
         if device.type != "cuda":  # on the CPU flex compiles once per shape (model.py), and it
             continue               # scored at 0.93x (tiny) and 0.95x (small): docs/bench.md
         # the same scorer with relative attention through flex (model.use_flex)
         toggled = lambda on: lambda: (use_flex(model, on), batched())[1]
         diff = float(abs(toggled(True)() - toggled(False)()).max())
         a, b = alternate(toggled(True), toggled(False), n, device, *reps)
-        rows.append(row("pll", f"{size}, {n} sentences of 8-24 tokens, flex_attention",
-                        "sentences/s", a, "gather path", b, max_abs_diff=diff))
-    return rows
+        yield row("pll", f"{size}, {n} sentences of 8-24 tokens, flex_attention",
+                  "sentences/s", a, "gather path", b, max_abs_diff=diff)
 
 
 def sparse_problem(kind, d, k, n, seed=0):
@@ -534,7 +540,6 @@ def bench_sparse(args, device, tmp):
     lam, k = 0.05, (500 if args.quick else 2500)
     n, sk = (128, 16) if args.quick else (1024, 128)
     objective = lambda H, D, A: sparse.objective(H, D, A, lam).double().mean().item()
-    rows = []
     for d in ([128] if args.quick else [384, 768]):
         for kind in ("isotropic", "anisotropic", "learned"):
             H, D = sparse_problem(kind, d, k, n)
@@ -561,17 +566,16 @@ def bench_sparse(args, device, tmp):
                 algs = list(refs) if work else list(refs)[:1]  # plain FISTA: against lasso_cd
                 for alg in algs or [None]:
                     ref, ref_obj = refs[alg] if alg else (None, None)
-                    rows.append(row("sparse", f"{kind} d={d} k={k}, {name}", "vectors/s", ours,
-                                    f"sklearn {alg}" if alg else "-", ref, objective=obj,
-                                    **({"ref_objective": ref_obj} if alg else {})))
-    return rows
+                    yield row("sparse", f"{kind} d={d} k={k}, {name}", "vectors/s", ours,
+                              f"sklearn {alg}" if alg else "-", ref, objective=obj,
+                              **({"ref_objective": ref_obj} if alg else {}))
 
 
 def bench_sampler(args, device, tmp):
     ud = raw_root() / "ud"
     if not ud.is_dir():
         print(f"note: no UD treebanks at {ud}; the sampler row is skipped")
-        return []
+        return
     n = 5000 if args.quick else 100000
     speeds = []
     for rep in range(1 if args.quick else 3):
@@ -582,7 +586,7 @@ def bench_sampler(args, device, tmp):
         if r.returncode:
             raise SystemExit(f"error: synth.py failed:\n{r.stderr[-2000:]}")
         speeds.append(json.loads((out / "stats.json").read_text())["sentences_per_s"])
-    return [row("sampler", f"PCFG from French UD, {n} sentences, zipf", "sentences/s", speeds)]
+    yield row("sampler", f"PCFG from French UD, {n} sentences, zipf", "sentences/s", speeds)
 
 
 BENCHES = {"step": bench_step, "bert": bench_bert, "ltg": bench_ltg, "attn": bench_attn,
@@ -686,19 +690,29 @@ def main(argv=None):
         raise SystemExit(f"error: --only {','.join(sorted(unknown))}: not one of "
                          f"{','.join(BENCHES)}")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.only.split(","):
-            t = time.time()
-            rows += BENCHES[name](args, device, tmp)
-            print(f"{name}: {time.time() - t:.0f}s", file=sys.stderr)
     machine = torch.cuda.get_device_name(device) if not cpu else cpu_name()
     saved = {"machine": machine, "device": device.type, "torch": torch.__version__,
              "date": str(datetime.date.today()), "args": vars(args), "rows": rows}
+
+    def write():  # after every row: a run cut off by a time limit keeps what it measured
+        saved.update({"profiles": PROFILES} if PROFILES else {})
+        tmp_out = Path(f"{args.out}.tmp")
+        tmp_out.write_text(json.dumps(saved, indent=1))
+        tmp_out.replace(args.out)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.only.split(","):
+            t = time.time()
+            for r in BENCHES[name](args, device, tmp):
+                rows.append(r)
+                write()
+                print(f"{name}: {r['case']}: {fmt(r['ours'])} {r['unit']}"
+                      + (f", {r['ratio']:.2f}x {r['reference']}" if r["ratio"] else ""),
+                      file=sys.stderr)
+            print(f"{name}: {time.time() - t:.0f}s", file=sys.stderr)
+    write()
     if PROFILES:
-        saved["profiles"] = PROFILES
         print_profiles()
     print("\n" + table(saved))
-    Path(args.out).write_text(json.dumps(saved, indent=1))
     print(f"wrote {args.out}")
     return rows
 

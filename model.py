@@ -347,9 +347,10 @@ class Encoder(nn.Module):
         1); positions (B, T) long, each token's position in its sequence (default 0..T-1; a
         subset of a sequence keeps its own). Returns the last hidden states (B, T, D), or with
         all_layers the list [embeddings, layer 1, ..., layer n_layer] (the last after the final
-        norm, where the config has one). With predict, a (B, T)
-        bool of positions to score, returns (hidden, logits (N, V)) for the N true positions in
-        row-major order (the MLM head runs on those alone)."""
+        norm, where the config has one). With predict, the positions to score: a (B, T) bool, or
+        (N,) long flat positions row * T + column (a fixed N keeps a compiled step's shapes
+        static: data/prepare.py's predicted_slots); returns (hidden, logits (N, V)) for those N
+        positions, a bool's in row-major order (the MLM head runs on those alone)."""
         B, T = input_ids.shape[:2]
         longest = self.config.max_position
         assert T <= longest, f"sequence of {T} > max_position {longest}"
@@ -368,7 +369,7 @@ class Encoder(nn.Module):
         out = hidden if all_layers else hidden[-1]
         if predict is None:
             return out
-        return out, self.head(hidden[-1][predict])
+        return out, self.head(hidden[-1].flatten(0, 1)[predict.flatten()])
 
     def head(self, h):
         """MLM head: (..., D) -> (..., V) logits."""
@@ -498,14 +499,17 @@ class BootPredictor(nn.Module):
         self.config = encoder.config
 
     def forward(self, input_ids, attention_mask=None, predict=None, hide=None):
-        """input_ids (B, T) -> the decoder's states (B, T, D), or with predict (B, T) bool,
-        (states, logits (N, V)) as Encoder.forward. hide (B, T) bool: the positions the encoder
-        does not read (default: those holding [MASK]); a teacher given clean text is told them."""
+        """input_ids (B, T) -> the decoder's states (B, T, D), or with predict ((B, T) bool or
+        (N,) flat positions), (states, logits (N, V)) as Encoder.forward. hide (B, T) bool: the
+        positions the encoder does not read (default: those holding [MASK]); a teacher given
+        clean text is told them."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         hide = input_ids == self.mask_id if hide is None else hide
         x = boot_states(self.encoder, self.heads, input_ids, attention_mask, hide)
-        return x if predict is None else (x, self.encoder.head(x[predict]))
+        if predict is None:
+            return x
+        return x, self.encoder.head(x.flatten(0, 1)[predict.flatten()])
 
     def logits(self, input_ids, attention_mask=None):
         """(B, T, V) logits at every position."""

@@ -154,15 +154,20 @@ def fista_fixed(H, D, lam: float, iters: int = 100, L=None):
     `iters` FISTA steps (Beck & Teboulle 2009) from a = 0 over all k atoms, step 1/L with L the
     largest eigenvalue of D D^T, no restart and no stopping test. H (n, d), D (d, k) -> (n, k) >= 0.
     On coherent dictionaries 100 steps are far from the optimum of (1): the codes keep more,
-    smaller non-zeros than sparse_code's. L may be passed in, computed once for a frozen D."""
+    smaller non-zeros than sparse_code's. L may be passed in, computed once for a frozen D.
+
+    The momentum's t is a 0-d tensor, not a Python float: every iteration is then the same
+    computation on tensors, which torch.compile traces into identical code that inductor
+    generates once (floats would be a new constant in each of the 100 unrolled copies). Its
+    values are the float recursion's to float32 rounding."""
     if L is None:
         L = torch.linalg.matrix_norm(D, ord=2) ** 2              # = the top eigenvalue of D D^T
     HD = H @ D                                                   # (n, k)
     a = y = torch.zeros_like(HD)
-    t = 1.0
+    t = torch.ones((), dtype=HD.dtype, device=HD.device)
     for _ in range(iters):
         nxt = (y + (HD - (y @ D.T) @ D) / L - lam / L).clamp(min=0)  # a gradient step, then prox
-        t_next = (1 + (1 + 4 * t * t) ** 0.5) / 2
+        t_next = (1 + torch.sqrt(1 + 4 * t * t)) / 2
         y = nxt + (t - 1) / t_next * (nxt - a)
         a, t = nxt, t_next
     return a

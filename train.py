@@ -50,8 +50,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import sparse
-from data.prepare import (VOCAB_SIZE, Segments, bar, duration, line_buffered, load_meta, prepare,
-                          span_mask, uniform_mask)
+from data.prepare import (VOCAB_SIZE, Segments, bar, duration, line_buffered, load_meta,
+                          mask_capacity, predicted_slots, prepare, span_mask, uniform_mask)
 from model import (PARTS, PRESETS, REPO, BootHeads, BootPredictor, Encoder, Lamb, ModelConfig,
                    RunFolder, autocast, boot_states, check_config, code_version, ema_update,
                    field_help, load_checkpoint, load_weights, peak_memory_gb, pick_device,
@@ -64,20 +64,32 @@ CODE = ["model.py", "train.py", "sparse.py", "data/prepare.py"]  # a run's code/
 # Batches: a token stream's segments, masked on the device (data/prepare.py)
 
 def make_batch(ids, args, vocab_size, gen):
+    """ids (B, T) -> the batch every objective reads. The predicted positions are also given as
+    a fixed number C of slots (mask_capacity: exactly B int(p T) for uniform masking, a bound
+    for spans), so that the compiled step has one shape and never waits for the device."""
+    B, T = ids.shape
     if args.masking == "uniform":  # the MLSM code's: int(p T) tokens per row, all [MASK]
+        capacity = mask_capacity(B, T, args.mask_p)
         inputs, labels = uniform_mask(ids, args.mask_p, gen)
     else:  # LTG-BERT's spans, 80/10/10 per span; token: spans of one, i.e. BERT's masking
-        inputs, labels = span_mask(ids, args.mask_p, vocab_size, gen,
-                                   mean_span=1.0 if args.masking == "token" else 3.0)
-    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), inputs=inputs, labels=labels)
+        mean_span = 1.0 if args.masking == "token" else 3.0
+        capacity = mask_capacity(B, T, args.mask_p, mean_span)
+        inputs, labels = span_mask(ids, args.mask_p, vocab_size, gen, mean_span, capacity)
+    slots = predicted_slots(labels, capacity)                              # (C,)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), inputs=inputs, labels=labels,
+                slots=slots, targets=labels.flatten()[slots])
 
 
 # ---------------------------------------------------------------------------------------------
 # Objectives: loss, figures = fn(model, batch, ctx)
 #   model:   a Trainee; model.encoder is the shared Encoder, model.heads what the objective adds
 #   batch:   input_ids (B, T) clean, attention_mask (B, T), inputs (B, T) masked, labels (B, T)
+#            (-100 where nothing is predicted); slots (C,) the flat positions b * T + t of the
+#            predicted tokens, then padding slots; targets (C,) their labels, -100 in padding
 #   ctx:     what an objective owns beyond what it trains (frozen teachers...), plus "args"
 #   figures: {name: 0-dim tensor}, averaged over the log interval and written to log.jsonl
+# Losses are means over the predicted slots, padding weighed out: a batch with nothing to
+# predict gives 0 and no gradient, not 0/0. No tensor becomes a Python number in a loss.
 
 class Trainee(nn.Module):
     """What one phase trains: the encoder plus the modules its objective adds. Its forward is
@@ -98,19 +110,28 @@ class Parts:
     ctx: dict = field(default_factory=dict)      # what the loss reads: frozen teachers, ...
     saved: dict = field(default_factory=dict)    # {name: module} in ckpt["ctx_state"], restored
     after_step: Callable | None = None           # (step, start, end): after each optimizer step
-    figures: Callable | None = None              # (seconds) -> {name: value} for each log line
 
 
-def accuracy(logits, target):
-    return (logits.argmax(-1) == target).float().mean()
+def slot_mean(x, predicted):
+    """x (C,) per slot -> its mean over the predicted slots (predicted (C,) bool)."""
+    return torch.where(predicted, x, 0.0).sum() / predicted.sum().clamp(min=1)
+
+
+def cross_entropy(logits, targets):
+    """Mean cross-entropy over the slots whose target is not -100."""
+    per_slot = F.cross_entropy(logits.float(), targets, reduction="none")  # 0 where -100
+    return slot_mean(per_slot, targets != -100)
+
+
+def accuracy(logits, targets):
+    return slot_mean((logits.argmax(-1) == targets).float(), targets != -100)
 
 
 def mlm(model, batch, ctx):
     """Masked language modelling (Devlin et al. 2019): cross-entropy at the chosen positions."""
-    predict = batch["labels"] != -100
-    _, logits = model.encoder(batch["inputs"], batch["attention_mask"], predict=predict)  # (N, V)
-    target = batch["labels"][predict]
-    return F.cross_entropy(logits.float(), target), {"acc": accuracy(logits, target)}
+    _, logits = model.encoder(batch["inputs"], batch["attention_mask"],
+                              predict=batch["slots"])                       # (C, V)
+    return cross_entropy(logits, batch["targets"]), {"acc": accuracy(logits, batch["targets"])}
 
 
 def boot(model, batch, ctx):
@@ -126,23 +147,26 @@ def boot(model, batch, ctx):
     LayerNorm (--final-norm, on for boot).
     """
     args, enc, heads = ctx["args"], model.encoder, model.heads
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    hide = batch["labels"] != -100                                       # (B, T)
-    out = boot_states(enc, heads, batch["inputs"], mask, hide, ctx["compact"])[hide]  # (N, D)
-    if out.shape[0] == 0:  # the smooth-L1 and cross-entropy means would be 0/0 = NaN
-        raise SystemExit("error: boot: no token of this batch is masked, so there is nothing to "
-                         "reconstruct; raise --mask-p or --seq-len")
+    ids, mask, slots, targets = (batch[k] for k in ("input_ids", "attention_mask", "slots",
+                                                    "targets"))
+    hide = batch["labels"] != -100                                         # (B, T)
+    predicted = targets != -100                                            # (C,)
+    out = boot_states(enc, heads, batch["inputs"], mask, hide, ctx["compact"])
+    out = out.flatten(0, 1)[slots]                                         # (C, D)
     with torch.no_grad():
-        target = ctx["ema"](ids, mask)[hide].float()
+        target = ctx["ema"](ids, mask).flatten(0, 1)[slots].float()        # (C, D)
         target = F.layer_norm(target, target.shape[-1:])
-    lb = F.smooth_l1_loss(heads.regress(out).float(), target)
-    labels = batch["labels"][hide]
-    logits = enc.head(out)
-    ce = F.cross_entropy(logits.float(), labels)
+    per_slot = F.smooth_l1_loss(heads.regress(out).float(), target, reduction="none").mean(-1)
+    lb = slot_mean(per_slot, predicted)
+    logits = enc.head(out)                                                 # (C, V)
+    ce = cross_entropy(logits, targets)
     # a collapse gauge: how much the targets differ from token to token, per dimension (1: as
-    # much as within a vector; 0: every position gets the same target)
-    spread = target.std(0).mean()
-    figures = {"lb": lb, "mlm": ce, "acc": accuracy(logits, labels), "target_std": spread}
+    # much as within a vector; 0: every position gets the same target); the predicted slots'
+    # standard deviation, written out so that the padding slots stay out of it
+    w, n = predicted[:, None].float(), predicted.sum()
+    centred = target - (target * w).sum(0) / n.clamp(min=1)
+    spread = ((centred ** 2 * w).sum(0) / (n - 1).clamp(min=1)).sqrt().mean()
+    figures = {"lb": lb, "mlm": ce, "acc": accuracy(logits, targets), "target_std": spread}
     return args.lb_weight * lb + args.mlm_weight * ce, figures
 
 
@@ -170,20 +194,21 @@ def kd(model, batch, ctx, with_mlm=False):
     "Better Together", sec. 2.2): KL(teacher || student) over the vocabulary at the masked
     positions, mean over positions, at temperature T and times T^2 (so gradients keep their
     size as T changes); kd+mlm adds --mlm-weight x the MLM cross-entropy."""
-    args = ctx["args"]
-    predict = batch["labels"] != -100
-    _, logits = model.encoder(batch["inputs"], batch["attention_mask"], predict=predict)  # (N, V)
+    args, slots, targets = ctx["args"], batch["slots"], batch["targets"]
+    _, logits = model.encoder(batch["inputs"], batch["attention_mask"], predict=slots)  # (C, V)
     with torch.no_grad():
         seen = batch["input_ids"] if args.kd_teacher_input == "clean" else batch["inputs"]
         # a boot teacher hides what it predicts from its encoder, as it was trained to
-        hidden = {"hide": predict} if isinstance(ctx["teacher"], BootPredictor) else {}
-        _, teacher = ctx["teacher"](seen, batch["attention_mask"], predict=predict, **hidden)
+        hidden = ({"hide": batch["labels"] != -100} if isinstance(ctx["teacher"], BootPredictor)
+                  else {})
+        _, teacher = ctx["teacher"](seen, batch["attention_mask"], predict=slots, **hidden)
     T = args.kd_temperature
-    kl = F.kl_div(F.log_softmax(logits.float() / T, -1), F.log_softmax(teacher.float() / T, -1),
-                  log_target=True, reduction="batchmean") * T * T
-    target = batch["labels"][predict]
-    ce = F.cross_entropy(logits.float(), target)
-    figures = {"kd": kl, "mlm": ce, "acc": accuracy(logits, target)}
+    per_slot = F.kl_div(F.log_softmax(logits.float() / T, -1),
+                        F.log_softmax(teacher.float() / T, -1),
+                        log_target=True, reduction="none").sum(-1)              # (C,)
+    kl = slot_mean(per_slot, targets != -100) * T * T
+    ce = cross_entropy(logits, targets)
+    figures = {"kd": kl, "mlm": ce, "acc": accuracy(logits, targets)}
     return kl + (args.mlm_weight * ce if with_mlm else 0.0), figures
 
 
@@ -212,35 +237,35 @@ def mlsm(model, batch, ctx, with_mlm=False):
     Loss: KL(target || prediction), mean over the positions whose code is not all zero (those
     have no distribution to predict and are left out, counted in zero_rate); mlsm+mlm adds
     --mlm-weight x the MLM cross-entropy at the same positions."""
-    args, enc = ctx["args"], model.encoder
-    predict = batch["labels"] != -100                                     # (B, T)
+    args, enc, slots, targets = ctx["args"], model.encoder, batch["slots"], batch["targets"]
+    predicted = targets != -100                                           # (C,)
     with torch.no_grad():
         states = ctx["teacher"](batch["input_ids"], batch["attention_mask"], all_layers=True)
-        h = states[ctx["layer"]][predict]                                 # (N, d)
-        with ctx["stopwatch"](model.training), torch.autocast(h.device.type, enabled=False):
+        h = states[ctx["layer"]].flatten(0, 1)[slots]                     # (C, d)
+        with torch.autocast(h.device.type, enabled=False):
             h = F.normalize(h.float(), dim=-1)
             if args.mlsm_coder == "fista100":  # the MLSM code's targets
-                codes = sparse.fista_fixed(h, ctx["dict"], args.mlsm_lam, 100, ctx["L"])  # (N, k)
-            else:
-                codes = sparse.sparse_code(h, ctx["dict"], args.mlsm_lam, args.mlsm_iters,
-                                           args.mlsm_tol)
-        mass = codes.sum(1, keepdim=True)                                 # (N, 1)
-        target = codes / mass.clamp(min=torch.finfo(codes.dtype).tiny)  # rows sum to 1, or stay 0
-        coded = (mass.squeeze(1) > 0).float()
+                codes = sparse.fista_fixed(h, ctx["dict"], args.mlsm_lam, 100, ctx["L"])  # (C, k)
+            else:  # its working set is sized by the data: run eagerly, a break in a compiled step
+                codes = torch.compiler.disable(sparse.sparse_code)(
+                    h, ctx["dict"], args.mlsm_lam, args.mlsm_iters, args.mlsm_tol)
+        mass = codes.sum(1, keepdim=True)                                 # (C, 1)
+        coded = (mass.squeeze(1) > 0) & predicted                         # (C,)
+        # rows sum to 1; all-zero codes and padding slots stay 0
+        target = codes / mass.clamp(min=torch.finfo(codes.dtype).tiny) * coded[:, None]
         n_coded = coded.sum().clamp(min=1)
-    feats = enc.head_in(enc(batch["inputs"], batch["attention_mask"])[predict])  # (N, D)
-    logp = F.log_softmax(model.heads.latent(feats).float(), -1)           # (N, k)
+    feats = enc.head_in(enc(batch["inputs"], batch["attention_mask"]).flatten(0, 1)[slots])
+    logp = F.log_softmax(model.heads.latent(feats).float(), -1)           # (C, k)
     # an all-zero target row adds exactly 0 to the sum (kl_div takes 0 log 0 = 0), so dividing by
     # the number of coded rows is the batch mean over those rows, without a host sync
     kl = F.kl_div(logp, target, reduction="sum") / n_coded
-    figs = {"kl": kl, "nnz": (codes > 0).sum(1).float().sum() / n_coded,
-            "zero_rate": 1 - coded.sum() / max(1, coded.numel())}
+    figs = {"kl": kl, "nnz": ((codes > 0) & coded[:, None]).sum() / n_coded,
+            "zero_rate": 1 - coded.sum() / predicted.sum().clamp(min=1)}
     if not with_mlm:
         return kl, figs
-    logits = F.linear(feats, enc.word.weight, enc.head_bias)              # (N, V)
-    labels = batch["labels"][predict]
-    ce = F.cross_entropy(logits.float(), labels)
-    return kl + args.mlm_weight * ce, {**figs, "mlm": ce, "acc": accuracy(logits, labels)}
+    logits = F.linear(feats, enc.word.weight, enc.head_bias)              # (C, V)
+    ce = cross_entropy(logits, targets)
+    return kl + args.mlm_weight * ce, {**figs, "mlm": ce, "acc": accuracy(logits, targets)}
 
 
 # train.py's mlsm flags -> the sparse.DictConfig fields they set (their defaults come from there)
@@ -286,55 +311,10 @@ def setup_mlsm(encoder, args, run_dir, device) -> Parts:
     with torch.no_grad():
         small_init(encoder.config.d_model)(head.weight)
         head.bias.zero_()
-    stopwatch = Stopwatch(device)  # logs code_share: the share of training time spent coding
     D = D.to(device)
     L = torch.linalg.matrix_norm(D, ord=2) ** 2  # fista_fixed's step 1/L, of the frozen D: once
-    ctx = {"teacher": teacher, "dict": D, "L": L, "layer": layer, "stopwatch": stopwatch}
-    return Parts(nn.ModuleDict({"latent": head}), ctx=ctx,
-                 figures=lambda seconds: {"code_share": stopwatch.read() / seconds})
-
-
-class Stopwatch:
-    """Seconds spent in a block, summed between two reads without making the host wait for the
-    device: CUDA events on a GPU (read at log steps, where the loop waits anyway), perf_counter
-    on a CPU. Under torch.compile each end of the block is a graph break that runs eagerly, so
-    the clock is read (the event recorded) where the block starts and ends, never traced into
-    a graph as a constant; the block itself still compiles."""
-
-    def __init__(self, device):
-        self.cuda, self.spans = torch.device(device).type == "cuda", []
-        # wrapped here, not decorated: torch.compiler.disable imports dynamo (about 2 s of
-        # every train.py start on our CPU, measured), which only a run that times a block needs
-        self._start, self._stop = map(torch.compiler.disable, (self._start, self._stop))
-
-    @contextlib.contextmanager
-    def __call__(self, on=True):
-        if not on:
-            yield
-            return
-        self._start()
-        yield
-        self._stop()
-
-    def _start(self):
-        if self.cuda:
-            self.spans.append([torch.cuda.Event(enable_timing=True)])
-            self.spans[-1][0].record()
-        else:
-            self.spans.append([time.perf_counter()])
-
-    def _stop(self):
-        if self.cuda:
-            self.spans[-1].append(torch.cuda.Event(enable_timing=True))
-            self.spans[-1][1].record()
-        else:
-            self.spans[-1].append(time.perf_counter())
-
-    def read(self) -> float:
-        cuda = self.cuda
-        total = sum(s.elapsed_time(e) / 1e3 if cuda else e - s for s, e in self.spans)
-        self.spans = []
-        return total
+    ctx = {"teacher": teacher, "dict": D, "L": L, "layer": layer}
+    return Parts(nn.ModuleDict({"latent": head}), ctx=ctx)
 
 
 class Objective(NamedTuple):
@@ -607,6 +587,9 @@ def get_args(argv):
     for k, v in {**SIZE_DEFAULTS[args.size], **(OBJECTIVES[args.objective].defaults or {})}.items():
         if k not in args.given:
             setattr(args, k, v)
+    if args.masking == "uniform" and int(args.mask_p * args.seq_len) < 1:
+        parser.error(f"--mask-p {args.mask_p:g} masks no token of a --seq-len {args.seq_len} "
+                     f"sequence under uniform masking (int(p T) = 0); raise either")
     return args
 
 
@@ -1056,10 +1039,9 @@ def main(argv=None):
                 dist.all_reduce(values)
                 values /= run.world
             elapsed = time.time() - t_log
-            extra = phase.parts.figures(elapsed) if phase.parts.figures else {}
             record = {"step": step, **dict(zip(names, values.tolist())), "lr": lr,
                       "tok_per_s": since_log * run.global_batch * args.seq_len / elapsed,
-                      "peak_mem_gb": peak_memory_gb(run.device), **extra}
+                      "peak_mem_gb": peak_memory_gb(run.device)}
             run.folder.log(record)
             # (a line cut short by a signal is too noisy to judge)
             spike, suspect = diverging(history, record, args.spike) if not stop else ("", False)
@@ -1071,7 +1053,7 @@ def main(argv=None):
                     f"{args.lr:g}), or --resume --spike 0 to train on.")
             history.append(record)
             eta = (time.time() - t0) / (step - step0) * (args.max_steps - step)
-            terms = "".join(f" | {k} {record[k]:.4f}" for k in [*figs, *extra] if k != "acc")
+            terms = "".join(f" | {k} {record[k]:.4f}" for k in figs if k != "acc")
             run.say(f"step {step}/{args.max_steps} | loss {record['loss']:.4f}{terms} | "
                     f"lr {lr:.1e} | {record['tok_per_s'] / 1e3:.1f}k tok/s | "
                     f"eta {duration(eta)}")
