@@ -245,7 +245,8 @@ def mlsm(model, batch, ctx, with_mlm=False):
         with torch.autocast(h.device.type, enabled=False):
             h = F.normalize(h.float(), dim=-1)
             if args.mlsm_coder == "fista100":  # the MLSM code's targets
-                codes = sparse.fista_fixed(h, ctx["dict"], args.mlsm_lam, 100, ctx["L"])  # (C, k)
+                codes = sparse.fista_fixed(h, ctx["dict"], args.mlsm_lam, 100, ctx["L"],
+                                           ctx["momentum"])                          # (C, k)
             else:  # its working set is sized by the data: run eagerly, a break in a compiled step
                 codes = torch.compiler.disable(sparse.sparse_code)(
                     h, ctx["dict"], args.mlsm_lam, args.mlsm_iters, args.mlsm_tol)
@@ -313,7 +314,8 @@ def setup_mlsm(encoder, args, run_dir, device) -> Parts:
         head.bias.zero_()
     D = D.to(device)
     L = torch.linalg.matrix_norm(D, ord=2) ** 2  # fista_fixed's step 1/L, of the frozen D: once
-    ctx = {"teacher": teacher, "dict": D, "L": L, "layer": layer}
+    ctx = {"teacher": teacher, "dict": D, "L": L, "momentum": sparse.fista_momentum(100, device),
+           "layer": layer}
     return Parts(nn.ModuleDict({"latent": head}), ctx=ctx)
 
 

@@ -289,3 +289,44 @@ def test_span_masking_is_a_function_of_the_generator():
     a = P.span_mask(ids, 0.15, 100, torch.Generator().manual_seed(7))
     b = P.span_mask(ids, 0.15, 100, torch.Generator().manual_seed(7))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("mean_span", [3.0, 1.0])
+def test_mask_capacity_bounds_the_chosen_count(mean_span):
+    """The chosen count of 4000 batches of 16 x 64 tokens: its standard deviation is the one
+    mask_capacity's formula gives (within 5%), the bound sits 6 of them above the mean (plus 8),
+    and no batch comes near it. With the capacity passed, span_mask keeps the first `capacity`
+    chosen tokens in row-major order and nothing else changes."""
+    B, T, p = 16, 64, 0.15
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 1000, (4000 * B, T), generator=gen)
+    ids[:, 0], ids[:, -1] = P.CLS, P.SEP
+    _, labels = P.span_mask(ids, p, 1000, gen, mean_span)
+    counts = (labels != -100).view(4000, B * T).sum(1).double()
+    cap = P.mask_capacity(B, T, p, mean_span)
+    n, m = B * (T - 2), mean_span
+    std = math.sqrt(n / m * (p * (2 * m * m - m) - (p * m) ** 2))
+    assert counts.std().item() == pytest.approx(std, rel=0.05)
+    assert counts.mean().item() == pytest.approx(p * n, rel=0.01)
+    assert cap == math.ceil(p * n + 6 * std) + 8 and counts.max() < p * n + 5 * std
+    few = 10
+    full = P.span_mask(ids[:B], p, 1000, torch.Generator().manual_seed(1), mean_span)
+    cut = P.span_mask(ids[:B], p, 1000, torch.Generator().manual_seed(1), mean_span, few)
+    chosen = (full[1] != -100).flatten()
+    keep = chosen & (chosen.cumsum(0) <= few)
+    assert chosen.sum() > few and torch.equal((cut[1] != -100).flatten(), keep)
+    assert torch.equal(cut[0].flatten()[keep], full[0].flatten()[keep])
+    assert torch.equal(cut[0].flatten()[~keep], ids[:B].flatten()[~keep])
+    assert P.mask_capacity(B, T, p) == B * int(p * T)  # uniform: exactly int(p T) per row
+
+
+def test_predicted_slots_are_the_boolean_index_then_padding():
+    """Hand-made labels: the slots list the predicted positions in row-major order (as
+    x[labels != -100] reads them), then positions predicting nothing up to the capacity."""
+    labels = torch.full((2, 4), -100)
+    labels[0, 2], labels[1, 0], labels[1, 3] = 7, 8, 9
+    slots = P.predicted_slots(labels, 5)
+    assert slots[:3].tolist() == [2, 4, 7] and slots.shape == (5,)
+    assert labels.flatten()[slots].tolist() == [7, 8, 9, -100, -100]
+    x = torch.randn(2, 4, 3)
+    assert torch.equal(x.flatten(0, 1)[slots[:3]], x[labels != -100])

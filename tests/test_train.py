@@ -421,6 +421,35 @@ def test_boot_ablations():
     assert loss.item() == pytest.approx(0.1 * figs["mlm"].item())
 
 
+def test_slot_losses_equal_the_boolean_index_ones():
+    """Span masking leaves padding slots in the batch; mlm's and boot's losses and figures over
+    the slots equal the same formulas over x[labels != -100] (the loss before static slots),
+    recomputed here."""
+    trainee, ctx, batch = objective_setup("mlm")
+    trainee.eval()
+    assert (batch["targets"] == -100).any()  # there are padding slots to weigh out
+    hide = batch["labels"] != -100
+    loss, figs = trainee(batch, ctx)
+    _, logits = trainee.encoder(batch["inputs"], predict=hide)
+    want = torch.nn.functional.cross_entropy(logits, batch["labels"][hide])
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    acc = (logits.argmax(-1) == batch["labels"][hide]).float().mean()
+    assert figs["acc"].item() == pytest.approx(acc.item())
+
+    trainee, ctx, batch = objective_setup("boot")
+    trainee.eval()
+    hide = batch["labels"] != -100
+    _, figs = trainee(batch, ctx)
+    out = T.boot_states(trainee.encoder, trainee.heads, batch["inputs"],
+                        batch["attention_mask"], hide)[hide]
+    target = ctx["ema"](batch["input_ids"])[hide]
+    target = torch.nn.functional.layer_norm(target, target.shape[-1:])
+    lb = torch.nn.functional.smooth_l1_loss(trainee.heads.regress(out), target)
+    ce = torch.nn.functional.cross_entropy(trainee.encoder.head(out), batch["labels"][hide])
+    for name, value in (("lb", lb), ("mlm", ce), ("target_std", target.std(0).mean())):
+        assert figs[name].item() == pytest.approx(value.item(), rel=1e-5), name
+
+
 def test_a_batch_with_nothing_to_predict_adds_nothing():
     """Every loss is a mean over the predicted slots: with none, 0 and zero gradients, not 0/0."""
     for objective in ("mlm", "boot"):
@@ -576,7 +605,7 @@ def mlsm_setup(lam=0.05, with_mlm=False, coder="exact"):
                        "--mlsm-tol", "1e-5", "--mlsm-coder", coder])
     head = torch.nn.Linear(32, 40)
     ctx = {"teacher": teacher, "dict": D, "L": torch.linalg.matrix_norm(D, ord=2) ** 2, "layer": 1,
-           "args": args}
+           "momentum": sparse.fista_momentum(100), "args": args}
     heads = torch.nn.ModuleDict({"latent": head})
     return T.Trainee(trainee.encoder, heads, T.OBJECTIVES[args.objective].loss), ctx, batch
 
