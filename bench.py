@@ -29,6 +29,8 @@ machine: rates (higher is better), median over repetitions after warm-up, with m
   sparse   sparse.sparse_code against scikit-learn's sparse_encode(positive=True), if
            installed, at matched objective (the gap is printed)
   sampler  synth.py's PCFG sampler, sentences/s (no reference)
+  compile  torch.compile's first call of mlsm's target coder (sparse.fista_fixed) against the
+           same steps with Python-float momentum, in compilations per minute
 The step and sampler rows run train.py and synth.py as the commands users run, on purpose: what
 they time is those commands.
 """
@@ -589,8 +591,51 @@ def bench_sampler(args, device, tmp):
     yield row("sampler", f"PCFG from French UD, {n} sentences, zipf", "sentences/s", speeds)
 
 
+def fista_float_momentum(H, D, lam, L, iters):
+    """sparse.fista_fixed as written before issue 41: the momentum weights as Python floats."""
+    HD = H @ D
+    a = y = torch.zeros_like(HD)
+    t = 1.0
+    for _ in range(iters):
+        nxt = (y + (HD - (y @ D.T) @ D) / L - lam / L).clamp(min=0)
+        t_next = (1 + (1 + 4 * t * t) ** 0.5) / 2
+        y = nxt + (t - 1) / t_next * (nxt - a)
+        a, t = nxt, t_next
+    return a
+
+
+def bench_compile(args, device, tmp):
+    """torch.compile's time to a first call, inductor with an empty cache, as compilations per
+    minute: sparse.fista_fixed as train.py's mlsm calls it (momentum weights as tensor inputs)
+    against the same steps with float momentum (the MLSM targets of a tiny 32 x 128 batch:
+    608 states of 128 dimensions, 3000 atoms); max_abs_diff between their codes."""
+    steps = 10 if args.quick else 100
+    g = torch.Generator().manual_seed(0)
+    H = F.normalize(torch.randn(mask_capacity(32, 128, 0.15), 128, generator=g), dim=-1)
+    D = F.normalize(torch.randn(128, sparse.DictConfig().k, generator=g), dim=0)
+    H, D = H.to(device), D.to(device)
+    L, lam = torch.linalg.matrix_norm(D, ord=2) ** 2, sparse.DictConfig().lam
+    momentum = sparse.fista_momentum(steps, device)
+    calls = {"ours": lambda f: f(H, D, lam, steps, L, momentum),
+             "float momentum": lambda f: f(H, D, lam, L, steps)}
+    per_minute, codes = {}, {}
+    warm = torch.compile(lambda x: (x * 2).clamp(min=0))  # inductor's one-time start-up
+    warm(H)
+    for name, fn in (("ours", sparse.fista_fixed), ("float momentum", fista_float_momentum)):
+        torch._dynamo.reset()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / f"inductor_{len(per_minute)}")
+        compiled = torch.compile(fn, fullgraph=True)
+        per_minute[name] = rates(lambda: codes.setdefault(name, calls[name](compiled)), 60,
+                                 device, 0, 1)
+    diff = (codes["ours"] - codes["float momentum"]).abs().max().item()
+    yield row("compile", f"fista100 targets, {steps} steps, {H.shape[0]}x{H.shape[1]} -> "
+              f"{D.shape[1]}", "compiles/min", per_minute["ours"], "float momentum",
+              per_minute["float momentum"], max_abs_diff=diff)
+
+
 BENCHES = {"step": bench_step, "bert": bench_bert, "ltg": bench_ltg, "attn": bench_attn,
-           "ema": bench_ema, "pll": bench_pll, "sparse": bench_sparse, "sampler": bench_sampler}
+           "ema": bench_ema, "pll": bench_pll, "sparse": bench_sparse, "sampler": bench_sampler,
+           "compile": bench_compile}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -970,6 +970,10 @@ def main(argv=None):
         return
     phase = start_phase(run, step)
     run.say(describe(run))
+    if args.objective == "mlsm":  # faithful (Berend 2023, Table 1a: MLSM alone below MLSM+MLM)
+        run.say("note: mlsm's phase 2 trains the latent head alone: no loss trains the "
+                "vocabulary logits after phase 1 while the encoder under them moves, and BLiMP's "
+                "pseudo-log-likelihoods read those logits; mlsm+mlm is the joint objective")
 
     last_saved = step if run.ckpt is not None else None
     marks = word_marks(run)  # {step: (name, words)} of --save-words

@@ -15,7 +15,7 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and saved["device"] == "cpu"
     benches = [r["bench"] for r in rows]
-    for name in ("step", "ltg", "attn", "ema", "pll", "sparse", "sampler"):
+    for name in ("step", "ltg", "attn", "ema", "pll", "sparse", "sampler", "compile"):
         assert name in benches
     assert [r["case"].split()[0] for r in rows if r["bench"] == "step"] == ["mlm", "kd+mlm",
                                                                            "mlsm+mlm"]
@@ -37,6 +37,8 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
     assert any(k.startswith("ltg") for k in saved["profiles"])
     ltg = next(r for r in rows if r["bench"] == "ltg")
     assert ltg["max_abs_diff"] < 1e-4                # the same function as LTG-BERT's own code
+    compiled = next(r for r in rows if r["bench"] == "compile")
+    assert compiled["max_abs_diff"] < 1e-6     # tensor and float momentum: the same codes
     attn = [r for r in rows if r["bench"] == "attn"]  # the CPU's variants compute the same thing
     assert attn and all(r.get("max_abs_diff", 1) < 1e-4 for r in attn)
 

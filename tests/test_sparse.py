@@ -96,6 +96,36 @@ def test_working_sets_that_grow_and_rows_that_leave_early_keep_the_exact_codes()
         S.sparse_code(H, D, lam, tol=1e-7, work=4, rounds=2)   # too few rounds to grow to 9+
 
 
+def test_a_start_changes_the_path_not_the_codes():
+    """sparse_code from a start (the codes under another dictionary, as learn_dictionary's next
+    epoch begins; or supports larger than the working set) reaches LARS's codes, as it does from
+    zero, in fewer rounds when the start is close."""
+    H, D = problem(24, 60, 30, seed=3)
+    lam = 0.05
+    exact = S.encode(H, D, lam, method="lars")
+    g = torch.Generator().manual_seed(0)
+    near = S.sparse_code(H, D + 0.05 * torch.randn(D.shape, generator=g, dtype=D.dtype), lam)
+    wide = torch.rand(30, 60, generator=g, dtype=D.dtype) * (torch.rand(30, 60, generator=g) < 0.2)
+    assert (wide > 0).sum(1).max() > 8
+    for start in (near, wide):
+        A = S.sparse_code(H, D, lam, tol=1e-7, work=8, start=start)
+        torch.testing.assert_close(A, exact, atol=1e-6, rtol=0)
+    rounds = lambda start: sum(1 for _ in iter_rounds(H, D, lam, start))
+    assert rounds(near) < rounds(None)
+
+
+def iter_rounds(H, D, lam, start):
+    """One item per working-set round sparse_code runs (counted by the Gram matrices it forms)."""
+    seen = []
+    original = S._fista
+    S._fista = lambda G, *a, **k: (seen.append(G.shape), original(G, *a, **k))[1]
+    try:
+        S.sparse_code(H, D, lam, tol=1e-7, work=8, start=start)
+    finally:
+        S._fista = original
+    return seen
+
+
 def test_fista_rows_that_finish_first_leave_with_their_own_codes():
     """_fista on a batch of per-row Gram matrices, from well to badly conditioned (each row's
     atoms share a direction to a different degree), so rows finish at different checks and
@@ -231,3 +261,48 @@ def test_fista_fixed_is_the_mlsm_codes_rule(coherent):
         obj = lambda A: S.objective(torch.tensor(H), torch.tensor(D), torch.as_tensor(A), lam)
         assert (got > 0).sum() > (exact.numpy() > 0).sum()
         assert obj(got).mean().item() > obj(exact).mean().item()
+
+
+def algorithm_2(D, P, Q):
+    """Mairal et al. 2010, Algorithm 2, transcribed: one sweep over the columns in order, each
+    u_j = d_j + (q_j - D p_j) / P_jj, then d_j = u_j / max(1, ||u_j||), skipping unused ones."""
+    D = D.clone()
+    for j in range(D.shape[1]):
+        if P[j, j] > 1e-12:
+            u = D[:, j] + (Q[:, j] - D @ P[:, j]) / P[j, j]
+            D[:, j] = u / max(1.0, u.norm().item())
+    return D
+
+
+def surrogate_problem(seed, d=16, k=40, n=400):
+    """Statistics P = A^T A, Q = X^T A of sparse non-negative codes A (n, k), a start D."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.rand(n, k, generator=g, dtype=torch.float64) * (torch.rand(n, k, generator=g) < 0.1)
+    A[:, -3:] = 0                                            # atoms no code uses
+    X = torch.randn(n, d, generator=g, dtype=torch.float64)
+    D = torch.nn.functional.normalize(torch.randn(d, k, generator=g, dtype=torch.float64), dim=0)
+    return D, A.T @ A, X.T @ A
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dictionary_update_is_algorithm_2_by_blocks(seed):
+    """One column a block: exactly Algorithm 2. Blocks of 5 or all 40 at once: every sweep keeps
+    the columns in the unit ball, leaves unused columns alone and lowers the surrogate, and
+    repeated sweeps reach Algorithm 2's minimiser of it (P is positive definite on the used
+    columns here, so the minimiser is unique)."""
+    D, P, Q = surrogate_problem(seed)
+    k = D.shape[1]
+    surrogate = lambda D: (0.5 * (D.T @ D * P).sum() - (D * Q).sum()).item()
+    torch.testing.assert_close(S.update_dictionary(D.clone(), P, Q, blocks=k), algorithm_2(D, P, Q))
+    want = D.clone()
+    for _ in range(500):
+        want = algorithm_2(want, P, Q)
+    for blocks in (8, 1):
+        got, before = D.clone(), surrogate(D)
+        for _ in range(3000):
+            S.update_dictionary(got, P, Q, blocks=blocks)
+            assert (got.norm(dim=0) <= 1 + 1e-12).all() and torch.equal(got[:, -3:], D[:, -3:])
+            after = surrogate(got)
+            assert after <= before + 1e-12
+            before = after
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

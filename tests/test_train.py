@@ -718,6 +718,7 @@ def test_mlsm_run_learns_its_dictionary_between_the_phases(prepared, tmp_path):
     assert [e["step"] for e in phase2] == [10] and "mlm" not in phase2[0]
     assert phase2[0]["nnz"] > 0 and 0 <= phase2[0]["zero_rate"] < 1
     assert (out / "code" / "sparse.py").exists()
+    assert r.stdout.count("note: mlsm's phase 2 trains the latent head alone") == 1
     # the same dictionary given with --dict: copied into the run, same first phase-2 losses
     again = tmp_path / "again"
     r = run_train("--data", prepared, "--objective", "mlsm", "--max-steps", 10, "--phase1-steps", 5,
