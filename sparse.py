@@ -33,7 +33,6 @@ exact) makes of 1000 of the vectors. As the MLSM code's July 2023 version (its f
 sub-word pieces into words), each piece is one vector, as each masked piece is one target.
 """
 import argparse
-import contextlib
 import math
 import time
 import warnings
@@ -110,31 +109,42 @@ def sparse_code(H, D, lam: float, iters: int = 1000, tol: float = 1e-3, work: in
     violation above tol * lam are done. When a support fills 3/4 of m, m grows to 1.5 times the
     largest support (doubling it instead ran 1.8x slower on a learned dictionary: bench.py's
     `learned` case). One round costs n m^2 per iteration instead of 2 n d k, and the small Gram
-    matrices are far better conditioned. start (n, k) >= 0: codes to begin from (the same
-    vectors' codes under an earlier dictionary): the first working sets hold their supports, and
-    the optimum found is the same.
+    matrices are far better conditioned.
+
+    start: (atoms (n, s) long, weights (n, s)), codes to begin from, s entries a row (the same
+    vectors' codes under an earlier dictionary, as learn_dictionary's later epochs have): the
+    first working sets hold their supports, and the optimum found is the same, in fewer rounds.
     """
     n, k = H.shape[0], D.shape[1]
-    HD = H @ D                                                   # (n, k): correlations at a = 0
     if work <= 0 or work >= k:
+        HD = H @ D                                               # (n, k): correlations at a = 0
         L = torch.linalg.matrix_norm(D, ord=2) ** 2
         # G y = D^T (D y): two thin matmuls, 2 n d k, instead of n k^2 with G = D^T D
         return _fista(D, HD, torch.zeros_like(HD), lam, L, iters, tol)
-    A = torch.zeros_like(HD) if start is None else start.clamp(min=0)
+    A = torch.zeros(n, k, dtype=H.dtype, device=H.device)
     todo = torch.arange(n, device=H.device)
-    c = HD if start is None else HD - (A @ D.T) @ D              # the residual's correlations
-    score = c if start is None else torch.where(A > 0, torch.inf, c)
-    m = work if start is None else max(work, int((A > 0).sum(1).max()))
+    Dt = D.T.contiguous()                  # (k, d): the atoms as rows, gathered by index below
+    if start is None:
+        c, m = H @ D, work                                       # correlations at a = 0
+        score = c
+    else:
+        atoms, weights = start[0], start[1].clamp(min=0)
+        A.scatter_(1, atoms, weights)
+        resid = H - (weights[:, None, :] @ Dt[atoms]).squeeze(1)               # (n, d)
+        c = resid @ D                                            # the residual's correlations
+        score = c.scatter(1, atoms, torch.where(weights > 0, torch.inf, c.gather(1, atoms)))
+        m = max(work, int((weights > 0).sum(1).max()))
     for _ in range(rounds):
         W = score.topk(min(m, k), dim=1).indices     # support first (score inf), then violators
-        DW = D.T[W]                                                       # (r, m, d)
+        DW = Dt[W]                                                        # (r, m, d)
         G = DW @ DW.transpose(1, 2)                                       # (r, m, m)
         # a cheap upper bound on G's largest eigenvalue (eigvalsh would take half the time):
         # the smaller of the Frobenius norm and the largest absolute row sum (Gershgorin); with
         # coherent atoms one eigenvalue dominates and both are close to it
         L = torch.minimum(torch.linalg.matrix_norm(G), G.abs().sum(2).amax(1))[:, None]    # (r, 1)
         rows = todo[:, None]
-        x = _fista(G, HD[rows, W], A[rows, W], lam, L, iters, tol)       # (r, m)
+        b = (DW @ H[todo, :, None]).squeeze(-1)                           # (r, m): D_W^T h
+        x = _fista(G, b, A[rows, W], lam, L, iters, tol)                  # (r, m)
         A[rows, W] = x  # a row's earlier support lies inside W: no other entry of it changes
         resid = H[todo] - (x[:, None, :] @ DW).squeeze(1)                # (r, d)
         c = resid @ D                                                     # (r, k)
@@ -320,18 +330,6 @@ def update_dictionary(D, P, Q, blocks: int = 32):
     return D
 
 
-@contextlib.contextmanager
-def flush_denormals():
-    """P and Q shrink by beta_t at every mini-batch, so the statistics of atoms long unused sink
-    below float32's normal range, where a CPU computes several times slower (dictionary
-    updates took 6x as long, measured); they are flushed to zero meanwhile."""
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
-
-
 @torch.no_grad()
 def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1024,
                      seed: int = 0, forget: float = 50.0, iters: int = 1000, tol: float = 1e-2,
@@ -372,12 +370,14 @@ def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1
     keep = min(32, k)  # entries of each vector's last code kept as its next start
     last_atoms = torch.zeros(n, keep, dtype=torch.long, device=H.device)
     last_weights = torch.zeros(n, keep, dtype=H.dtype, device=H.device)
-    sample_codes = torch.zeros(len(sample), k, dtype=H.dtype, device=H.device)
+    sample_codes = []  # the sample's codes at the last measurement, where the next one starts
 
     def measure(epoch, resampled):
+        starts = sample_codes or [None] * len(sample.split(batch_size))
         A = torch.cat([sparse_code(x, D, lam, iters, tol, start=a)
-                       for x, a in zip(sample.split(batch_size), sample_codes.split(batch_size))])
-        sample_codes.copy_(A)  # the next measurement starts from these
+                       for x, a in zip(sample.split(batch_size), starts)])
+        values, atoms = A.topk(keep, dim=1)
+        sample_codes[:] = zip(atoms.split(batch_size), values.split(batch_size))
         nnz = (A > 0).sum(1)
         row = dict(epoch=epoch, objective=objective(sample, D, A, lam).mean().item(),
                    nnz=nnz.float().mean().item(), zero_rate=(nnz == 0).float().mean().item(),
@@ -389,39 +389,41 @@ def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1
 
     history = [measure(0, 0)]
     t = 0
-    with flush_denormals():
-        for epoch in range(1, epochs + 1):
-            used = torch.zeros(k, dtype=torch.bool, device=H.device)
-            batches = pick(n).split(batch_size)
-            for idx in bar(batches, desc=f"dictionary epoch {epoch}/{epochs}", unit="batch",
-                            disable=None if progress else True):
-                X = H[idx]
-                start = None if epoch == 1 else torch.zeros(len(idx), k, dtype=H.dtype,
-                                                            device=H.device).scatter_(
-                    1, last_atoms[idx], last_weights[idx])
-                A = sparse_code(X, D, lam, iters, tol, start=start)           # (b, k)
-                # each code's non-zeros (a few tens of k): the longest code's count of them, read
-                # once per mini-batch, bounds them all
-                w = max(keep, int((A > 0).sum(1).max()))
-                weights, atoms = A.topk(w, dim=1)                               # (b, w)
-                last_weights[idx], last_atoms[idx] = weights[:, :keep], atoms[:, :keep]
-                used |= (A > 0).any(0)
-                t += 1
-                beta = (1 - 1 / t) ** forget
-                # P += A^T A as the b w^2 products of each code's non-zeros, added at their flat
-                # positions in P: b k^2 multiply-adds as a dense product, 117 ms of each
-                # mini-batch on one core
-                pairs = (atoms[:, :, None] * k + atoms[:, None, :]).flatten()       # (b w^2,)
-                products = (weights[:, :, None] * weights[:, None, :]).flatten()
-                P.mul_(beta).view(-1).index_add_(0, pairs, products)
-                Q.mul_(beta).addmm_(X.T, A)
-                update_dictionary(D, P, Q)
-            dead = torch.nonzero(~used).flatten()
-            if len(dead):
-                D[:, dead] = H[pick(len(dead))].T
-                D[:, dead] /= D[:, dead].norm(dim=0).clamp(min=1.0)
-                P[dead], P[:, dead], Q[:, dead] = 0, 0, 0
-            history.append(measure(epoch, len(dead)))
+    for epoch in range(1, epochs + 1):
+        used = torch.zeros(k, dtype=torch.bool, device=H.device)
+        batches = pick(n).split(batch_size)
+        for idx in bar(batches, desc=f"dictionary epoch {epoch}/{epochs}", unit="batch",
+                        disable=None if progress else True):
+            X = H[idx]
+            start = (last_atoms[idx], last_weights[idx]) if epoch > 1 else None  # last codes
+            A = sparse_code(X, D, lam, iters, tol, start=start)           # (b, k)
+            # each code's non-zeros (a few tens of k): the longest code's count of them, read
+            # once per mini-batch, bounds them all
+            w = max(keep, int((A > 0).sum(1).max()))
+            weights, atoms = A.topk(w, dim=1)                               # (b, w)
+            last_weights[idx], last_atoms[idx] = weights[:, :keep], atoms[:, :keep]
+            used |= (A > 0).any(0)
+            t += 1
+            beta = (1 - 1 / t) ** forget
+            # P += A^T A as the b w^2 products of each code's non-zeros, added at their flat
+            # positions in P: b k^2 multiply-adds as a dense product, 117 ms of each
+            # mini-batch on one core
+            pairs = (atoms[:, :, None] * k + atoms[:, None, :]).flatten()       # (b w^2,)
+            products = (weights[:, :, None] * weights[:, None, :]).flatten()
+            P.mul_(beta).view(-1).index_add_(0, pairs, products)
+            Q.mul_(beta).addmm_(X.T, A)
+            # the decay sinks the statistics of atoms long unused below float32's normal
+            # range, where a CPU computes many times slower (a dictionary update on two
+            # threads: 2.2 s against 18 ms, measured); they are flushed to zero (P >= 0)
+            torch.nn.functional.threshold_(P, 1e-30, 0.0)
+            Q.masked_fill_(Q.abs() < 1e-30, 0.0)
+            update_dictionary(D, P, Q)
+        dead = torch.nonzero(~used).flatten()
+        if len(dead):
+            D[:, dead] = H[pick(len(dead))].T
+            D[:, dead] /= D[:, dead].norm(dim=0).clamp(min=1.0)
+            P[dead], P[:, dead], Q[:, dead] = 0, 0, 0
+        history.append(measure(epoch, len(dead)))
     return D, history
 
 

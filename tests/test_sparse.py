@@ -104,9 +104,12 @@ def test_a_start_changes_the_path_not_the_codes():
     lam = 0.05
     exact = S.encode(H, D, lam, method="lars")
     g = torch.Generator().manual_seed(0)
-    near = S.sparse_code(H, D + 0.05 * torch.randn(D.shape, generator=g, dtype=D.dtype), lam)
+    as_start = lambda A: tuple(reversed(A.topk(20, dim=1)))                  # (atoms, weights)
+    near = as_start(S.sparse_code(H, D + 0.05 * torch.randn(D.shape, generator=g, dtype=D.dtype),
+                                  lam))
     wide = torch.rand(30, 60, generator=g, dtype=D.dtype) * (torch.rand(30, 60, generator=g) < 0.2)
-    assert (wide > 0).sum(1).max() > 8
+    assert (wide > 0).sum(1).max() > 8                                        # > work
+    wide = as_start(wide)
     for start in (near, wide):
         A = S.sparse_code(H, D, lam, tol=1e-7, work=8, start=start)
         torch.testing.assert_close(A, exact, atol=1e-6, rtol=0)
