@@ -157,7 +157,8 @@ def coder_seconds(args, device, D) -> float:
     H = F.normalize(torch.randn(C, D.shape[0], generator=g), dim=-1).to(device)
     D = D.to(device)
     L = torch.linalg.matrix_norm(D, ord=2) ** 2
-    code = lambda: sparse.fista_fixed(H, D, sparse.DictConfig().lam, 100, L)
+    momentum = sparse.fista_momentum(100, device)  # as train.py passes them: graph inputs
+    code = lambda: sparse.fista_fixed(H, D, sparse.DictConfig().lam, 100, L, momentum)
     if use_compile(device, args.compile):
         code = torch.compile(code)
     return 1 / statistics.median(rates(code, 1, device, 2, 5))

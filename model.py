@@ -497,6 +497,7 @@ class BootPredictor(nn.Module):
         super().__init__()
         self.encoder, self.heads, self.mask_id = encoder, heads, mask_id
         self.config = encoder.config
+        self.compact = True  # boot_states' layout; a teacher inside a compiled step: False
 
     def forward(self, input_ids, attention_mask=None, predict=None, hide=None):
         """input_ids (B, T) -> the decoder's states (B, T, D), or with predict ((B, T) bool or
@@ -506,7 +507,7 @@ class BootPredictor(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         hide = input_ids == self.mask_id if hide is None else hide
-        x = boot_states(self.encoder, self.heads, input_ids, attention_mask, hide)
+        x = boot_states(self.encoder, self.heads, input_ids, attention_mask, hide, self.compact)
         if predict is None:
             return x
         return x, self.encoder.head(x.flatten(0, 1)[predict.flatten()])

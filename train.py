@@ -224,8 +224,12 @@ def load_teacher(encoder, args, run_dir, device, encoder_only=False):
 
 
 def setup_kd(encoder, args, run_dir, device) -> Parts:
-    """The frozen teacher."""
-    return Parts(ctx={"teacher": load_teacher(encoder, args, run_dir, device)[0]})
+    """The frozen teacher. A boot teacher inside a compiled step reads all T slots, as a
+    compiled boot student does (boot_states: a static shape, no host sync)."""
+    teacher = load_teacher(encoder, args, run_dir, device)[0]
+    if isinstance(teacher, BootPredictor):
+        teacher.compact = not use_compile(torch.device(device), args.compile)
+    return Parts(ctx={"teacher": teacher})
 
 
 def mlsm(model, batch, ctx, with_mlm=False):
@@ -247,9 +251,9 @@ def mlsm(model, batch, ctx, with_mlm=False):
             if args.mlsm_coder == "fista100":  # the MLSM code's targets
                 codes = sparse.fista_fixed(h, ctx["dict"], args.mlsm_lam, 100, ctx["L"],
                                            ctx["momentum"])                          # (C, k)
-            else:  # its working set is sized by the data: run eagerly, a break in a compiled step
-                codes = torch.compiler.disable(sparse.sparse_code)(
-                    h, ctx["dict"], args.mlsm_lam, args.mlsm_iters, args.mlsm_tol)
+            else:  # its working set is sized by the data: run eagerly (setup_mlsm)
+                codes = ctx["exact_coder"](h, ctx["dict"], args.mlsm_lam, args.mlsm_iters,
+                                           args.mlsm_tol)
         mass = codes.sum(1, keepdim=True)                                 # (C, 1)
         coded = (mass.squeeze(1) > 0) & predicted                         # (C,)
         # rows sum to 1; all-zero codes and padding slots stay 0
@@ -316,6 +320,8 @@ def setup_mlsm(encoder, args, run_dir, device) -> Parts:
     L = torch.linalg.matrix_norm(D, ord=2) ** 2  # fista_fixed's step 1/L, of the frozen D: once
     ctx = {"teacher": teacher, "dict": D, "L": L, "momentum": sparse.fista_momentum(100, device),
            "layer": layer}
+    if args.mlsm_coder == "exact":  # outside any compiled graph: a break in a compiled step
+        ctx["exact_coder"] = torch.compiler.disable(sparse.sparse_code)
     return Parts(nn.ModuleDict({"latent": head}), ctx=ctx)
 
 

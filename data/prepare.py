@@ -490,7 +490,7 @@ def span_mask(ids, p, vocab_size, gen, mean_span=3.0, capacity=None):
     on [0, 1) and picks LTG-BERT's per-span replacement: [MASK] below 0.8, a random token below
     0.9, else the token itself. Special tokens ([CLS], [SEP], [PAD], ...) are never chosen.
     capacity: at most this many chosen tokens in the batch (mask_capacity's bound, which a batch
-    exceeds with probability below 1e-8): those beyond it, in row-major order, are not chosen.
+    rarely reaches): those beyond it, in row-major order, are not chosen.
     """
     B, T = ids.shape
     start = torch.rand(B, T, generator=gen, device=ids.device) < 1.0 / mean_span
@@ -523,16 +523,19 @@ def uniform_mask(ids, p, gen):
 def mask_capacity(B, T, p, mean_span=None) -> int:
     """A fixed bound on the tokens a batch of B rows of T tokens ([CLS] and [SEP] included)
     has chosen: exactly B int(p T) for uniform_mask (mean_span None); for span_mask, the mean
-    p n of its n = B (T - 2) choosable tokens plus 6 standard deviations of their count, plus 8.
-    That count is a sum over about n/m spans (mean length m) of [chosen] * length, so its
-    variance is n/m (p E[L^2] - (p m)^2), with E[L^2] = 2 m^2 - m for a geometric length; a
-    batch exceeds the bound with probability below 1e-8 (tests/test_data.py checks the variance
-    by simulation). At 128 x 128 tokens it is 1.26x the mean count."""
+    p n of its n = B (T - 2) choosable tokens plus 7 standard deviations of their count, plus 8.
+    Given the spans, the count is a sum of independent [chosen] * length terms, so its variance
+    is p (1 - p) times the sum of squared span lengths, about n (2m - 1) for geometric lengths
+    of mean m (a little less: rows cut their last span short). Computed exactly (a dynamic
+    program over a row's spans, 2026-11-25), a batch exceeds the bound with probability 6e-12
+    at 128 x 128 tokens (where it is 1.30x the mean count) and 4e-10 at the tests' 8 x 32; a
+    single short row with few masks more often (1 x 64 tokens at p 0.05: 2e-6). span_mask
+    then leaves the tokens beyond it unchosen."""
     if mean_span is None:
         return B * int(p * T)
-    n, m = B * (T - 2), mean_span
-    std = math.sqrt(n / m * (p * (2 * m * m - m) - (p * m) ** 2))
-    return min(B * T, math.ceil(p * n + 6 * std) + 8)
+    n = B * (T - 2)
+    std = math.sqrt(n * p * (1 - p) * (2 * mean_span - 1))
+    return min(B * T, math.ceil(p * n + 7 * std) + 8)
 
 
 def predicted_slots(labels, capacity):

@@ -60,8 +60,9 @@ def test_a_compiled_step_never_waits_for_the_gpu(corpus, objective):
     device = torch.device("cuda")
     trainee, ctx, args = compiled_trainee(objective)
     trainee.to(device)
-    for k, v in ctx.items():
-        ctx[k] = v.to(device) if isinstance(v, (torch.Tensor, torch.nn.Module)) else v
+    move = lambda v: (v.to(device) if isinstance(v, (torch.Tensor, torch.nn.Module))
+                      else [move(x) for x in v] if isinstance(v, list) else v)
+    ctx = {k: move(v) for k, v in ctx.items()}
     train = Segments(corpus / "train.bin", 22, 0, shuffle=True).to(device)
     model = torch.compile(trainee, fullgraph=True, backend="aot_eager")
     optimizer = Lamb(trainee.parameters(), lr=1e-3)

@@ -293,10 +293,11 @@ def test_span_masking_is_a_function_of_the_generator():
 
 @pytest.mark.parametrize("mean_span", [3.0, 1.0])
 def test_mask_capacity_bounds_the_chosen_count(mean_span):
-    """The chosen count of 4000 batches of 16 x 64 tokens: its standard deviation is the one
-    mask_capacity's formula gives (within 5%), the bound sits 6 of them above the mean (plus 8),
-    and no batch comes near it. With the capacity passed, span_mask keeps the first `capacity`
-    chosen tokens in row-major order and nothing else changes."""
+    """The chosen count of 4000 batches of 16 x 64 tokens: its standard deviation is at most the
+    one mask_capacity's formula gives and close to it (rows cut their last span short, so the
+    formula runs 2% high here for spans, exact for single tokens), the bound sits 7 of them
+    above the mean (plus 8), and no batch comes near it. With the capacity passed, span_mask
+    keeps the first `capacity` chosen tokens in row-major order and nothing else changes."""
     B, T, p = 16, 64, 0.15
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(5, 1000, (4000 * B, T), generator=gen)
@@ -304,11 +305,11 @@ def test_mask_capacity_bounds_the_chosen_count(mean_span):
     _, labels = P.span_mask(ids, p, 1000, gen, mean_span)
     counts = (labels != -100).view(4000, B * T).sum(1).double()
     cap = P.mask_capacity(B, T, p, mean_span)
-    n, m = B * (T - 2), mean_span
-    std = math.sqrt(n / m * (p * (2 * m * m - m) - (p * m) ** 2))
-    assert counts.std().item() == pytest.approx(std, rel=0.05)
+    n = B * (T - 2)
+    std = math.sqrt(n * p * (1 - p) * (2 * mean_span - 1))
+    assert 0.93 * std <= counts.std().item() <= 1.02 * std
     assert counts.mean().item() == pytest.approx(p * n, rel=0.01)
-    assert cap == math.ceil(p * n + 6 * std) + 8 and counts.max() < p * n + 5 * std
+    assert cap == math.ceil(p * n + 7 * std) + 8 and counts.max() < p * n + 5 * std
     few = 10
     full = P.span_mask(ids[:B], p, 1000, torch.Generator().manual_seed(1), mean_span)
     cut = P.span_mask(ids[:B], p, 1000, torch.Generator().manual_seed(1), mean_span, few)

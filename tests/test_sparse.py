@@ -309,3 +309,17 @@ def test_dictionary_update_is_algorithm_2_by_blocks(seed):
             assert after <= before + 1e-12
             before = after
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("b", [16, 4000])  # the scattered products; the dense product
+def test_gram_of_sparse_codes(b):
+    """add_gram from each code's w largest entries equals A^T A (every non-zero among them)."""
+    g = torch.Generator().manual_seed(b)
+    k = 300
+    A = torch.rand(b, k, generator=g, dtype=torch.float64)
+    A *= torch.rand(b, k, generator=g) < 0.03
+    w = int((A > 0).sum(1).max())
+    weights, atoms = A.topk(w, dim=1)
+    P = torch.rand(k, k, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(S.add_gram(P.clone(), A, weights, atoms), P + A.T @ A)
+    assert (b * w * w < k * k) == (b == 16)

@@ -605,7 +605,7 @@ def mlsm_setup(lam=0.05, with_mlm=False, coder="exact"):
                        "--mlsm-tol", "1e-5", "--mlsm-coder", coder])
     head = torch.nn.Linear(32, 40)
     ctx = {"teacher": teacher, "dict": D, "L": torch.linalg.matrix_norm(D, ord=2) ** 2, "layer": 1,
-           "momentum": sparse.fista_momentum(100), "args": args}
+           "momentum": sparse.fista_momentum(100), "exact_coder": sparse.sparse_code, "args": args}
     heads = torch.nn.ModuleDict({"latent": head})
     return T.Trainee(trainee.encoder, heads, T.OBJECTIVES[args.objective].loss), ctx, batch
 
@@ -871,3 +871,29 @@ def test_compiled_objectives_stop_recompiling(objective):
             loss.backward()
     assert 1 <= len(graphs) <= 3
     assert not [node for g in graphs for node in symbolic_shapes(g)]
+
+
+def test_kd_from_a_boot_teacher_compiles_whole():
+    """A boot checkpoint teaching kd in a compiled step (setup_kd turns its compact layout off
+    when compiling): the same teacher logits as the compact layout, and 20 compiled steps in one
+    graph with no size read from the data (the compact layout reads its longest kept row)."""
+    trainee, _, _ = objective_setup("boot")
+    teacher = T.BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
+    kd = T.Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), T.OBJECTIVES["kd"].loss)
+    args = T.get_args(["--objective", "kd"])
+    ctx = {"teacher": teacher, "args": args}
+    batch = fresh_batch(args, 0)
+    want = kd(batch, ctx)[0]
+    teacher.compact = False
+    torch.testing.assert_close(kd(batch, ctx)[0], want, rtol=1e-5, atol=1e-6)
+    graphs = []
+
+    def keep(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+    torch._dynamo.reset()
+    step = torch.compile(kd, fullgraph=True, backend=keep)
+    for i in range(20):
+        loss, _ = step(fresh_batch(args, i), ctx)
+        loss.backward()
+    assert len(graphs) == 1 and not symbolic_shapes(graphs[0])
