@@ -330,6 +330,7 @@ class Objective(NamedTuple):
     setup: Callable | None = None   # (encoder, args, run_dir, device) -> Parts
     two_phase: bool = False         # plain MLM first; then this, taught by the phase-1 model
     defaults: dict | None = None    # shared flags whose default differs, as its paper trained it
+    note: str | None = None         # said as a run starts: what a user might not expect of it
 
 
 UNIFORM = dict(masking="uniform")  # Berend 2023's masking, in both phases (szegedai/MLSM)
@@ -341,7 +342,11 @@ OBJECTIVES = {
     "kd": Objective(kd, setup_kd, two_phase=True, defaults=UNIFORM),
     "kd+mlm": Objective(functools.partial(kd, with_mlm=True), setup_kd, two_phase=True,
                         defaults=UNIFORM),
-    "mlsm": Objective(mlsm, setup_mlsm, two_phase=True, defaults=UNIFORM),
+    # faithful: Berend 2023 (Table 1a) has MLSM alone below MLSM+MLM on BLiMP
+    "mlsm": Objective(mlsm, setup_mlsm, two_phase=True, defaults=UNIFORM, note=(
+        "mlsm's phase 2 trains the latent head alone: no loss trains the vocabulary logits after "
+        "phase 1 while the encoder under them moves, and BLiMP's pseudo-log-likelihoods read "
+        "those logits; mlsm+mlm is the joint objective")),
     "mlsm+mlm": Objective(functools.partial(mlsm, with_mlm=True), setup_mlsm, two_phase=True,
                           defaults=UNIFORM),
 }
@@ -976,10 +981,8 @@ def main(argv=None):
         return
     phase = start_phase(run, step)
     run.say(describe(run))
-    if args.objective == "mlsm":  # faithful (Berend 2023, Table 1a: MLSM alone below MLSM+MLM)
-        run.say("note: mlsm's phase 2 trains the latent head alone: no loss trains the "
-                "vocabulary logits after phase 1 while the encoder under them moves, and BLiMP's "
-                "pseudo-log-likelihoods read those logits; mlsm+mlm is the joint objective")
+    if OBJECTIVES[args.objective].note:
+        run.say("note: " + OBJECTIVES[args.objective].note)
 
     last_saved = step if run.ckpt is not None else None
     marks = word_marks(run)  # {step: (name, words)} of --save-words

@@ -809,8 +809,9 @@ def test_every_loss_compiles_whole_and_matches_eager(objective):
     """fullgraph=True: dynamo traces the whole loss into one graph or raises at the first break
     (a boolean index, a .item(), a shape read from the data: each a host sync on a GPU).
     aot_eager also traces the backward, as inductor would. Compiled, the loss, its figures and
-    every gradient equal the eager ones (dropout off: the two draw their masks differently;
-    on, the graph must trace too). mlm and boot mask spans here, so padding slots are in it."""
+    every gradient equal the eager ones (dropout off: the two draw their masks differently; the
+    training graph, dropout on, is traced by the next test). mlm and boot mask spans here, so
+    padding slots are in the batch."""
     torch._dynamo.reset()
     trainee, ctx, args = compiled_trainee(objective)
     batch = fresh_batch(args, 0)
@@ -831,9 +832,6 @@ def test_every_loss_compiles_whole_and_matches_eager(objective):
         torch.testing.assert_close(have[k], want[k], rtol=1e-5, atol=1e-6)
     for k in want_grads:
         torch.testing.assert_close(have_grads[k], want_grads[k], rtol=1e-4, atol=1e-6)
-    trainee.train()
-    loss, _ = compiled(batch, ctx)
-    assert torch.isfinite(loss)
 
 
 def symbolic_shapes(graph: torch.fx.GraphModule) -> list[str]:
