@@ -54,9 +54,11 @@ import torch.nn.functional as F
 import evaluate
 import sparse
 from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, mask_capacity, raw_root
-from model import (PRESETS, REPO, Encoder, ModelConfig, autocast, ema_update, flex_relative,
-                   pick_device, relative_buckets, relative_scores, use_bf16, use_compile,
+from device import autocast, pick_device, use_bf16, use_compile
+from model import (PRESETS, Encoder, ModelConfig, flex_relative, relative_buckets, relative_scores,
                    use_flex)
+from optim import ema_update
+from run_folder import REPO
 from tests.ltg_bert import LtgBert
 
 V = VOCAB_SIZE

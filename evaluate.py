@@ -35,9 +35,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data.prepare import (CLS, MASK, MSGS, PAD, SEP, TASKS, Examples, Segments, bar, duration,
-                          line_buffered, pad, prepare, read_jsonl, read_task, uniform_mask)
-from model import autocast, load_checkpoint, pick_device, replacing, seed_of, writing
+from data.prepare import (CLS, MASK, MSGS, PAD, SEP, TASKS, Examples, Segments, pad, prepare,
+                          read_jsonl, read_task, uniform_mask)
+from progress import bar, duration, line_buffered
+from device import autocast, pick_device, seed_of
+from model import load_checkpoint
+from storage import replacing, writing
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 from data.prepare import CLS, MASK, PAD, SEP, SPECIALS, UNK
-from model import REPO, boot_shape, read_checkpoint
+from model import boot_shape
+from run_folder import REPO
+from storage import read_checkpoint
 
 MODELING = REPO / "hf" / "modeling_nanomlm.py"
 NEEDS = "pip install -r requirements-export.txt"

@@ -58,10 +58,13 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from data.prepare import (MASK, MSGS, PAD, SEP, SPECIALS, TASKS, VOCAB_SIZE, bar,
-                          line_buffered, load_tokenizer, pad, prepare, raw_root, read_task)
-from model import (PRESETS, REPO, Encoder, ModelConfig, RunFolder, autocast, field_help,
-                   load_state, pick_device, small_init)
+from data.prepare import (MASK, MSGS, PAD, SEP, SPECIALS, TASKS, VOCAB_SIZE, load_tokenizer, pad,
+                          prepare, raw_root, read_task)
+from progress import bar, line_buffered
+from device import autocast, pick_device
+from model import PRESETS, Encoder, ModelConfig, field_help, small_init
+from run_folder import REPO, RunFolder
+from storage import load_state
 
 CODE = ["meta.py", "model.py", "data/prepare.py"]  # a run's code/
 

@@ -43,9 +43,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data.prepare import CLS, SEP, bar, line_buffered, prepare
-from model import (field_help, load_checkpoint, load_state, pick_device, read_checkpoint,
-                   save_checkpoint)
+from data.prepare import CLS, SEP, prepare
+from progress import bar, line_buffered
+from device import pick_device
+from model import field_help, load_checkpoint
+from storage import load_state, read_checkpoint, save_checkpoint
 
 
 # ---------------------------------------------------------------------------------------------

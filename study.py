@@ -47,7 +47,7 @@ import torch
 
 import evaluate
 from data.prepare import TASKS, prepare, prepared_copies, raw_root, resolve
-from model import replacing
+from storage import replacing
 
 REPO = Path(__file__).resolve().parent
 

@@ -33,13 +33,11 @@ import contextlib
 import copy
 import functools
 import json
-import math
-import os
 import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -50,12 +48,14 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import sparse
-from data.prepare import (VOCAB_SIZE, Segments, bar, duration, line_buffered, load_meta,
-                          mask_capacity, predicted_slots, prepare, span_mask, uniform_mask)
-from model import (PARTS, PRESETS, REPO, BootHeads, BootPredictor, Encoder, Lamb, ModelConfig,
-                   RunFolder, autocast, boot_states, check_config, code_version, ema_update,
-                   field_help, load_checkpoint, load_weights, peak_memory_gb, pick_device,
-                   read_checkpoint, seed_of, small_init, use_compile)
+from data.prepare import VOCAB_SIZE, mask_capacity, predicted_slots, span_mask, uniform_mask
+from device import peak_memory_gb, seed_of, use_compile
+from model import (PARTS, PRESETS, BootHeads, BootPredictor, ModelConfig, boot_states, field_help,
+                   load_checkpoint, small_init)
+from optim import ema_decay_at, ema_update, lr_at, weight_decay_at
+from progress import bar, duration, line_buffered
+from run_folder import REPO
+from training_run import Parts, Phase, Run, open_run, save, start_phase, word_marks
 
 CODE = ["model.py", "train.py", "sparse.py", "data/prepare.py"]  # a run's code/ and its hash
 
@@ -90,26 +90,6 @@ def make_batch(ids, args, vocab_size, gen):
 #   figures: {name: 0-dim tensor}, averaged over the log interval and written to log.jsonl
 # Losses are means over the predicted slots, padding weighed out: a batch with nothing to
 # predict gives 0 and no gradient, not 0/0. No tensor becomes a Python number in a loss.
-
-class Trainee(nn.Module):
-    """What one phase trains: the encoder plus the modules its objective adds. Its forward is
-    the objective's loss, so DDP and torch.compile see every trained parameter in one call."""
-
-    def __init__(self, encoder, heads, loss):
-        super().__init__()
-        self.encoder, self.heads, self.loss = encoder, heads, loss
-
-    def forward(self, batch, ctx):
-        return self.loss(self, batch, ctx)
-
-
-@dataclass
-class Parts:
-    """What an objective adds to the loop besides its loss; its setup function returns one."""
-    heads: nn.Module = field(default_factory=nn.ModuleDict)  # trained along with the encoder
-    ctx: dict = field(default_factory=dict)      # what the loss reads: frozen teachers, ...
-    saved: dict = field(default_factory=dict)    # {name: module} in ckpt["ctx_state"], restored
-    after_step: Callable | None = None           # (step, start, end): after each optimizer step
 
 
 def slot_mean(x, predicted):
@@ -377,57 +357,14 @@ def phase_of(step, args):
     return ("mlm", 0, p1) if step < p1 else (args.objective, p1, args.max_steps)
 
 
-# ---------------------------------------------------------------------------------------------
-# Optimisers (LAMB: model.py) and schedules
-
-def make_optimizer(model, args):
-    """Group 0 decays (the weight matrices), group 1 does not (biases, LayerNorm gains,
-    embedding tables, BootBERT's mask vector), as LTG-BERT."""
-    table = lambda name: name.endswith(("word.weight", "pos.weight", ".rel")) or name == "rel"
-    decays = lambda name, p: p.ndim >= 2 and not table(name)
-    named = list(model.named_parameters())
-    groups = [dict(params=[p for n, p in named if decays(n, p)], weight_decay=args.weight_decay),
-              dict(params=[p for n, p in named if not decays(n, p)], weight_decay=0.0)]
-    if args.optim == "lamb":
-        return Lamb(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
-    fused = next(model.parameters()).is_cuda or None  # one kernel on a GPU
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6, fused=fused)
-
-
-def lr_at(step, args, start=0, end=None):
-    """Linear warmup to --lr, then cosine or linear decay to --min-lr * --lr, over the phase
-    [start, end) (default the whole run)."""
-    end = args.max_steps if end is None else end
-    step, n = step - start, end - start
-    warmup = round(args.warmup * n) if args.warmup < 1 else int(args.warmup)
-    if step < warmup:
-        return args.lr * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, n - warmup))
-    decay = 0.5 * (1 + math.cos(math.pi * t)) if args.schedule == "cosine" else 1 - t
-    return args.lr * (args.min_lr + (1 - args.min_lr) * decay)
-
-
-def weight_decay_at(step, args, start, end):
-    """--weight-decay, or with --weight-decay-end a cosine from one to the other over the phase
-    (BootBERT raises it from 0.02 to 0.2)."""
-    if args.weight_decay_end is None:
-        return args.weight_decay
-    t = (step - start) / max(1, end - start - 1)
-    wd, wd_end = args.weight_decay, args.weight_decay_end
-    return wd_end + (wd - wd_end) * 0.5 * (1 + math.cos(math.pi * t))
-
-
-def ema_decay_at(step, args, start, end):
-    """The mean teacher's decay rises linearly from --ema-start to --ema-end over the phase."""
-    n = max(1, end - start - 1)
-    return args.ema_start + (args.ema_end - args.ema_start) * (step - start) / n
+def phase_at(run: Run, step: int) -> Phase:
+    """The phase `step` belongs to, ready to train (training_run.start_phase)."""
+    objective, start, end = phase_of(step, run.args)
+    return start_phase(run, step, objective, start, end, OBJECTIVES[objective])
 
 
 # ---------------------------------------------------------------------------------------------
 # Arguments
-
-RESUMABLE = {"resume", "out_dir", "device", "compile", "bf16", "log_every", "eval_every",
-             "save_every", "stop_at", "spike", "save_words"}  # the flags a resumed run may change
 
 
 def build_parser():
@@ -613,271 +550,6 @@ def check_phases(args):
                          f"{args.max_steps} steps")
 
 
-def model_config(args, vocab_size) -> ModelConfig:
-    overrides = {f.name: getattr(args, f.name) for f in fields(ModelConfig)
-                 if getattr(args, f.name, None) is not None}
-    config = ModelConfig(**{**PRESETS[args.size], **overrides, "vocab_size": vocab_size})
-    if config.d_model % config.n_head:
-        raise SystemExit(f"error: --d-model {config.d_model} is not a multiple of "
-                         f"--n-head {config.n_head}")
-    if args.seq_len > config.max_position:
-        raise SystemExit(f"error: --seq-len {args.seq_len} exceeds --max-position "
-                         f"{config.max_position}")
-    return config
-
-
-# ---------------------------------------------------------------------------------------------
-# A run: its processes, folder, data and encoder; the phase a step belongs to; checkpoints
-
-@dataclass
-class Run:
-    """What the loop needs that stays the same from phase to phase."""
-    args: argparse.Namespace
-    ddp: bool                  # launched by torchrun
-    rank: int
-    world: int                 # processes
-    device: torch.device
-    amp: object                # bf16 autocast, or a disabled one
-    folder: RunFolder
-    meta: dict                 # the prepared corpus' meta.json
-    train: Segments
-    val: Segments
-    encoder: Encoder
-    step: int                  # the next step to take
-    ckpt: dict | None          # the checkpoint resumed from
-    tokenizer: bytes
-    version: dict              # code_version(CODE), kept in every checkpoint
-
-    @property
-    def global_batch(self):
-        return self.args.batch_size * self.args.grad_accum * self.world
-
-    def say(self, text):  # rank 0 only; tqdm.write keeps the progress bar intact
-        if self.rank == 0:
-            tqdm.write(text)
-
-
-@dataclass
-class Phase:
-    """One phase of training: its objective, its steps [start, end), and what trains in it."""
-    objective: str
-    start: int
-    end: int
-    trainee: Trainee           # the encoder and the objective's heads; its forward is the loss
-    model: nn.Module           # the trainee, wrapped for DDP and compiled as asked
-    optimizer: torch.optim.Optimizer
-    parts: Parts
-    ctx: dict                  # what the loss reads besides the batch: parts.ctx and args
-
-
-# flags added since a run may have started whose default is not what such a run did: it goes
-# on as it began (issue 16 made the MLSM code's coder and all-token dictionaries the defaults)
-BEFORE = {"mlsm_coder": "exact", "dict_max_freq": 1e-3}
-
-
-def resumed_args(args, path):
-    """(the saved settings of the run at `path`, its checkpoint). A resumed run keeps them: typed
-    flags that would change them are refused (but the RESUMABLE ones), and flags newer than the
-    checkpoint take their defaults."""
-    if not path.exists():
-        raise SystemExit(f"error: --resume, but there is no checkpoint at {path}")
-    ckpt = read_checkpoint(path)
-    saved = ckpt["args"]
-    changed = [k for k in args.given if k not in RESUMABLE and getattr(args, k) != saved.get(k)]
-    if changed:
-        flags = ", ".join("--" + k.replace("_", "-") for k in changed)
-        raise SystemExit(f"error: a resumed run keeps its settings, but {flags} "
-                         f"{'differs' if len(changed) == 1 else 'differ'} from the checkpoint's; "
-                         f"drop {'it' if len(changed) == 1 else 'them'} or start a new --out-dir")
-    # --stop-at holds for one command: the run it resumes stopped there, this one goes on
-    now = {k: getattr(args, k) for k in RESUMABLE
-           if k in args.given or k in ("resume", "out_dir", "stop_at")}
-    defaults = vars(build_parser().parse_args([]))
-    return argparse.Namespace(**{**defaults, **BEFORE, **saved, **now, "given": args.given}), ckpt
-
-
-def build_encoder(args, vocab_size, ckpt):
-    """(the encoder, the step it is at): fresh from --seed, the checkpoint's, or --init-from's
-    weights with the --reset parts re-initialised; --freeze applied."""
-    config = model_config(args, vocab_size)
-    torch.manual_seed(args.seed)
-    encoder = Encoder(config)
-    step = 0
-    init_from = args.init_from or (args.teacher if args.student_init == "continued" else None)
-    if ckpt is not None:
-        check_config(ckpt["config"], config, Path(args.out_dir) / "ckpt.pt")
-        encoder.load_state_dict(ckpt["model"], strict=True)
-        step = ckpt["step"]
-    elif init_from:
-        load_weights(encoder, init_from, [x for x in args.reset.split(",") if x])
-    if "embeddings" in args.freeze.split(","):  # the blog's "is it all in the embeddings?"
-        encoder.word.weight.requires_grad_(False)  # (the tied output with them)
-    return encoder, step
-
-
-def open_run(args) -> Run:
-    """Processes and device; the settings of a resumed run; the data (rank 0 prepares it, the
-    others wait); the encoder; the run folder, started or reopened; the RNG state resumed."""
-    ddp = "RANK" in os.environ
-    rank, world, local = 0, 1, 0
-    if ddp:
-        dist.init_process_group("nccl" if pick_device(args.device).type == "cuda" else "gloo")
-        rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
-    device = pick_device(args.device, local)
-    amp = autocast(device, args.bf16)  # as typed now, like --device: not the resumed run's setting
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    folder = RunFolder(args.out_dir, master=rank == 0)
-    ckpt = None
-    if args.resume:
-        if folder.path.is_dir():
-            folder.lock()  # one process per run folder (rank 0 holds it for all)
-        args, ckpt = resumed_args(args, folder.path / "ckpt.pt")
-    else:
-        folder.check_new("ckpt.pt")  # now, before a long data preparation; again once locked
-    if rank == 0:
-        data_dir = prepare(args.data, args.vocab_size)
-    if ddp:
-        dist.barrier()
-    if rank != 0:
-        data_dir = prepare(args.data, args.vocab_size, quiet=True)
-    meta = {**load_meta(data_dir), "folder": data_dir.name}  # NAME-KEY: what it was made of
-    train = Segments(data_dir / "train.bin", args.seq_len - 2, args.seed, shuffle=True).to(device)
-    val = Segments(data_dir / "val.bin", args.seq_len - 2, args.seed, shuffle=False)
-    tokenizer = (data_dir / "tokenizer.model").read_bytes()
-    if ckpt is not None and (ckpt["tokenizer"] != tokenizer or
-                             ckpt.get("data", {}).get("folder", data_dir.name) != data_dir.name):
-        raise SystemExit(f"error: {folder.path / 'ckpt.pt'} was trained on other data than the "
-                         f"prepared {data_dir} (the corpus at {args.data}, or its tokenizer, "
-                         f"changed since the run began); it cannot be resumed on it")
-    encoder, step = build_encoder(args, meta["vocab_size"], ckpt)
-    encoder.to(device)
-    version = code_version(CODE)
-    run = Run(args, ddp, rank, world, device, amp, folder, meta, train, val, encoder, step, ckpt,
-              tokenizer, version)
-    if args.max_steps is None:  # --epochs: saved in args.json as steps, so a resume keeps them
-        args.max_steps = max(1, math.floor(args.epochs * train.n / run.global_batch))
-        check_phases(args)
-    folder.lock()  # a new run locks its folder as it first writes there
-    if ckpt is None:
-        folder.check_new("ckpt.pt")  # another run may have begun there meanwhile
-        saved_args = {k: v for k, v in vars(args).items() if k != "given"}
-        folder.start(CODE, args=saved_args, config=asdict(encoder.config), data=meta)
-    else:
-        folder.resume(step)
-        if ckpt["code_version"]["sha256"] != version["sha256"]:
-            run.say("warning: the code changed since this run started; resuming with the new code")
-        # the loop reseeds every micro-batch; this covers what is drawn outside it (a phase 2's
-        # new heads, when the run was cut off just as phase 1 ended)
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
-    return run
-
-
-def start_phase(run: Run, step: int) -> Phase:
-    """The phase `step` belongs to, ready to train: the objective's parts (its setup), the
-    trainee wrapped for DDP and compiled as asked, a fresh optimizer; restored from the
-    checkpoint when resuming inside the phase. Phase 2 with --student-init scratch starts from a
-    fresh encoder."""
-    args = run.args
-    objective, start, end = phase_of(step, args)
-    if step == start > 0 and args.student_init == "scratch":
-        torch.manual_seed(seed_of(args.seed, step))
-        run.encoder.init_weights()
-    spec = OBJECTIVES[objective]
-    parts = spec.setup(run.encoder, args, run.folder.path, run.device) if spec.setup else Parts()
-    if step == start > 0:
-        init = "scratch" if args.student_init == "scratch" else "the phase-1 weights"
-        teacher = args.teacher or run.folder.path / "phase1.pt"
-        run.say(f"step {step}: phase 2, {objective} from {init}, a fresh optimizer and warm-up"
-                + (f", taught by {teacher}" if spec.setup else ""))
-    trainee = Trainee(run.encoder, parts.heads.to(run.device), spec.loss)
-    model = trainee
-    if run.ddp:
-        ids = [run.device.index] if run.device.type == "cuda" else None
-        model = nn.parallel.DistributedDataParallel(trainee, device_ids=ids,
-                                                    broadcast_buffers=False)
-    if use_compile(run.device, args.compile):
-        model = torch.compile(model)
-    optimizer = make_optimizer(trainee, args)
-    saved = run.ckpt if run.ckpt is not None and run.ckpt["step"] == step else None
-    if saved is not None and saved.get("objective", "mlm") != objective and step != start:
-        raise SystemExit(f"error: {run.folder.path / 'ckpt.pt'} was written in the "
-                         f"{saved.get('objective', 'mlm')} phase, but step {step} belongs to the "
-                         f"{objective} phase; it cannot be resumed with these settings")
-    if saved is not None and step > start:  # resumed inside the phase, not at its start
-        if set(saved.get("heads", {})) != set(trainee.heads.state_dict()):
-            raise SystemExit(f"error: {run.folder.path / 'ckpt.pt'} holds other {objective} parts "
-                             f"than this code builds (it was written by older code); start a new "
-                             f"--out-dir")
-        trainee.heads.load_state_dict(saved.get("heads", {}), strict=True)
-        for name, module in parts.saved.items():
-            module.load_state_dict(saved["ctx_state"][name], strict=True)
-        optimizer.load_state_dict(saved["optimizer"])
-    ctx = {**parts.ctx, "args": args}
-    return Phase(objective, start, end, trainee, model, optimizer, parts, ctx)
-
-
-DATA_KEYS = ("name", "folder", "vocab_size", "train_tokens", "unigram_entropy")  # in checkpoints
-
-
-def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | None = None):
-    """Everything a resumed run needs to go on bit for bit, written atomically by rank 0; with
-    `words` (--save-words), the model alone, as seen after that many training words."""
-    if run.rank == 0:
-        state = {
-            "model": run.encoder.state_dict(), "objective": phase.objective,
-            "heads": phase.trainee.heads.state_dict(), "config": asdict(run.encoder.config),
-            "args": {k: v for k, v in vars(run.args).items() if k != "given"}, "step": step,
-            "code_version": run.version, "tokenizer": run.tokenizer,
-            "data": {k: run.meta[k] for k in DATA_KEYS}}
-        if words is not None:
-            state["words_seen"] = words
-        else:
-            cuda = run.device.type == "cuda"
-            state.update({
-                "ctx_state": {k: m.state_dict() for k, m in phase.parts.saved.items()} or None,
-                "optimizer": phase.optimizer.state_dict(),
-                "rng": {"torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state() if cuda else None},
-                "data_pos": step * run.global_batch})
-        run.folder.save(state, name)
-    return step
-
-
-BABYLM_WORDS = [*range(1, 10), *range(10, 101, 10)]  # millions: chck_1M ... chck_100M
-
-
-def word_marks(run: Run) -> dict[int, tuple[str, int]]:
-    """{step: (checkpoint name, words seen)} for --save-words: the first step by which that
-    many training words have been seen. A step reads global_batch segments of seq_len - 2
-    corpus tokens ([CLS] and [SEP] are not text), and the corpus has train_words /
-    train_tokens words per token (meta.json; whitespace-separated words, as BabyLM counts)."""
-    spec = run.args.save_words
-    if not spec:
-        return {}
-    if spec == "babylm":
-        counts = [m * 10 ** 6 for m in BABYLM_WORDS]
-    else:
-        try:
-            counts = [round(float(c[:-1]) * {"K": 1e3, "M": 1e6}[c[-1].upper()])
-                      for c in spec.split(",")]
-        except (KeyError, ValueError, IndexError):
-            raise SystemExit(f"error: --save-words {spec!r}: give counts such as 1M,2M,500K, "
-                             f"or babylm") from None
-    meta, args = run.meta, run.args
-    per_step = run.global_batch * (args.seq_len - 2) * meta["train_words"] / meta["train_tokens"]
-    name = lambda n: f"chck_{n // 10 ** 6}M" if n % 10 ** 6 == 0 else f"chck_{n // 1000}K"
-    marks = {math.ceil(n / per_step - 1e-9): (name(n), n) for n in sorted(counts)}
-    late = [v[0] for k, v in marks.items() if k > args.max_steps]
-    if late:
-        run.say(f"note: --save-words: not written, beyond --max-steps {args.max_steps} "
-                f"({round(args.max_steps * per_step):,} words): {', '.join(late)}")
-    return marks
-
-
 def describe(run: Run) -> str:
     """Two lines on what is about to train, on what and where."""
     args, cfg, meta = run.args, run.encoder.config, run.meta
@@ -973,13 +645,13 @@ def main(argv=None):
     if args.check:
         print(json.dumps({k: v for k, v in vars(args).items() if k not in ("given", "check")}))
         return
-    run = open_run(args)
+    run = open_run(args, CODE, vars(build_parser().parse_args([])), check_phases)
     args, step, V = run.args, run.step, run.meta["vocab_size"]
     if args.stop_at is not None and args.stop_at <= step:
         run.say(f"nothing to do: {run.folder.path / 'ckpt.pt'} is at step {step}, at or past "
                 f"--stop-at {args.stop_at}")
         return
-    phase = start_phase(run, step)
+    phase = phase_at(run, step)
     run.say(describe(run))
     if OBJECTIVES[args.objective].note:
         run.say("note: " + OBJECTIVES[args.objective].note)
@@ -995,7 +667,7 @@ def main(argv=None):
     got = catch_stop_signals()
     while step < args.max_steps:
         if step == phase.end:  # phase 2 begins; phase1.pt was written as phase 1 ended
-            phase, history = start_phase(run, step), []
+            phase, history = phase_at(run, step), []
             t_log = time.time()  # its set-up (a teacher, a dictionary...) is no training time
         lr = lr_at(step, args, phase.start, phase.end)
         for group in phase.optimizer.param_groups:

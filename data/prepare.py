@@ -29,7 +29,6 @@ sha256) and the tokenizer settings. Changed raw files or settings make a new fol
 complete, so an interrupted or failed preparation leaves nothing behind.
 """
 import argparse
-import contextlib
 import functools
 import gzip
 import hashlib
@@ -37,10 +36,8 @@ import io
 import json
 import math
 import os
-import re
 import shutil
 import sys
-import threading
 import time
 import urllib.request
 import zipfile
@@ -50,7 +47,9 @@ from typing import NamedTuple
 import numpy as np
 import sentencepiece as spm
 import torch
-from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python data/prepare.py`
+from progress import bar, heartbeat  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -63,74 +62,6 @@ VERSION = 1  # bump when the prepared format changes, so old folders count as st
 OSF_PROJECT = "https://osf.io/ad7qg/"
 OSF_API = "https://api.osf.io/v2/nodes/ad7qg/files/osfstorage/"
 KNOWN = {"babylm_10m": "train_10M.zip", "babylm_100m": "train_100M.zip"}
-
-
-# ---------------------------------------------------------------------------------------------
-# Progress: every long job says what it is doing, in a terminal or not (batch jobs, nohup, CI)
-
-QUIET_SECONDS = 30  # with no terminal, a progress line at most this often
-
-
-class _Lines:
-    """tqdm's file when there is no terminal: each refresh, which tqdm writes as '\\r' + the
-    status, becomes one line of its own."""
-
-    def __init__(self, f):
-        self.f = f
-
-    def write(self, s):
-        for part in re.split(r"[\r\n]", s):
-            if part.strip():
-                self.f.write(part.rstrip() + "\n")
-                self.f.flush()
-
-    def flush(self):
-        self.f.flush()
-
-
-def bar(iterable=None, **kw) -> tqdm:
-    """A tqdm bar in a terminal. With none (tqdm alone would fall silent), a line with the count,
-    rate and ETA every QUIET_SECONDS once it has run that long. disable=True silences it."""
-    if kw.get("disable") is True or sys.stderr.isatty():
-        return tqdm(iterable, **{"dynamic_ncols": True, **kw})
-    return tqdm(iterable, **{**kw, "disable": False, "file": _Lines(sys.stderr), "ascii": True,
-                             "ncols": 100, "mininterval": QUIET_SECONDS,
-                             "maxinterval": QUIET_SECONDS, "delay": QUIET_SECONDS})
-
-
-def duration(seconds: float) -> str:
-    """45s, 12m, 3h05m: an ETA or an elapsed time in a log line."""
-    if seconds < 90:
-        return f"{seconds:.0f}s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
-
-
-def line_buffered() -> None:
-    """Print's lines reach stdout at once even when it is a file (a batch job's log), not in
-    blocks of 8 kB; a stream that cannot be reconfigured (a notebook's) is left as it is."""
-    if isinstance(sys.stdout, io.TextIOWrapper):
-        sys.stdout.reconfigure(line_buffering=True)
-
-
-@contextlib.contextmanager
-def heartbeat(what: str, every: float = QUIET_SECONDS):
-    """A line every `every` seconds while the block runs: for one long call that has no progress
-    to count (sentencepiece's trainer)."""
-    done, t0 = threading.Event(), time.time()
-
-    def beat():
-        while not done.wait(every):
-            print(f"{what}: still running, {duration(time.time() - t0)} so far",
-                  file=sys.stderr, flush=True)
-    thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import evaluate
 import train as T
 from conftest import TINY, run_train, run_trains
 from data.prepare import CLS, SEP, VOCAB_SIZE, Segments, prepare
-from model import PRESETS, Encoder, Lamb, ModelConfig, ema_update
+from model import PRESETS, Encoder, ModelConfig
+from optim import Lamb, ema_update
 from test_train import MLSM_DICT, compiled_trainee, read_log
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

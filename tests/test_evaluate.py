@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import evaluate as E
-import model as model_module
+import device as device_module
 from conftest import shared_data
 from data.prepare import CLS, MASK, SEP, load_tokenizer
-from model import PRESETS, BootHeads, BootPredictor, Encoder, ModelConfig, save_checkpoint
+from model import PRESETS, BootHeads, BootPredictor, Encoder, ModelConfig
+from storage import save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -621,7 +622,7 @@ def test_phenomenon_is_the_mean_of_its_paradigms(ckpt, tmp_path):
 
 
 def bf16_by_default(device, bf16=None):
-    """model.use_bf16 as it answers on a CUDA device (bf16 unless told), to stand in on the CPU."""
+    """device.use_bf16 as it answers on a CUDA device (bf16 unless told), to stand in on the CPU."""
     return True if bf16 is None else bf16
 
 
@@ -633,7 +634,7 @@ def test_scores_are_float32_unless_bf16_is_asked(ckpt, monkeypatch):
                               progress=False, **k)
     with torch.autocast("cpu", enabled=False):
         want = score(bf16=False)
-    monkeypatch.setattr(model_module, "use_bf16", bf16_by_default)  # as on CUDA
+    monkeypatch.setattr(device_module, "use_bf16", bf16_by_default)  # as on CUDA
     assert not np.allclose(score(bf16=None), want, atol=1e-4)  # the stand-in takes effect
     assert np.array_equal(score(), want)  # the default is float32 even there
     assert not np.allclose(score(bf16=True), want, atol=1e-4)  # bf16 differs: the flag reaches it
@@ -650,6 +651,6 @@ def test_masked_lm_scores_in_float32_unless_bf16_is_asked(ckpt, small_raw, prepa
         return json.loads(out.read_text())["examples_loss"]["pred"][0]
 
     want = losses()  # on the CPU: float32 whatever the default
-    monkeypatch.setattr(model_module, "use_bf16", bf16_by_default)  # as on CUDA
+    monkeypatch.setattr(device_module, "use_bf16", bf16_by_default)  # as on CUDA
     assert losses() == want
     assert not np.allclose(losses("--bf16"), want, atol=1e-4)

@@ -17,8 +17,8 @@ import evaluate as E  # noqa: E402
 import export  # noqa: E402
 from conftest import run_train, shared_data  # noqa: E402
 from data.prepare import MASK  # noqa: E402
-from model import (PRESETS, BootHeads, Encoder, ModelConfig, load_checkpoint,  # noqa: E402
-                   read_checkpoint, save_checkpoint)
+from model import PRESETS, BootHeads, Encoder, ModelConfig, load_checkpoint
+from storage import read_checkpoint, save_checkpoint
 from transformers import (AutoModel, AutoModelForMaskedLM,  # noqa: E402
                           AutoModelForSequenceClassification, AutoTokenizer)
 

@@ -19,8 +19,9 @@ import torch
 from conftest import REPO, TINY, run_train, shared_data
 
 import evaluate as E
-from model import (PRESETS, Encoder, ModelConfig, RunFolder, load_checkpoint, read_checkpoint,
-                   save_checkpoint)
+from model import PRESETS, Encoder, ModelConfig, load_checkpoint
+from run_folder import RunFolder
+from storage import read_checkpoint, save_checkpoint
 
 FAST = [*TINY, "--spike", "0", "--lr", "1e-3"]  # stable at any length, fast to run
 

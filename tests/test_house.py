@@ -11,9 +11,12 @@ import pytest
 import train
 from conftest import REPO
 
-# ground floor: the model and the data; middle: libraries with a CLI; top: scripts
-FLOOR = {"model": 0, "data": 0, "sparse": 1, "evaluate": 1,
-         "train": 2, "meta": 2, "bench": 2, "synth": 2, "study": 2, "export": 2,
+# ground floor: run machinery (0), then the model, the data and the run folder (1) on it;
+# middle: libraries with a CLI (2); top: scripts (3)
+FLOOR = {"storage": 0, "device": 0, "optim": 0, "progress": 0,
+         "model": 1, "data": 1, "run_folder": 1,
+         "sparse": 2, "evaluate": 2, "training_run": 2,
+         "train": 3, "meta": 3, "bench": 3, "synth": 3, "study": 3, "export": 3,
          "hf": 0}  # hf/: the modeling file export.py ships, transformers' code only
 
 
@@ -57,11 +60,11 @@ def test_imports_point_down_only(path):
 
 def test_no_stage_launches_another_for_internal_work():
     """bench.py times train.py's and synth.py's commands as users run them, on purpose; study.py
-    runs each step of a study as the command a user would type (and its report lists); model.py
-    asks git for the code's version. Nothing else starts a process."""
+    runs each step of a study as the command a user would type (and its report lists);
+    run_folder.py asks git for the code's version. Nothing else starts a process."""
     users = {str(p.relative_to(REPO)) for p in sources() if "subprocess" in imported(p)}
-    assert users == {"bench.py", "model.py", "study.py"}
-    calls = re.findall(r"subprocess\.run\(\[([^,\]]+)", (REPO / "model.py").read_text())
+    assert users == {"bench.py", "run_folder.py", "study.py"}
+    calls = re.findall(r"subprocess\.run\(\[([^,\]]+)", (REPO / "run_folder.py").read_text())
     assert calls == ['"git"']
 
 

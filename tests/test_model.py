@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from ltg_bert import LtgBert, ltg_buckets
-from model import (PRESETS, BootHeads, Decoder, Encoder, Lamb, ModelConfig, boot_states,
-                   check_config, dropout, ema_update, load_checkpoint, read_checkpoint,
-                   relative_buckets, save_checkpoint, use_flex)
+from model import (PRESETS, BootHeads, Decoder, Encoder, ModelConfig, boot_states, check_config,
+                   dropout, load_checkpoint, relative_buckets, use_flex)
+from optim import Lamb, ema_update
+from storage import read_checkpoint, save_checkpoint
 
 V = 300
 

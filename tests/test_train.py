@@ -11,39 +11,45 @@ import numpy as np
 import pytest
 import torch
 
+import optim
 import sparse
 import train as T
+import training_run
+from training_run import Trainee
 from conftest import TINY, run_train, run_trains
 from data.prepare import CLS, MASK, SEP, prepare
-from model import save_checkpoint
+from storage import save_checkpoint
 
 
 # --- optimizer and schedule ----------------------------------------------------------------------
 
 def test_schedule_hand_computed():
     args = argparse.Namespace(lr=1.0, warmup=10, max_steps=110, min_lr=0.1, schedule="cosine")
-    assert T.lr_at(0, args) == pytest.approx(0.1) and T.lr_at(9, args) == pytest.approx(1.0)
-    assert T.lr_at(10, args) == pytest.approx(1.0)
-    assert T.lr_at(35, args) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
-    assert T.lr_at(60, args) == pytest.approx(0.55) and T.lr_at(110, args) == pytest.approx(0.1)
+    assert optim.lr_at(0, args) == pytest.approx(0.1) and optim.lr_at(9, args) == pytest.approx(1.0)
+    assert optim.lr_at(10, args) == pytest.approx(1.0)
+    assert optim.lr_at(35, args) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert optim.lr_at(60, args) == pytest.approx(0.55)
+    assert optim.lr_at(110, args) == pytest.approx(0.1)
     args.schedule = "linear"
-    assert T.lr_at(35, args) == pytest.approx(0.1 + 0.9 * 0.75)
+    assert optim.lr_at(35, args) == pytest.approx(0.1 + 0.9 * 0.75)
     args.warmup = 0.1  # a fraction of max_steps: 11 steps
-    assert T.lr_at(10, args) == pytest.approx(1.0) and T.lr_at(9, args) == pytest.approx(10 / 11)
+    assert optim.lr_at(10, args) == pytest.approx(1.0)
+    assert optim.lr_at(9, args) == pytest.approx(10 / 11)
     # a phase [100, 210) has its own warmup and decay
-    assert T.lr_at(100, args, 100, 210) == pytest.approx(1 / 11)
-    assert T.lr_at(210, args, 100, 210) == pytest.approx(0.1)
+    assert optim.lr_at(100, args, 100, 210) == pytest.approx(1 / 11)
+    assert optim.lr_at(210, args, 100, 210) == pytest.approx(0.1)
 
 
 def test_boot_schedules_hand_computed():
     args = argparse.Namespace(ema_start=0.996, ema_end=1.0, weight_decay=0.02, weight_decay_end=0.2)
-    assert T.ema_decay_at(0, args, 0, 101) == 0.996 and T.ema_decay_at(100, args, 0, 101) == 1.0
-    assert T.ema_decay_at(50, args, 0, 101) == pytest.approx(0.998)
-    assert T.weight_decay_at(0, args, 0, 101) == pytest.approx(0.02)
-    assert T.weight_decay_at(100, args, 0, 101) == pytest.approx(0.2)
-    assert T.weight_decay_at(50, args, 0, 101) == pytest.approx(0.11)  # cosine midpoint
+    assert optim.ema_decay_at(0, args, 0, 101) == 0.996
+    assert optim.ema_decay_at(100, args, 0, 101) == 1.0
+    assert optim.ema_decay_at(50, args, 0, 101) == pytest.approx(0.998)
+    assert optim.weight_decay_at(0, args, 0, 101) == pytest.approx(0.02)
+    assert optim.weight_decay_at(100, args, 0, 101) == pytest.approx(0.2)
+    assert optim.weight_decay_at(50, args, 0, 101) == pytest.approx(0.11)  # cosine midpoint
     args.weight_decay_end = None
-    assert T.weight_decay_at(50, args, 0, 101) == 0.02
+    assert optim.weight_decay_at(50, args, 0, 101) == 0.02
 
 
 def test_objective_defaults_yield_to_typed_flags():
@@ -383,7 +389,7 @@ def objective_setup(objective, **flags):
     ids[:, 0], ids[:, -1] = CLS, SEP
     batch = T.make_batch(ids, args, 300, torch.Generator().manual_seed(1))
     loss = T.OBJECTIVES[objective].loss
-    return T.Trainee(encoder, parts.heads, loss), {**parts.ctx, "args": args}, batch
+    return Trainee(encoder, parts.heads, loss), {**parts.ctx, "args": args}, batch
 
 
 def test_boot_teacher_starts_as_the_student_and_gets_no_gradient():
@@ -475,7 +481,7 @@ def test_kd_loss(temperature):
     args = T.build_parser().parse_args(["--objective", "kd", "--kd-temperature", str(temperature),
                                         "--kd-teacher-input", "masked"])
     ctx = {"teacher": teacher, "args": args}
-    kd = T.Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["kd"].loss)
+    kd = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["kd"].loss)
     # student = teacher (up to float noise)
     assert kd(batch, ctx)[0].item() == pytest.approx(0.0, abs=1e-5)
     with torch.no_grad():
@@ -490,7 +496,7 @@ def test_kd_loss(temperature):
     log_ratio = torch.log_softmax(t / temperature, -1) - torch.log_softmax(s / temperature, -1)
     want = (p_t * log_ratio).sum(-1).mean() * temperature ** 2
     assert loss.item() == pytest.approx(want.item(), rel=1e-5) and loss.item() > 1e-3
-    kd_mlm = T.Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["kd+mlm"].loss)
+    kd_mlm = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["kd+mlm"].loss)
     mixed, mfigs = kd_mlm(batch, ctx)
     assert mixed.item() == pytest.approx(mfigs["kd"].item() + mfigs["mlm"].item())
 
@@ -500,7 +506,7 @@ def test_kd_from_a_boot_teacher_hides_what_it_predicts():
     it predicts: its logits are those of the [MASK]-filled input, its trained path."""
     trainee, ctx, batch = objective_setup("boot")
     teacher = T.BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
-    kd = T.Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), T.OBJECTIVES["kd"].loss)
+    kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), T.OBJECTIVES["kd"].loss)
     args = T.get_args(["--objective", "kd"])
     predict = batch["labels"] != -100
     _, want = teacher(batch["input_ids"].masked_fill(predict, MASK), predict=predict)
@@ -521,7 +527,8 @@ def test_a_run_started_before_new_flags_keeps_its_behaviour(prepared, tmp_path):
              if k not in ("given", "mlsm_coder", "dict_max_freq", "masking")}
     save_checkpoint({"model": {}, "config": {}, "tokenizer": b"spm", "args": saved},
                       tmp_path / "ckpt.pt")
-    resumed, _ = T.resumed_args(args, tmp_path / "ckpt.pt")
+    defaults = vars(T.build_parser().parse_args([]))
+    resumed, _ = training_run.resumed_args(args, tmp_path / "ckpt.pt", defaults)
     assert (resumed.mlsm_coder, resumed.dict_max_freq, resumed.masking) == ("exact", 1e-3, "span")
     assert T.get_args(["--objective", "mlsm"]).mlsm_coder == "fista100"  # a new run: the default
 
@@ -607,7 +614,7 @@ def mlsm_setup(lam=0.05, with_mlm=False, coder="exact"):
     ctx = {"teacher": teacher, "dict": D, "L": torch.linalg.matrix_norm(D, ord=2) ** 2, "layer": 1,
            "momentum": sparse.fista_momentum(100), "exact_coder": sparse.sparse_code, "args": args}
     heads = torch.nn.ModuleDict({"latent": head})
-    return T.Trainee(trainee.encoder, heads, T.OBJECTIVES[args.objective].loss), ctx, batch
+    return Trainee(trainee.encoder, heads, T.OBJECTIVES[args.objective].loss), ctx, batch
 
 
 def test_mlsm_loss_against_a_per_position_loop():
@@ -639,7 +646,7 @@ def test_mlsm_loss_against_a_per_position_loop():
     assert trainee.heads.latent.weight.grad is not None
     assert trainee.encoder.word.weight.grad is not None
     assert all(p.grad is None for p in ctx["teacher"].parameters())
-    mlsm_mlm = T.Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["mlsm+mlm"].loss)
+    mlsm_mlm = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["mlsm+mlm"].loss)
     mixed, mfigs = mlsm_mlm(batch, ctx)
     assert mixed.item() == pytest.approx(mfigs["kl"].item() + mfigs["mlm"].item(), rel=1e-6)
 
@@ -790,7 +797,7 @@ def compiled_trainee(objective):
         trainee, ctx, _ = objective_setup("mlm")
         args = T.get_args(["--objective", objective])
         ctx = {"teacher": copy.deepcopy(trainee.encoder).eval(), "args": args}
-        trainee = T.Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES[objective].loss)
+        trainee = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES[objective].loss)
     else:
         trainee, ctx, _ = objective_setup(objective)
     ctx["compact"] = False  # what setup_boot picks for a compiled run
@@ -877,7 +884,7 @@ def test_kd_from_a_boot_teacher_compiles_whole():
     graph with no size read from the data (the compact layout reads its longest kept row)."""
     trainee, _, _ = objective_setup("boot")
     teacher = T.BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
-    kd = T.Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), T.OBJECTIVES["kd"].loss)
+    kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), T.OBJECTIVES["kd"].loss)
     args = T.get_args(["--objective", "kd"])
     ctx = {"teacher": teacher, "args": args}
     batch = fresh_batch(args, 0)

@@ -1,0 +1,48 @@
+"""Where and how a process computes: the device (--device auto|cpu|cuda), bf16 autocast and
+torch.compile (on with CUDA, off on the CPU unless asked), its peak memory, and the seeds it
+draws with (seed_of: a function of integers, so a resumed run draws what the first would have).
+"""
+import resource
+
+import numpy as np
+import torch
+
+
+def pick_device(name: str = "auto", index: int | None = None) -> torch.device:
+    """--device auto|cpu|cuda -> a device; auto is CUDA when a GPU is visible. `index`: the GPU of
+    one DDP process."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA device is visible")
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda" if index is None else f"cuda:{index}")
+
+
+def use_bf16(device: torch.device, bf16: bool | None = None) -> bool:
+    """Whether to autocast to bfloat16: `bf16` if given, else on with CUDA and off on the CPU
+    (where only some CPUs gain from it: see train.py --bf16)."""
+    return device.type == "cuda" if bf16 is None else bf16
+
+
+def use_compile(device: torch.device, compile: bool | None = None) -> bool:
+    """Whether to torch.compile: `compile` if given, else on with CUDA and off on the CPU."""
+    return device.type == "cuda" if compile is None else compile
+
+
+def autocast(device: torch.device, bf16: bool | None = None):
+    """bfloat16 autocast of the forward pass as use_bf16 decides (a disabled one otherwise);
+    weights, optimizer and losses stay float32."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=use_bf16(device, bf16))
+
+
+def peak_memory_gb(device) -> float:
+    """Peak allocated GPU memory, or on a CPU the process' peak resident size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+
+
+def seed_of(*parts) -> int:
+    """A well-mixed 63-bit seed from integers (seed, step, micro-batch...): whatever is drawn with
+    it is a function of those integers alone, so a resumed run draws what the first would have."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(2, np.uint64)[0] >> np.uint64(1))

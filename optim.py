@@ -1,0 +1,109 @@
+"""Optimisers and schedules: LAMB (LTG-BERT's), the fused EMA update of a mean teacher, the
+parameter groups, and the learning-rate, weight-decay and EMA-decay schedules of a phase.
+"""
+import math
+
+import torch
+import torch.nn as nn
+
+
+@torch.no_grad()
+def ema_update(teacher: nn.Module, student: nn.Module, decay: float, fused: bool = True) -> None:
+    """teacher <- decay * teacher + (1 - decay) * student, for every parameter. Fused: one
+    torch._foreach_lerp_ over all tensors (a few multi-tensor kernels instead of one or more per
+    tensor); otherwise the same lerp_, tensor by tensor."""
+    t = list(teacher.parameters())
+    s = [p.detach() for p in student.parameters()]
+    if fused:
+        torch._foreach_lerp_(t, s, 1.0 - decay)
+    else:
+        for a, b in zip(t, s):
+            a.lerp_(b, 1.0 - decay)
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2) as
+    LTG-BERT's lamb.py runs it: the bias-corrected Adam direction r = m/(sqrt(v)+eps) plus
+    decoupled weight decay, rescaled per tensor by the trust ratio ||w|| / ||r + wd*w|| (1 where
+    either norm is 0) in groups with weight decay only; a group without (embeddings, positions,
+    gains, biases) takes plain Adam steps. torch has none."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        """Each group in a handful of multi-tensor (torch._foreach_*) kernels: no Python loop
+        over tensors, and no host sync (the trust ratios stay on the device)."""
+        for group in self.param_groups:
+            (b1, b2), eps, wd, lr = group["betas"], group["eps"], group["weight_decay"], group["lr"]
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if not self.state[p]:
+                    self.state[p].update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                self.state[p]["step"] += 1
+            steps = [self.state[p]["step"] for p in params]  # per tensor: one may miss a step
+            grads = [p.grad for p in params]
+            m, v = [self.state[p]["m"] for p in params], [self.state[p]["v"] for p in params]
+            torch._foreach_lerp_(m, grads, 1 - b1)
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+            denom = torch._foreach_div(v, [1 - b2 ** s for s in steps])
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+            r = torch._foreach_div(m, [1 - b1 ** s for s in steps])
+            torch._foreach_div_(r, denom)
+            if wd <= 0:  # LTG-BERT: trust ratio 1 without weight decay (at init the ratio would
+                torch._foreach_add_(params, r, alpha=-lr)  # shrink embedding steps ~30x at small)
+                continue
+            torch._foreach_add_(r, params, alpha=wd)
+            w_norm = torch.stack(torch._foreach_norm(params))
+            r_norm = torch.stack(torch._foreach_norm(r))
+            trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)     # (tensors,)
+            torch._foreach_mul_(r, list((-lr * trust).unbind()))
+            torch._foreach_add_(params, r)
+
+
+def make_optimizer(model, args):
+    """Group 0 decays (the weight matrices), group 1 does not (biases, LayerNorm gains,
+    embedding tables, BootBERT's mask vector), as LTG-BERT."""
+    table = lambda name: name.endswith(("word.weight", "pos.weight", ".rel")) or name == "rel"
+    decays = lambda name, p: p.ndim >= 2 and not table(name)
+    named = list(model.named_parameters())
+    groups = [dict(params=[p for n, p in named if decays(n, p)], weight_decay=args.weight_decay),
+              dict(params=[p for n, p in named if not decays(n, p)], weight_decay=0.0)]
+    if args.optim == "lamb":
+        return Lamb(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
+    fused = next(model.parameters()).is_cuda or None  # one kernel on a GPU
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6, fused=fused)
+
+
+def lr_at(step, args, start=0, end=None):
+    """Linear warmup to --lr, then cosine or linear decay to --min-lr * --lr, over the phase
+    [start, end) (default the whole run)."""
+    end = args.max_steps if end is None else end
+    step, n = step - start, end - start
+    warmup = round(args.warmup * n) if args.warmup < 1 else int(args.warmup)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, n - warmup))
+    decay = 0.5 * (1 + math.cos(math.pi * t)) if args.schedule == "cosine" else 1 - t
+    return args.lr * (args.min_lr + (1 - args.min_lr) * decay)
+
+
+def weight_decay_at(step, args, start, end):
+    """--weight-decay, or with --weight-decay-end a cosine from one to the other over the phase
+    (BootBERT raises it from 0.02 to 0.2)."""
+    if args.weight_decay_end is None:
+        return args.weight_decay
+    t = (step - start) / max(1, end - start - 1)
+    wd, wd_end = args.weight_decay, args.weight_decay_end
+    return wd_end + (wd - wd_end) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def ema_decay_at(step, args, start, end):
+    """The mean teacher's decay rises linearly from --ema-start to --ema-end over the phase."""
+    n = max(1, end - start - 1)
+    return args.ema_start + (args.ema_end - args.ema_start) * (step - start) / n

@@ -1,0 +1,125 @@
+"""A run folder, the same for every script (train.py, meta.py): its lock (one process per
+folder), its JSON settings, its log.jsonl, the code that ran and its version.
+
+    runs/NAME/  args.json  config.json ...  code/  log.jsonl  *.pt  lock
+"""
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+from storage import save_checkpoint, writing
+
+
+REPO = Path(__file__).resolve().parent
+
+
+def code_version(files) -> dict:
+    """The git description of the checkout and a hash of the source `files` (repository paths)."""
+    digest = hashlib.sha256(b"".join((REPO / f).read_bytes() for f in files)).hexdigest()[:16]
+    try:
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        git = ""
+    return {"git": git or "unknown", "sha256": digest}
+
+
+class RunFolder:
+    """What a run leaves behind, the same for every script:
+        runs/NAME/  args.json  config.json ...  code/ (the source that ran)  log.jsonl  *.pt  lock
+    Only the master process writes: under DDP the other ranks hold one whose writes do nothing."""
+
+    def __init__(self, path, master: bool = True):
+        self.path, self.master = Path(path), master
+        self.log_path = self.path / "log.jsonl"
+        self._log = self._lock = None
+
+    def lock(self) -> None:
+        """Hold the folder's `lock` file (flock) until this process exits: a second process on
+        the same folder is refused, naming the holder. The kernel drops the lock of a process
+        that dies however it dies, so a stale lock file is simply taken over."""
+        if not self.master or self._lock is not None:
+            return
+        with writing(self.path):
+            self.path.mkdir(parents=True, exist_ok=True)
+            f = open(self.path / "lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise SystemExit(f"error: {self.path} is in use by {holder}; wait for it to end or "
+                             f"choose another --out-dir") from None
+        except OSError as e:  # a filesystem without flock (some Lustre, NFS or FUSE mounts)
+            print(f"warning: cannot lock {self.path / 'lock'} ({e.strerror}); nothing stops a "
+                  f"second process from using this folder at the same time")
+        with writing(self.path / "lock"):
+            f.truncate(0)
+            f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+            f.flush()
+            for old in self.path.glob(".*.tmp"):  # a save cut off by a kill: whose is dead now
+                old.unlink(missing_ok=True)
+        self._lock = f  # kept open: closing the file would release the lock
+
+    def check_new(self, marker: str | None = None) -> None:
+        """A new run never writes over an old one: refuse a folder that holds `marker`, the file
+        --resume would continue from, or with no marker any folder that holds anything (but the
+        lock a run holds while it starts)."""
+        there = self.path / marker if marker else self.path
+        if there.exists() and (marker or any(p.name != "lock" for p in self.path.iterdir())):
+            raise SystemExit(f"error: {there} exists; pass --resume to continue that run or "
+                             f"choose another --out-dir")
+
+    def start(self, code, keep_log: bool = False, **files) -> None:
+        """Create the folder; write each of `files` ({name: dict}) as NAME.json and a copy of each
+        `code` file (repository paths) into code/; start an empty log unless keep_log."""
+        if not self.master:
+            return
+        with writing(self.path / "code"):
+            (self.path / "code").mkdir(parents=True, exist_ok=True)
+            for f in code:
+                shutil.copy(REPO / f, self.path / "code" / Path(f).name)
+            if not keep_log:
+                self.log_path.unlink(missing_ok=True)
+        for name, content in files.items():
+            self.write(name, content)
+
+    def write(self, name: str, content: dict) -> None:
+        """NAME.json in the folder."""
+        if self.master:
+            with writing(self.path / f"{name}.json"):
+                (self.path / f"{name}.json").write_text(json.dumps(content, indent=1))
+
+    def resume(self, step: int) -> None:
+        """Continuing from a checkpoint at `step`: drop the log lines that the run which was cut
+        off wrote after it, so that the log reads as one uninterrupted run."""
+        if self.master and self.log_path.exists():
+            records = []
+            for line in self.log_path.read_text().splitlines():
+                try:
+                    records.append(json.loads(line))
+                except ValueError:  # a line torn by a kill or a full disk
+                    continue
+            with writing(self.log_path):
+                self.log_path.write_text("".join(json.dumps(r) + "\n" for r in records
+                                                 if r["step"] <= step))
+
+    def log(self, record: dict) -> None:
+        """One JSON line in log.jsonl, flushed at once (a killed run keeps what it logged)."""
+        if self.master:
+            with writing(self.log_path):
+                self._log = self._log or open(self.log_path, "a")
+                self._log.write(json.dumps(record) + "\n")
+                self._log.flush()
+
+    def save(self, state: dict, name: str = "ckpt.pt") -> Path:
+        """save_checkpoint into the folder (atomic: a kill never leaves a torn file)."""
+        if self.master:
+            save_checkpoint(state, self.path / name)
+        return self.path / name

@@ -1,0 +1,310 @@
+"""A training run's machinery, under train.py's loop: the processes, device, folder, data and
+encoder of a run, opened fresh or resumed with its saved settings; a phase made ready to train
+(its objective's parts, the trainee wrapped for DDP and compiled, a fresh or restored optimizer);
+its checkpoints; the steps at which --save-words keeps the weights. Nothing here knows an
+objective: train.py hands each phase its objective's loss and setup.
+"""
+import argparse
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from tqdm import tqdm
+
+from data.prepare import Segments, load_meta, prepare
+from device import autocast, pick_device, seed_of, use_compile
+from model import PRESETS, Encoder, ModelConfig, check_config, load_weights
+from optim import make_optimizer
+from run_folder import RunFolder, code_version
+from storage import read_checkpoint
+
+
+class Trainee(nn.Module):
+    """What one phase trains: the encoder plus the modules its objective adds. Its forward is
+    the objective's loss, so DDP and torch.compile see every trained parameter in one call."""
+
+    def __init__(self, encoder, heads, loss):
+        super().__init__()
+        self.encoder, self.heads, self.loss = encoder, heads, loss
+
+    def forward(self, batch, ctx):
+        return self.loss(self, batch, ctx)
+
+
+@dataclass
+class Parts:
+    """What an objective adds to the loop besides its loss; its setup function returns one."""
+    heads: nn.Module = field(default_factory=nn.ModuleDict)  # trained along with the encoder
+    ctx: dict = field(default_factory=dict)      # what the loss reads: frozen teachers, ...
+    saved: dict = field(default_factory=dict)    # {name: module} in ckpt["ctx_state"], restored
+    after_step: Callable | None = None           # (step, start, end): after each optimizer step
+
+
+RESUMABLE = {"resume", "out_dir", "device", "compile", "bf16", "log_every", "eval_every",
+             "save_every", "stop_at", "spike", "save_words"}  # the flags a resumed run may change
+
+
+def model_config(args, vocab_size) -> ModelConfig:
+    overrides = {f.name: getattr(args, f.name) for f in fields(ModelConfig)
+                 if getattr(args, f.name, None) is not None}
+    config = ModelConfig(**{**PRESETS[args.size], **overrides, "vocab_size": vocab_size})
+    if config.d_model % config.n_head:
+        raise SystemExit(f"error: --d-model {config.d_model} is not a multiple of "
+                         f"--n-head {config.n_head}")
+    if args.seq_len > config.max_position:
+        raise SystemExit(f"error: --seq-len {args.seq_len} exceeds --max-position "
+                         f"{config.max_position}")
+    return config
+
+
+@dataclass
+class Run:
+    """What the loop needs that stays the same from phase to phase."""
+    args: argparse.Namespace
+    ddp: bool                  # launched by torchrun
+    rank: int
+    world: int                 # processes
+    device: torch.device
+    amp: object                # bf16 autocast, or a disabled one
+    folder: RunFolder
+    meta: dict                 # the prepared corpus' meta.json
+    train: Segments
+    val: Segments
+    encoder: Encoder
+    step: int                  # the next step to take
+    ckpt: dict | None          # the checkpoint resumed from
+    tokenizer: bytes
+    version: dict              # code_version of its code, kept in every checkpoint
+
+    @property
+    def global_batch(self):
+        return self.args.batch_size * self.args.grad_accum * self.world
+
+    def say(self, text):  # rank 0 only; tqdm.write keeps the progress bar intact
+        if self.rank == 0:
+            tqdm.write(text)
+
+
+@dataclass
+class Phase:
+    """One phase of training: its objective, its steps [start, end), and what trains in it."""
+    objective: str
+    start: int
+    end: int
+    trainee: Trainee           # the encoder and the objective's heads; its forward is the loss
+    model: nn.Module           # the trainee, wrapped for DDP and compiled as asked
+    optimizer: torch.optim.Optimizer
+    parts: Parts
+    ctx: dict                  # what the loss reads besides the batch: parts.ctx and args
+
+
+# flags added since a run may have started whose default is not what such a run did: it goes
+# on as it began (issue 16 made the MLSM code's coder and all-token dictionaries the defaults)
+BEFORE = {"mlsm_coder": "exact", "dict_max_freq": 1e-3}
+
+
+def resumed_args(args, path, defaults: dict):
+    """(the saved settings of the run at `path`, its checkpoint). A resumed run keeps them: typed
+    flags that would change them are refused (but the RESUMABLE ones), and flags newer than the
+    checkpoint take their `defaults` ({flag: default})."""
+    if not path.exists():
+        raise SystemExit(f"error: --resume, but there is no checkpoint at {path}")
+    ckpt = read_checkpoint(path)
+    saved = ckpt["args"]
+    changed = [k for k in args.given if k not in RESUMABLE and getattr(args, k) != saved.get(k)]
+    if changed:
+        flags = ", ".join("--" + k.replace("_", "-") for k in changed)
+        raise SystemExit(f"error: a resumed run keeps its settings, but {flags} "
+                         f"{'differs' if len(changed) == 1 else 'differ'} from the checkpoint's; "
+                         f"drop {'it' if len(changed) == 1 else 'them'} or start a new --out-dir")
+    # --stop-at holds for one command: the run it resumes stopped there, this one goes on
+    now = {k: getattr(args, k) for k in RESUMABLE
+           if k in args.given or k in ("resume", "out_dir", "stop_at")}
+    return argparse.Namespace(**{**defaults, **BEFORE, **saved, **now, "given": args.given}), ckpt
+
+
+def build_encoder(args, vocab_size, ckpt):
+    """(the encoder, the step it is at): fresh from --seed, the checkpoint's, or --init-from's
+    weights with the --reset parts re-initialised; --freeze applied."""
+    config = model_config(args, vocab_size)
+    torch.manual_seed(args.seed)
+    encoder = Encoder(config)
+    step = 0
+    init_from = args.init_from or (args.teacher if args.student_init == "continued" else None)
+    if ckpt is not None:
+        check_config(ckpt["config"], config, Path(args.out_dir) / "ckpt.pt")
+        encoder.load_state_dict(ckpt["model"], strict=True)
+        step = ckpt["step"]
+    elif init_from:
+        load_weights(encoder, init_from, [x for x in args.reset.split(",") if x])
+    if "embeddings" in args.freeze.split(","):  # the blog's "is it all in the embeddings?"
+        encoder.word.weight.requires_grad_(False)  # (the tied output with them)
+    return encoder, step
+
+
+def open_run(args, code: list[str], defaults: dict, check_steps: Callable) -> Run:
+    """Processes and device; the settings of a resumed run (`defaults`: the flags' defaults); the
+    data (rank 0 prepares it, the others wait); the encoder; the run folder, started or reopened
+    with a copy of the `code` files; the RNG state resumed. check_steps(args) refuses a step
+    budget, once --epochs has set it, that the objective cannot use."""
+    ddp = "RANK" in os.environ
+    rank, world, local = 0, 1, 0
+    if ddp:
+        dist.init_process_group("nccl" if pick_device(args.device).type == "cuda" else "gloo")
+        rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
+    device = pick_device(args.device, local)
+    amp = autocast(device, args.bf16)  # as typed now, like --device: not the resumed run's setting
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    folder = RunFolder(args.out_dir, master=rank == 0)
+    ckpt = None
+    if args.resume:
+        if folder.path.is_dir():
+            folder.lock()  # one process per run folder (rank 0 holds it for all)
+        args, ckpt = resumed_args(args, folder.path / "ckpt.pt", defaults)
+    else:
+        folder.check_new("ckpt.pt")  # now, before a long data preparation; again once locked
+    if rank == 0:
+        data_dir = prepare(args.data, args.vocab_size)
+    if ddp:
+        dist.barrier()
+    if rank != 0:
+        data_dir = prepare(args.data, args.vocab_size, quiet=True)
+    meta = {**load_meta(data_dir), "folder": data_dir.name}  # NAME-KEY: what it was made of
+    train = Segments(data_dir / "train.bin", args.seq_len - 2, args.seed, shuffle=True).to(device)
+    val = Segments(data_dir / "val.bin", args.seq_len - 2, args.seed, shuffle=False)
+    tokenizer = (data_dir / "tokenizer.model").read_bytes()
+    if ckpt is not None and (ckpt["tokenizer"] != tokenizer or
+                             ckpt.get("data", {}).get("folder", data_dir.name) != data_dir.name):
+        raise SystemExit(f"error: {folder.path / 'ckpt.pt'} was trained on other data than the "
+                         f"prepared {data_dir} (the corpus at {args.data}, or its tokenizer, "
+                         f"changed since the run began); it cannot be resumed on it")
+    encoder, step = build_encoder(args, meta["vocab_size"], ckpt)
+    encoder.to(device)
+    version = code_version(code)
+    run = Run(args, ddp, rank, world, device, amp, folder, meta, train, val, encoder, step, ckpt,
+              tokenizer, version)
+    if args.max_steps is None:  # --epochs: saved in args.json as steps, so a resume keeps them
+        args.max_steps = max(1, math.floor(args.epochs * train.n / run.global_batch))
+        check_steps(args)
+    folder.lock()  # a new run locks its folder as it first writes there
+    if ckpt is None:
+        folder.check_new("ckpt.pt")  # another run may have begun there meanwhile
+        saved_args = {k: v for k, v in vars(args).items() if k != "given"}
+        folder.start(code, args=saved_args, config=asdict(encoder.config), data=meta)
+    else:
+        folder.resume(step)
+        if ckpt["code_version"]["sha256"] != version["sha256"]:
+            run.say("warning: the code changed since this run started; resuming with the new code")
+        # the loop reseeds every micro-batch; this covers what is drawn outside it (a phase 2's
+        # new heads, when the run was cut off just as phase 1 ended)
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+    return run
+
+
+def start_phase(run: Run, step: int, objective: str, start: int, end: int, spec) -> Phase:
+    """The phase [start, end) of `objective` that `step` belongs to, ready to train: the parts
+    of its spec (train.Objective: its loss and setup), the trainee wrapped for DDP and compiled
+    as asked, a fresh optimizer; restored from the checkpoint when resuming inside the phase.
+    Phase 2 with --student-init scratch starts from a fresh encoder."""
+    args = run.args
+    if step == start > 0 and args.student_init == "scratch":
+        torch.manual_seed(seed_of(args.seed, step))
+        run.encoder.init_weights()
+    parts = spec.setup(run.encoder, args, run.folder.path, run.device) if spec.setup else Parts()
+    if step == start > 0:
+        init = "scratch" if args.student_init == "scratch" else "the phase-1 weights"
+        teacher = args.teacher or run.folder.path / "phase1.pt"
+        run.say(f"step {step}: phase 2, {objective} from {init}, a fresh optimizer and warm-up"
+                + (f", taught by {teacher}" if spec.setup else ""))
+    trainee = Trainee(run.encoder, parts.heads.to(run.device), spec.loss)
+    model = trainee
+    if run.ddp:
+        ids = [run.device.index] if run.device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(trainee, device_ids=ids,
+                                                    broadcast_buffers=False)
+    if use_compile(run.device, args.compile):
+        model = torch.compile(model)
+    optimizer = make_optimizer(trainee, args)
+    saved = run.ckpt if run.ckpt is not None and run.ckpt["step"] == step else None
+    if saved is not None and saved.get("objective", "mlm") != objective and step != start:
+        raise SystemExit(f"error: {run.folder.path / 'ckpt.pt'} was written in the "
+                         f"{saved.get('objective', 'mlm')} phase, but step {step} belongs to the "
+                         f"{objective} phase; it cannot be resumed with these settings")
+    if saved is not None and step > start:  # resumed inside the phase, not at its start
+        if set(saved.get("heads", {})) != set(trainee.heads.state_dict()):
+            raise SystemExit(f"error: {run.folder.path / 'ckpt.pt'} holds other {objective} parts "
+                             f"than this code builds (it was written by older code); start a new "
+                             f"--out-dir")
+        trainee.heads.load_state_dict(saved.get("heads", {}), strict=True)
+        for name, module in parts.saved.items():
+            module.load_state_dict(saved["ctx_state"][name], strict=True)
+        optimizer.load_state_dict(saved["optimizer"])
+    ctx = {**parts.ctx, "args": args}
+    return Phase(objective, start, end, trainee, model, optimizer, parts, ctx)
+
+
+DATA_KEYS = ("name", "folder", "vocab_size", "train_tokens", "unigram_entropy")  # in checkpoints
+
+
+def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | None = None):
+    """Everything a resumed run needs to go on bit for bit, written atomically by rank 0; with
+    `words` (--save-words), the model alone, as seen after that many training words."""
+    if run.rank == 0:
+        state = {
+            "model": run.encoder.state_dict(), "objective": phase.objective,
+            "heads": phase.trainee.heads.state_dict(), "config": asdict(run.encoder.config),
+            "args": {k: v for k, v in vars(run.args).items() if k != "given"}, "step": step,
+            "code_version": run.version, "tokenizer": run.tokenizer,
+            "data": {k: run.meta[k] for k in DATA_KEYS}}
+        if words is not None:
+            state["words_seen"] = words
+        else:
+            cuda = run.device.type == "cuda"
+            state.update({
+                "ctx_state": {k: m.state_dict() for k, m in phase.parts.saved.items()} or None,
+                "optimizer": phase.optimizer.state_dict(),
+                "rng": {"torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state() if cuda else None},
+                "data_pos": step * run.global_batch})
+        run.folder.save(state, name)
+    return step
+
+
+BABYLM_WORDS = [*range(1, 10), *range(10, 101, 10)]  # millions: chck_1M ... chck_100M
+
+
+def word_marks(run: Run) -> dict[int, tuple[str, int]]:
+    """{step: (checkpoint name, words seen)} for --save-words: the first step by which that
+    many training words have been seen. A step reads global_batch segments of seq_len - 2
+    corpus tokens ([CLS] and [SEP] are not text), and the corpus has train_words /
+    train_tokens words per token (meta.json; whitespace-separated words, as BabyLM counts)."""
+    spec = run.args.save_words
+    if not spec:
+        return {}
+    if spec == "babylm":
+        counts = [m * 10 ** 6 for m in BABYLM_WORDS]
+    else:
+        try:
+            counts = [round(float(c[:-1]) * {"K": 1e3, "M": 1e6}[c[-1].upper()])
+                      for c in spec.split(",")]
+        except (KeyError, ValueError, IndexError):
+            raise SystemExit(f"error: --save-words {spec!r}: give counts such as 1M,2M,500K, "
+                             f"or babylm") from None
+    meta, args = run.meta, run.args
+    per_step = run.global_batch * (args.seq_len - 2) * meta["train_words"] / meta["train_tokens"]
+    name = lambda n: f"chck_{n // 10 ** 6}M" if n % 10 ** 6 == 0 else f"chck_{n // 1000}K"
+    marks = {math.ceil(n / per_step - 1e-9): (name(n), n) for n in sorted(counts)}
+    late = [v[0] for k, v in marks.items() if k > args.max_steps]
+    if late:
+        run.say(f"note: --save-words: not written, beyond --max-steps {args.max_steps} "
+                f"({round(args.max_steps * per_step):,} words): {', '.join(late)}")
+    return marks
