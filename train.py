@@ -34,7 +34,6 @@ import copy
 import functools
 import json
 import shutil
-import signal
 import sys
 import time
 from dataclasses import fields
@@ -55,6 +54,7 @@ from model import (PARTS, PRESETS, BootHeads, BootPredictor, ModelConfig, boot_s
 from optim import ema_decay_at, ema_update, lr_at, weight_decay_at
 from progress import bar, duration, line_buffered
 from run_folder import REPO
+from stopping import SafetyNet, exit_now, on_stop_signals
 from training_run import Parts, Phase, Run, open_run, save, start_phase, word_marks
 
 CODE = ["model.py", "train.py", "sparse.py", "data/prepare.py"]  # a run's code/ and its hash
@@ -86,7 +86,8 @@ def make_batch(ids, args, vocab_size, gen):
 #   batch:   input_ids (B, T) clean, attention_mask (B, T), inputs (B, T) masked, labels (B, T)
 #            (-100 where nothing is predicted); slots (C,) the flat positions b * T + t of the
 #            predicted tokens, then padding slots; targets (C,) their labels, -100 in padding
-#   ctx:     what an objective owns beyond what it trains (frozen teachers...), plus "args"
+#   ctx:     what an objective owns beyond what it trains (frozen teachers...), plus "args";
+#            a mean teacher under "ema" is updated by the loop after every optimizer step
 #   figures: {name: 0-dim tensor}, averaged over the log interval and written to log.jsonl
 # Losses are means over the predicted slots, padding weighed out: a batch with nothing to
 # predict gives 0 and no gradient, not 0/0. No tensor becomes a Python number in a loss.
@@ -152,16 +153,14 @@ def boot(model, batch, ctx):
 
 def setup_boot(encoder, args, run_dir, device) -> Parts:
     """The student's extra parts, and the mean teacher: an EMA copy of the encoder (its
-    embeddings, layers and final norm, not the decoder), updated after every optimizer step."""
+    embeddings, layers and final norm, not the decoder). As ctx["ema"], the loop updates it after
+    every optimizer step, its decay scheduled over the phase (optim.ema_decay_at)."""
     heads = BootHeads(encoder.config, decoder_layers(args, encoder.config),
                       args.boot_student == "mae")
     ema = copy.deepcopy(encoder).eval().requires_grad_(False)
-
-    def follow(step, start, end):  # one fused update, its decay scheduled over the phase
-        ema_update(ema, encoder, ema_decay_at(step, args, start, end))
     # compiled, the student reads all T slots: the kept count varies per batch (boot_states)
     ctx = {"ema": ema, "compact": not use_compile(torch.device(device), args.compile)}
-    return Parts(heads, ctx=ctx, saved={"ema": ema}, after_step=follow)
+    return Parts(heads, ctx=ctx, saved={"ema": ema})
 
 
 def decoder_layers(args, config) -> int:
@@ -586,56 +585,15 @@ def validate(run: Run, phase: Phase) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Training
 
-def last_good(run: Run, last_saved) -> str:
-    """Where a stopped run's last checkpoint is, in words."""
-    if last_saved is None:
-        return "no checkpoint had been saved yet"
-    return f"the last good checkpoint (step {last_saved}) is kept at {run.folder.path / 'ckpt.pt'}"
-
-
-def diverging(history: list[dict], record: dict, factor: float) -> tuple[str, bool]:
-    """(what spiked in this log line, or ''; whether the line is suspect). history: the phase's
-    earlier log records (5 at least before anything is judged). A spike is a mean gradient norm
-    (before clipping) above `factor` times its median so far, or a training loss 1 nat above the
-    lowest so far in this line and the one before (one noisy line is not enough: a line with
-    only this one above is suspect, and its state is not saved until the next line clears it).
-    It is the failure seen at `small` on a GPU (issue 17): with LAMB at lr 1e-2 the gradient
-    norm went 0.8 -> 38 -> 446 within 500 steps and the loss rose from 4.7 to 6.6, for good."""
-    if factor <= 0 or len(history) < 5:
-        return "", False
-    norms = sorted(h["grad_norm"] for h in history)
-    median, best = norms[len(norms) // 2], min(h["loss"] for h in history[:-1])
-    if record["grad_norm"] > factor * median:
-        return (f"the gradient norm is {record['grad_norm']:.3g}, "
-                f"{record['grad_norm'] / median:.0f}x its median {median:.3g} so far"), True
-    if min(record["loss"], history[-1]["loss"]) > best + 1.0:
-        return f"the loss is {record['loss']:.3f}, up from {best:.3f}", True
-    return "", record["loss"] > min(best, history[-1]["loss"]) + 1.0
-
-
-def on_stop_signals(handler) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
-
-
-def exit_now(signum, frame):
-    """Before the loop (and at a second signal) there is nothing to save: exit at once, through
-    the `finally`s that remove temp files."""
-    raise SystemExit(f"{signal.Signals(signum).name}: stopped; nothing more was saved")
-
-
-def catch_stop_signals() -> dict:
-    """Ctrl-C (SIGINT) and SIGTERM, the signal a cluster preempts a job with (SIGKILL follows
-    after a grace period), set got["signal"]: the loop finishes the step it is in, saves it and
-    exits with the command that resumes it. A second signal exits at once."""
-    got = {}
-
-    def handler(signum, frame):
-        if got:
-            exit_now(signum, frame)
-        got["signal"] = signum
-    on_stop_signals(handler)
-    return got
+def train_batch(run: Run, step: int, micro: int) -> dict:
+    """Micro-batch `micro` of `step`, and dropout reseeded for it: both functions of (seed, step,
+    its index in the global batch), so a resumed run draws what an uninterrupted one would."""
+    args = run.args
+    k = run.rank * args.grad_accum + micro  # this micro-batch's index in the global batch
+    torch.manual_seed(seed_of(args.seed, step, k))  # dropout
+    gen = torch.Generator(run.device).manual_seed(seed_of(args.seed, step, k, 1))  # masks
+    ids = run.train.batch(step * run.global_batch + k * args.batch_size, args.batch_size)
+    return make_batch(ids.to(run.device), args, run.meta["vocab_size"], gen)  # ids: on the GPU
 
 
 def main(argv=None):
@@ -646,7 +604,7 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in vars(args).items() if k not in ("given", "check")}))
         return
     run = open_run(args, CODE, vars(build_parser().parse_args([])), check_phases)
-    args, step, V = run.args, run.step, run.meta["vocab_size"]
+    args, step = run.args, run.step
     if args.stop_at is not None and args.stop_at <= step:
         run.say(f"nothing to do: {run.folder.path / 'ckpt.pt'} is at step {step}, at or past "
                 f"--stop-at {args.stop_at}")
@@ -655,19 +613,17 @@ def main(argv=None):
     run.say(describe(run))
     if OBJECTIVES[args.objective].note:
         run.say("note: " + OBJECTIVES[args.objective].note)
-
-    last_saved = step if run.ckpt is not None else None
     marks = word_marks(run)  # {step: (name, words)} of --save-words
-    sums, since_log, history = {}, 0, []  # history: this phase's log records, for diverging()
-    suspect = deferred = False  # a state diverging() may yet condemn is saved only once cleared
-    nonfinite = torch.tensor(-1, device=run.device)  # the first step with a NaN/inf loss or grad
+    net = SafetyNet(run.folder, run.device, run.ddp, args.spike, args.log_every,
+                    last_saved=step if run.ckpt is not None else None)
+    sums, since_log = {}, 0  # each figure summed over the steps since the last log line
     t_log, t0, step0 = time.time(), time.time(), step
     progress = bar(total=args.max_steps, initial=step, disable=None if run.rank == 0 else True,
                    unit="step", desc="train")
-    got = catch_stop_signals()
     while step < args.max_steps:
         if step == phase.end:  # phase 2 begins; phase1.pt was written as phase 1 ended
-            phase, history = phase_at(run, step), []
+            phase = phase_at(run, step)
+            net.new_phase()
             t_log = time.time()  # its set-up (a teacher, a dictionary...) is no training time
         lr = lr_at(step, args, phase.start, phase.end)
         for group in phase.optimizer.param_groups:
@@ -676,11 +632,7 @@ def main(argv=None):
                                                                           phase.end)
         step_loss = 0.0
         for micro in range(args.grad_accum):
-            k = run.rank * args.grad_accum + micro  # this micro-batch's index in the global batch
-            torch.manual_seed(seed_of(args.seed, step, k))  # dropout
-            gen = torch.Generator(run.device).manual_seed(seed_of(args.seed, step, k, 1))  # masks
-            ids = run.train.batch(step * run.global_batch + k * args.batch_size, args.batch_size)
-            batch = make_batch(ids.to(run.device), args, V, gen)  # on a GPU already (Segments.to)
+            batch = train_batch(run, step, micro)
             sync = not run.ddp or micro == args.grad_accum - 1  # DDP all-reduces on the last one
             with contextlib.nullcontext() if sync else phase.model.no_sync():
                 with run.amp:
@@ -692,53 +644,28 @@ def main(argv=None):
         clip = args.clip if args.clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(phase.trainee.parameters(), clip)
         sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
-        bad = ~(torch.isfinite(step_loss) & torch.isfinite(grad_norm))
-        nonfinite = torch.where(bad & (nonfinite < 0), step + 1, nonfinite)
+        net.watch(step, step_loss, grad_norm)
         phase.optimizer.step()
         phase.optimizer.zero_grad(set_to_none=True)
-        if phase.parts.after_step:  # e.g. the mean teacher's EMA update
-            phase.parts.after_step(step, phase.start, phase.end)
+        if "ema" in phase.ctx:  # a mean teacher follows the student (BootBERT, sec. 3)
+            decay = ema_decay_at(step, args, phase.start, phase.end)
+            ema_update(phase.ctx["ema"], run.encoder, decay)  # one fused lerp over all tensors
         step += 1
         since_log += 1
         progress.update()
 
-        # a signal stops every process at the same step: under DDP they agree at log steps
-        stop = bool(got) and not run.ddp and step < args.max_steps  # (the last step: just end)
-        if run.ddp and step % args.log_every == 0 and step < args.max_steps:
-            flag = torch.tensor(len(got), device=run.device)
-            dist.all_reduce(flag, dist.ReduceOp.MAX)
-            stop = flag.item() > 0
+        stop = net.stop_requested(step, args.max_steps)
         is_save = (step % args.save_every == 0 or step in (phase.end, args.stop_at) or stop
-                   or deferred and step % args.log_every == 0)
+                   or net.save_pending(step))
         is_log = step % args.log_every == 0 or step == phase.end or is_save  # saves are checked
         if is_log or is_save:  # the only places the loop waits for the device
-            if run.ddp:
-                dist.all_reduce(nonfinite, dist.ReduceOp.MAX)
-            if nonfinite.item() >= 0:
-                run.folder.log({"step": int(nonfinite), "error": "non-finite loss or gradient"})
-                raise SystemExit(f"error: the loss or gradient became NaN/inf at step "
-                                 f"{int(nonfinite)}; stopped, {last_good(run, last_saved)}. "
-                                 f"Try a lower --lr or --clip.")
+            net.check_finite()
         if is_log:  # means over the steps since the last log line, across all processes
-            names = list(sums)
-            values = torch.stack([sums[k] for k in names]) / since_log
-            if run.ddp:
-                dist.all_reduce(values)
-                values /= run.world
-            elapsed = time.time() - t_log
-            record = {"step": step, **dict(zip(names, values.tolist())), "lr": lr,
-                      "tok_per_s": since_log * run.global_batch * args.seq_len / elapsed,
-                      "peak_mem_gb": peak_memory_gb(run.device)}
+            record = {"step": step, **run.mean(sums, since_log), "lr": lr,
+                      "tok_per_s": since_log * run.global_batch * args.seq_len
+                      / (time.time() - t_log), "peak_mem_gb": peak_memory_gb(run.device)}
             run.folder.log(record)
-            # (a line cut short by a signal is too noisy to judge)
-            spike, suspect = diverging(history, record, args.spike) if not stop else ("", False)
-            if spike:
-                run.folder.log({"step": step, "error": "diverging: " + spike})
-                raise SystemExit(
-                    f"error: the run is diverging at step {step}: {spike}; stopped, "
-                    f"{last_good(run, last_saved)}. Start again with a lower --lr (this run: "
-                    f"{args.lr:g}), or --resume --spike 0 to train on.")
-            history.append(record)
+            net.judge(record, stop, args.lr)
             eta = (time.time() - t0) / (step - step0) * (args.max_steps - step)
             terms = "".join(f" | {k} {record[k]:.4f}" for k in figs if k != "acc")
             run.say(f"step {step}/{args.max_steps} | loss {record['loss']:.4f}{terms} | "
@@ -755,28 +682,18 @@ def main(argv=None):
             save(run, phase, step, "phase1.pt")
             if run.ddp:
                 dist.barrier()  # every process loads it as the teacher next
-        if is_save:  # a deferred save stays pending until a log line clears it
-            deferred = suspect and step not in (phase.end, args.stop_at) and not stop
-            if not deferred:
-                last_saved = save(run, phase, step)
-                t_log = time.time()
+        if is_save and net.may_save(must=step in (phase.end, args.stop_at) or stop):
+            net.last_saved = save(run, phase, step)
+            t_log = time.time()
         if step in marks:
             save(run, phase, step, f"{marks[step][0]}.pt", words=marks[step][1])
         if stop:
             progress.close()
-            name = signal.Signals(got["signal"]).name
-            if run.ddp:
-                dist.barrier()  # the others wait for rank 0's save: torchrun ends them all next
-            if run.rank == 0:
-                print(f"{name}: stopped after step {step}; {last_good(run, last_saved)}. "
-                      f"Continue with: python train.py --out-dir {run.folder.path} --resume",
-                      file=sys.stderr)
-            raise SystemExit(128 + got["signal"])  # the shell's code for a signalled process
+            net.stop(step, run.rank, run.folder.path)
         if step == args.stop_at:
             break
     progress.close()
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # the caller's again
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    net.release()
     run.say(f"done: step {step}, {(time.time() - t0) / 60:.1f} min; "
             f"checkpoint {run.folder.path / 'ckpt.pt'}")
     if run.ddp:

@@ -42,7 +42,6 @@ class Parts:
     heads: nn.Module = field(default_factory=nn.ModuleDict)  # trained along with the encoder
     ctx: dict = field(default_factory=dict)      # what the loss reads: frozen teachers, ...
     saved: dict = field(default_factory=dict)    # {name: module} in ckpt["ctx_state"], restored
-    after_step: Callable | None = None           # (step, start, end): after each optimizer step
 
 
 RESUMABLE = {"resume", "out_dir", "device", "compile", "bf16", "log_every", "eval_every",
@@ -88,6 +87,15 @@ class Run:
     def say(self, text):  # rank 0 only; tqdm.write keeps the progress bar intact
         if self.rank == 0:
             tqdm.write(text)
+
+    def mean(self, sums: dict, n: int) -> dict:
+        """{name: sum over n steps} -> {name: its mean}, averaged across the processes too."""
+        names = list(sums)
+        values = torch.stack([sums[k] for k in names]) / n
+        if self.ddp:
+            dist.all_reduce(values)
+            values /= self.world
+        return dict(zip(names, values.tolist()))
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 
 import optim
 import sparse
+import stopping
 import train as T
 import training_run
 from training_run import Trainee
@@ -348,14 +349,15 @@ def test_error_nan_loss_keeps_last_good_checkpoint(prepared, tmp_path):
 def test_divergence_rule_by_hand():
     hist = [{"grad_norm": g, "loss": l} for g, l in [(1, 5), (2, 4), (3, 6), (4, 6), (5, 5.5)]]
     ok = {"grad_norm": 29.9, "loss": 4.9}  # median norm 3, so the bound is 30; best loss 4
-    assert T.diverging(hist[:4], {"grad_norm": 1e9, "loss": 1e9}, 10) == ("", False)  # too soon
-    assert T.diverging(hist, ok, 10) == ("", False)
-    assert T.diverging(hist, {**ok, "grad_norm": 1e9}, 0) == ("", False)   # --spike 0: off
-    what, _ = T.diverging(hist, {**ok, "grad_norm": 30.1}, 10)
+    # too soon: fewer than 5 records
+    assert stopping.diverging(hist[:4], {"grad_norm": 1e9, "loss": 1e9}, 10) == ("", False)
+    assert stopping.diverging(hist, ok, 10) == ("", False)
+    assert stopping.diverging(hist, {**ok, "grad_norm": 1e9}, 0) == ("", False)   # --spike 0: off
+    what, _ = stopping.diverging(hist, {**ok, "grad_norm": 30.1}, 10)
     assert "gradient norm is 30.1, 10x its median 3" in what
-    assert "loss is 5.200, up from 4.000" in T.diverging(hist, {**ok, "loss": 5.2}, 10)[0]
+    assert "loss is 5.200, up from 4.000" in stopping.diverging(hist, {**ok, "loss": 5.2}, 10)[0]
     low = hist[:4] + [{"grad_norm": 5, "loss": 4.8}]  # one line above the bound is not enough,
-    assert T.diverging(low, {**ok, "loss": 9.0}, 10) == ("", True)  # but it is not saved yet
+    assert stopping.diverging(low, {**ok, "loss": 9.0}, 10) == ("", True)  # but it is not saved yet
 
 
 def test_divergence_stops_the_run_and_a_healthy_run_trains_on(prepared, tmp_path):
