@@ -20,7 +20,7 @@ machine: rates (higher is better), median over repetitions after warm-up, with m
            the largest difference of their logits in float32
   attn     one attention layer's relative-position core, forward and backward, dropout off:
            the model's gather path against other formulations (the relative shift, flex_attention
-           as model.flex_relative (forward only on the CPU), on CUDA SDPA's efficient kernel with
+           as kernels.flex_relative (forward only on the CPU), on CUDA SDPA's efficient kernel with
            a bias gradient); each row's max_abs_diff is its largest difference from the gather
            path, output and gradients
   ema      fused EMA (one torch._foreach_lerp_) against a per-tensor loop
@@ -55,8 +55,8 @@ import evaluate
 import sparse
 from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, mask_capacity, raw_root
 from device import autocast, pick_device, use_bf16, use_compile
-from model import (PRESETS, Encoder, ModelConfig, flex_relative, relative_buckets, relative_scores,
-                   use_flex)
+from kernels import flex_relative
+from model import PRESETS, Encoder, ModelConfig, relative_buckets, relative_scores, use_flex
 from optim import ema_update
 from run_folder import REPO
 from tests.ltg_bert import LtgBert
@@ -387,7 +387,7 @@ def attention_variants(device):
         return flex_relative(q, k, v, qp, kp, idx[None, None], bias, scale)
 
     out = {"gather": gather, "by offset (relative shift)": by_offset,
-           "flex_attention (model.flex_relative)": flex}
+           "flex_attention (kernels.flex_relative)": flex}
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend
         out["gather, SDPA efficient kernel"] = lambda *a: gather(

@@ -20,9 +20,9 @@ British National Corpus", EACL Findings; code: ltgoslo/ltg-bert), read against B
     runs only on the positions asked for.
 Attention runs through F.scaled_dot_product_attention; the position scores and the padding mask
 enter as its additive bias, so padded keys get probability 0 and never change a real position.
-(Training on the CPU computes the same thing by hand, so that `dropout`'s cheaper mask applies.
-`use_flex` switches relative attention to flex_attention where that is exact; it is off by
-default: slower on the CPU, not yet measured on a GPU, docs/bench.md.)
+(Training on the CPU computes the same thing by hand, so that kernels.dropout's cheaper mask
+applies. `use_flex` switches relative attention to kernels.flex_relative where that is exact; it
+is off by default: slower on the CPU, not yet measured on a GPU, docs/bench.md.)
 
 init_weights documents the initialisation of every tensor.
 """
@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import dropout, flex_relative
 from storage import read_checkpoint
 
 
@@ -99,42 +100,6 @@ def relative_scores(q, k, qp, kp, idx):
     return c2p + p2c
 
 
-_FLEX = {}  # device type -> flex_attention, compiled
-
-
-def flex_relative(q, k, v, qp, kp, idx, bias, scale):
-    """softmax((q k^T + relative_scores) * scale + bias) v without any (B, H, T, T) tensor:
-    flex_attention (Dong et al. 2024) fuses the softmax with a score_mod that adds each pair's
-    position terms read from (B, H, T, R) tables, so a pair costs two lookups instead of a
-    gathered score and a bias in memory. q, k, v (B, H, T, hd); qp, kp (H, R, hd); idx (B or 1,
-    1, T, T) buckets; bias (B, 1, 1, T). No dropout on the probabilities: Attention uses this
-    only where it drops none. Gradients reach q, k, qp, kp through the tables on CUDA; torch's
-    flex has no backward on the CPU. Compiled once per device into _FLEX (tests put flex's
-    uncompiled reference path there, which computes in float64)."""
-    # scaled here: a Python float inside score_mod becomes a symbolic input when compiled
-    # with dynamic shapes, which flex's CPU lowering refuses
-    c2p, p2c = (q @ kp.transpose(-1, -2)) * scale, (k @ qp.transpose(-1, -2)) * scale  # (B,H,T,R)
-    keys = bias[:, 0, 0]                                              # (B, T)
-    shared = idx.shape[0] == 1
-    # contiguous: inductor's CPU flex template fails to build for strided inputs or tables, such
-    # as a slice of the (max_position, max_position) buckets (torch 2.13)
-    rows = (idx[0, 0] if shared else idx[:, 0]).contiguous()          # (T, T) or (B, T, T)
-    if q.device.type == "cpu":
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-
-    def score_mod(score, b, h, i, j):
-        r = rows[i, j] if shared else rows[b, i, j]
-        return score + keys[b, j] + c2p[b, h, i, r] + p2c[b, h, j, r]
-
-    if q.device.type not in _FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
-        # on the CPU one graph per shape: inductor's CPU template with dynamic shapes failed to
-        # build on a recompile, for a new head count or length (torch 2.13)
-        cpu = q.device.type == "cpu"
-        _FLEX[q.device.type] = torch.compile(flex_attention, dynamic=False if cpu else None)
-    return _FLEX[q.device.type](q, k, v, score_mod=score_mod, scale=scale)
-
-
 def use_flex(model: nn.Module, on: bool = True) -> nn.Module:
     """Relative attention through flex_relative in every Attention of `model` (an Encoder, a
     BootPredictor with its decoder, ...) wherever that is exact; see Attention.forward."""
@@ -142,39 +107,6 @@ def use_flex(model: nn.Module, on: bool = True) -> nn.Module:
         if isinstance(m, Attention):
             m.flex = on
     return model
-
-
-class _DropMasked(torch.autograd.Function):
-    """y = x * scale, and 0 where `drop`; saves the 1-byte mask, not a float one."""
-    @staticmethod
-    def forward(ctx, x, drop, scale):
-        ctx.save_for_backward(drop)
-        ctx.scale = scale
-        return (x * scale).masked_fill_(drop, 0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (drop,) = ctx.saved_tensors
-        return (grad * ctx.scale).masked_fill_(drop, 0), None, None
-
-
-def dropout(x, p: float, training: bool = True):
-    """F.dropout(x, p, training), whose CPU mask is drawn four to a 64-bit random integer: each
-    16-bit quarter is below q - 2^15 with probability p' = q / 2^16, q = round(p * 2^16), and
-    the rest are scaled by 1 / (1 - p'). torch's CPU bernoulli_ took 11% of a `small` MLM step
-    (bench.py --profile); this mask took a quarter of its time for a layer's attention
-    probabilities. Other devices, and graphs torch.compile traces: F.dropout."""
-    if not training or p == 0:
-        return x
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
-        return F.dropout(x, p, True)
-    q = round(p * 2 ** 16)
-    if q == 0 or q == 2 ** 16:
-        return x if q == 0 else x * 0
-    n = x.numel()
-    bits = torch.randint(-2 ** 63, 2 ** 63 - 1, ((n + 3) // 4,), dtype=torch.int64)
-    drop = bits.view(torch.int16)[:n].view(x.shape) < q - 2 ** 15
-    return _DropMasked.apply(x, drop, 2 ** 16 / (2 ** 16 - q))
 
 
 class Dropout(nn.Dropout):

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from ltg_bert import LtgBert, ltg_buckets
+from kernels import dropout
 from model import (PRESETS, BootHeads, Decoder, Encoder, ModelConfig, boot_states, check_config,
-                   dropout, load_checkpoint, relative_buckets, use_flex)
+                   load_checkpoint, relative_buckets, use_flex)
 from optim import Lamb, ema_update
 from storage import read_checkpoint, save_checkpoint
 
@@ -403,16 +404,17 @@ def test_boot_states_in_both_layouts_equal_one_row_at_a_time(position):
         for compact, states in got.items():
             torch.testing.assert_close(states[b, :n], want, msg=f"compact={compact}")
 
-# --- flex attention (model.flex_relative) -------------------------------------------------------
+# --- flex attention (kernels.flex_relative) -----------------------------------------------------
 
 @pytest.fixture
 def eager_flex(monkeypatch):
     """flex_attention uncompiled: its reference path, which computes in float64."""
     import warnings
 
-    import model as model_module
     from torch.nn.attention.flex_attention import flex_attention
-    monkeypatch.setitem(model_module._FLEX, "cpu", flex_attention)
+
+    import kernels
+    monkeypatch.setitem(kernels._FLEX, "cpu", flex_attention)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # flex's "eager mode is for debugging" note
         yield
