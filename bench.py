@@ -53,13 +53,15 @@ import torch.nn.functional as F
 
 import evaluate
 import sparse
-from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, mask_capacity, raw_root
+from data.masking import mask_capacity
+from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
 from device import autocast, pick_device, use_bf16, use_compile
 from kernels import flex_relative
 from model import PRESETS, Encoder, ModelConfig, relative_buckets, relative_scores, use_flex
 from optim import ema_update
 from run_folder import REPO
 from tests.ltg_bert import LtgBert
+
 
 V = VOCAB_SIZE
 # dense bf16 peak FLOP/s, for MFU (vendor datasheets; SXM parts)

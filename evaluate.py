@@ -35,11 +35,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data.prepare import (CLS, MASK, MSGS, PAD, SEP, TASKS, Examples, Segments, pad, prepare,
-                          read_jsonl, read_task, uniform_mask)
-from progress import bar, duration, line_buffered
+from data.masking import uniform_mask
+from data.prepare import CLS, MASK, PAD, SEP, Segments, prepare
+from data.tasks import MSGS, TASKS, Examples, pad, read_jsonl, read_task
 from device import autocast, pick_device, seed_of
 from model import load_checkpoint
+from progress import bar, duration, line_buffered
 from storage import replacing, writing
 
 

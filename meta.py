@@ -58,15 +58,17 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from data.prepare import (MASK, MSGS, PAD, SEP, SPECIALS, TASKS, VOCAB_SIZE, load_tokenizer, pad,
-                          prepare, raw_root, read_task)
-from progress import bar, line_buffered
+from data.prepare import MASK, PAD, SEP, SPECIALS, VOCAB_SIZE, load_tokenizer, prepare, raw_root
+from data.tasks import MSGS, TASKS, pad, read_task
 from device import autocast, pick_device
 from model import PRESETS, Encoder, ModelConfig, field_help, small_init
+from progress import bar, line_buffered
 from run_folder import REPO, RunFolder
 from storage import load_state
 
-CODE = ["meta.py", "model.py", "data/prepare.py"]  # a run's code/
+
+CODE = ["meta.py", "model.py", "kernels.py", "device.py", "data/prepare.py",
+        "data/tasks.py"]  # a run's code/
 
 
 # ---------------------------------------------------------------------------------------------

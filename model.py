@@ -271,7 +271,7 @@ class Encoder(nn.Module):
         all_layers the list [embeddings, layer 1, ..., layer n_layer] (the last after the final
         norm, where the config has one). With predict, the positions to score: a (B, T) bool, or
         (N,) long flat positions row * T + column (a fixed N keeps a compiled step's shapes
-        static: data/prepare.py's predicted_slots); returns (hidden, logits (N, V)) for those N
+        static: data/masking.py's predicted_slots); returns (hidden, logits (N, V)) for those N
         positions, a bool's in row-major order (the MLM head runs on those alone)."""
         B, T = input_ids.shape[:2]
         longest = self.config.max_position

@@ -44,9 +44,9 @@ import torch
 from tqdm import tqdm
 
 from data.prepare import CLS, SEP, prepare
-from progress import bar, line_buffered
 from device import pick_device
 from model import field_help, load_checkpoint
+from progress import bar, line_buffered
 from storage import load_state, read_checkpoint, save_checkpoint
 
 

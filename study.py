@@ -46,8 +46,10 @@ import numpy as np
 import torch
 
 import evaluate
-from data.prepare import TASKS, prepare, prepared_copies, raw_root, resolve
+from data.prepare import prepare, prepared_copies, raw_root, resolve
+from data.tasks import TASKS
 from storage import replacing
+
 
 REPO = Path(__file__).resolve().parent
 

@@ -12,7 +12,7 @@
 The data is prepared on first use (data/prepare.py). A run folder (--out-dir) holds args.json,
 config.json, data.json (the corpus' meta.json), log.jsonl (every logged figure), ckpt.pt (model,
 optimizer, config, args, step, RNG states, data position, code version, tokenizer, checksum),
-code/ (the model.py, train.py, sparse.py and prepare.py that ran) and lock (held by the one
+code/ (the source files that decide its results: CODE) and lock (held by the one
 process training there). SIGINT/SIGTERM save the current step and print the --resume command.
 
 Adding an objective = its loss function `loss, figures = fn(model, batch, ctx)` (+ a setup
@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import sparse
-from data.prepare import VOCAB_SIZE, mask_capacity, predicted_slots, span_mask, uniform_mask
+from data.masking import make_batch
+from data.prepare import VOCAB_SIZE
 from device import peak_memory_gb, seed_of, use_compile
 from model import (PARTS, PRESETS, BootHeads, BootPredictor, ModelConfig, boot_states, field_help,
                    load_checkpoint, small_init)
@@ -57,27 +58,10 @@ from run_folder import REPO
 from stopping import SafetyNet, exit_now, on_stop_signals
 from training_run import Parts, Phase, Run, open_run, save, start_phase, word_marks
 
-CODE = ["model.py", "train.py", "sparse.py", "data/prepare.py"]  # a run's code/ and its hash
 
-
-# ---------------------------------------------------------------------------------------------
-# Batches: a token stream's segments, masked on the device (data/prepare.py)
-
-def make_batch(ids, args, vocab_size, gen):
-    """ids (B, T) -> the batch every objective reads. The predicted positions are also given as
-    a fixed number C of slots (mask_capacity: exactly B int(p T) for uniform masking, a bound
-    for spans), so that the compiled step has one shape and never waits for the device."""
-    B, T = ids.shape
-    if args.masking == "uniform":  # the MLSM code's: int(p T) tokens per row, all [MASK]
-        capacity = mask_capacity(B, T, args.mask_p)
-        inputs, labels = uniform_mask(ids, args.mask_p, gen)
-    else:  # LTG-BERT's spans, 80/10/10 per span; token: spans of one, i.e. BERT's masking
-        mean_span = 1.0 if args.masking == "token" else 3.0
-        capacity = mask_capacity(B, T, args.mask_p, mean_span)
-        inputs, labels = span_mask(ids, args.mask_p, vocab_size, gen, mean_span, capacity)
-    slots = predicted_slots(labels, capacity)                              # (C,)
-    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), inputs=inputs, labels=labels,
-                slots=slots, targets=labels.flatten()[slots])
+# what decides a run's results: copied into its code/, hashed into every checkpoint
+CODE = ["train.py", "model.py", "kernels.py", "optim.py", "device.py", "sparse.py",
+        "data/prepare.py", "data/masking.py"]
 
 
 # ---------------------------------------------------------------------------------------------

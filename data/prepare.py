@@ -34,7 +34,6 @@ import gzip
 import hashlib
 import io
 import json
-import math
 import os
 import shutil
 import sys
@@ -42,7 +41,6 @@ import time
 import urllib.request
 import zipfile
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import sentencepiece as spm
@@ -407,163 +405,6 @@ class Segments:
             body = torch.from_numpy(self.tokens[idx].astype(np.int64))
         ends = lambda v: torch.full((size, 1), v, dtype=torch.long, device=body.device)
         return torch.cat([ends(CLS), body, ends(SEP)], 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Span masking (LTG-BERT, whose dataset code masks too), vectorised over a batch on its device
-
-def span_mask(ids, p, vocab_size, gen, mean_span=3.0, capacity=None):
-    """ids (B, T) -> (inputs (B, T), labels (B, T) with -100 where nothing is predicted).
-
-    Each position starts a new span with probability 1/mean_span, so span lengths are geometric
-    with mean `mean_span`. One uniform u per span decides everything: the span is chosen iff u < p
-    (so every token is chosen with probability exactly p), and, given it is chosen, u/p is uniform
-    on [0, 1) and picks LTG-BERT's per-span replacement: [MASK] below 0.8, a random token below
-    0.9, else the token itself. Special tokens ([CLS], [SEP], [PAD], ...) are never chosen.
-    capacity: at most this many chosen tokens in the batch (mask_capacity's bound, which a batch
-    rarely reaches): those beyond it, in row-major order, are not chosen.
-    """
-    B, T = ids.shape
-    start = torch.rand(B, T, generator=gen, device=ids.device) < 1.0 / mean_span
-    span = start.cumsum(1)                                                   # (B, T) span index
-    u = torch.rand(B, T + 1, generator=gen, device=ids.device).gather(1, span)  # per-span uniform
-    chosen = (u < p) & (ids >= len(SPECIALS))
-    if capacity is not None:
-        chosen &= chosen.flatten().cumsum(0).view(B, T) <= capacity
-    r = u / p
-    noise = torch.randint(len(SPECIALS), vocab_size, (B, T), generator=gen, device=ids.device)
-    inputs = torch.where(chosen & (r < 0.8), MASK, ids)
-    inputs = torch.where(chosen & (r >= 0.8) & (r < 0.9), noise, inputs)
-    labels = torch.where(chosen, ids, -100)
-    return inputs, labels
-
-
-def uniform_mask(ids, p, gen):
-    """ids (B, T) -> (inputs, labels) as span_mask, by the MLSM code's rule (szegedai/MLSM,
-    mlsm_pretrainer.py, July 2023): in each row exactly int(p * T) of the tokens that are not
-    special ([CLS], [SEP] and the rest are never chosen), drawn uniformly without replacement,
-    all replaced by [MASK]: no spans and no 80/10/10. T counts [CLS] and [SEP], as the
-    reference's count of a sequence's tokens does."""
-    B, T = ids.shape
-    score = torch.rand(B, T, generator=gen, device=ids.device)
-    score = score.masked_fill(ids < len(SPECIALS), 2.0)                # specials rank last
-    chosen = score.argsort(1).argsort(1) < int(p * T)                  # (B, T): the lowest ranks
-    return torch.where(chosen, MASK, ids), torch.where(chosen, ids, -100)
-
-
-def mask_capacity(B, T, p, mean_span=None) -> int:
-    """A fixed bound on the tokens a batch of B rows of T tokens ([CLS] and [SEP] included)
-    has chosen: exactly B int(p T) for uniform_mask (mean_span None); for span_mask, the mean
-    p n of its n = B (T - 2) choosable tokens plus 7 standard deviations of their count, plus 8.
-    Given the spans, the count is a sum of independent [chosen] * length terms, so its variance
-    is p (1 - p) times the sum of squared span lengths, about n (2m - 1) for geometric lengths
-    of mean m (a little less: rows cut their last span short). Computed exactly (a dynamic
-    program over a row's spans, 2026-11-25), a batch exceeds the bound with probability 6e-12
-    at 128 x 128 tokens (where it is 1.30x the mean count) and 4e-10 at the tests' 8 x 32; a
-    single short row with few masks more often (1 x 64 tokens at p 0.05: 2e-6). span_mask
-    then leaves the tokens beyond it unchosen."""
-    if mean_span is None:
-        return B * int(p * T)
-    n = B * (T - 2)
-    std = math.sqrt(n * p * (1 - p) * (2 * mean_span - 1))
-    return min(B * T, math.ceil(p * n + 7 * std) + 8)
-
-
-def predicted_slots(labels, capacity):
-    """labels (B, T), -100 where nothing is predicted -> slots (capacity,) long: the flat
-    positions (row * T + column) of the predicted tokens in row-major order, then positions
-    that predict nothing, up to `capacity` (at least their count). One shape for every batch,
-    so a compiled step gathers the predicted positions without a host sync; boolean indexing
-    would read their count first (a nonzero, a sync and a graph break). labels.flatten()[slots]
-    is -100 in the padding slots, which the losses weigh out."""
-    rest = (labels.flatten() == -100).to(torch.uint8)                  # 0: predicted, 1: not
-    return torch.argsort(rest, stable=True)[:capacity]
-
-
-# ---------------------------------------------------------------------------------------------
-# Labelled tasks ((Super)GLUE, MSGS jsonl files): evaluate.py fine-tunes on them, meta.py
-# meta-learns with them
-
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"error: {path}:{n} is not valid JSON ({e.msg})") from None
-    return rows
-
-
-def pad(seqs: list[list[int]]) -> np.ndarray:
-    """Token-id lists -> (len(seqs), longest) int64, [PAD] after each list's end."""
-    out = np.full((len(seqs), max(map(len, seqs))), PAD, dtype=np.int64)
-    for i, s in enumerate(seqs):
-        out[i, :len(s)] = s
-    return out
-
-
-# task -> (its text(s) from a row, number of classes, metrics; the first one drives early stopping)
-TASKS = {
-    "cola": (lambda r: (r["sentence"],), 2, ("mcc", "accuracy")),
-    "sst2": (lambda r: (r["sentence"],), 2, ("accuracy",)),
-    "mrpc": (lambda r: (r["sentence1"], r["sentence2"]), 2, ("f1", "accuracy")),
-    "qqp": (lambda r: (r["question1"], r["question2"]), 2, ("f1", "accuracy")),
-    "mnli": (lambda r: (r["premise"], r["hypothesis"]), 3, ("accuracy",)),
-    "qnli": (lambda r: (r["question"], r["sentence"]), 2, ("accuracy",)),
-    "rte": (lambda r: (r["sentence1"], r["sentence2"]), 2, ("accuracy",)),
-    "boolq": (lambda r: (r["question"], r["passage"]), 2, ("accuracy",)),
-    "multirc": (lambda r: (r["paragraph"], r["question"] + " " + r["answer"]), 2, ("accuracy",)),
-    "wsc": (lambda r: (r["text"], f"{r['span2_text']} refers to {r['span1_text']}"), 2,
-            ("accuracy",)),
-}
-MSGS = (lambda r: (r["sentence"],), 2, ("mcc", "accuracy"))  # any other task name: MSGS-style files
-
-
-class Examples(NamedTuple):
-    """A labelled task's examples: token ids [CLS] a [SEP] (b [SEP]), labels (n,), example ids."""
-    seqs: list
-    labels: np.ndarray
-    ids: list
-
-    def take(self, idx) -> "Examples":
-        return Examples([self.seqs[i] for i in idx], self.labels[idx], [self.ids[i] for i in idx])
-
-
-def read_task(data_dir: Path, task: str, split: str, tok, max_len: int) -> Examples:
-    """The examples of TASK.SPLIT.jsonl, pairs truncated longest-first to max_len tokens."""
-    path = Path(data_dir) / f"{task}.{split}.jsonl"
-    if not path.exists():
-        have = sorted(p.name for p in Path(data_dir).glob(f"{task}.*.jsonl"))
-        only = (f" (there is only {', '.join(have)}; this task cannot be fine-tuned from here)"
-                if have else "")
-        raise SystemExit(f"error: no {path.name} in {data_dir}{only}")
-    render, k, _ = TASKS.get(task, MSGS)
-    rows = read_jsonl(path)
-    if not rows:
-        raise SystemExit(f"error: {path} holds no examples")
-    seqs, labels, ids = [], [], []
-    for n, r in enumerate(rows, 1):
-        try:
-            texts = render(r)
-        except (KeyError, TypeError) as e:
-            raise SystemExit(f"error: {path}:{n} lacks a field this task needs ({e!r})") from None
-        label = r.get("label")
-        if isinstance(label, bool) or not isinstance(label, int):  # "entailment", 1.0, None
-            raise SystemExit(f"error: {path}:{n} has label {label!r}; labels must be integers "
-                             f"0..{k - 1}")
-        if not 0 <= label < k:
-            raise SystemExit(f"error: {path}:{n} has label {label}, outside 0..{k - 1}")
-        parts = tok.encode(list(texts))
-        while sum(map(len, parts)) > max_len - 1 - len(parts):
-            longest = max(parts, key=len)
-            longest.pop()
-        seqs.append([CLS] + [t for part in parts for t in part + [SEP]])
-        labels.append(label)
-        ids.append(json.dumps(r.get("idx", n)))
-    return Examples(seqs, np.array(labels), ids)
 
 
 # ---------------------------------------------------------------------------------------------

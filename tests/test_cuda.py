@@ -13,6 +13,7 @@ import torch
 import evaluate
 import train as T
 from conftest import TINY, run_train, run_trains
+from data.masking import make_batch
 from data.prepare import CLS, SEP, VOCAB_SIZE, Segments, prepare
 from model import PRESETS, Encoder, ModelConfig
 from optim import Lamb, ema_update
@@ -71,7 +72,7 @@ def test_a_compiled_step_never_waits_for_the_gpu(corpus, objective):
         torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")
         try:
             gen = torch.Generator(device).manual_seed(step)
-            batch = T.make_batch(train.batch(4 * step, 4) % 300, args, 300, gen)
+            batch = make_batch(train.batch(4 * step, 4) % 300, args, 300, gen)
             with torch.autocast("cuda", torch.bfloat16):
                 loss, figs = model(batch, ctx)
             loss.backward()

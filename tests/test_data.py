@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, shared_data
+from data import masking, tasks
 from data import prepare as P
 
 
@@ -155,7 +156,7 @@ def test_a_label_that_is_no_integer_is_named(tmp_path, label):
     (tmp_path / "rte.train.jsonl").write_text(
         f'{{"sentence1": "a b", "sentence2": "c", "label": {label}}}\n')
     with pytest.raises(SystemExit) as e:
-        P.read_task(tmp_path, "rte", "train", None, 32)
+        tasks.read_task(tmp_path, "rte", "train", None, 32)
     assert str(e.value) == (f"error: {tmp_path / 'rte.train.jsonl'}:1 has label "
                             f"{json.loads(label)!r}; labels must be integers 0..1")
 
@@ -243,7 +244,7 @@ def test_span_masking_statistics():
     ids = torch.randint(5, V, (B, L), generator=gen)
     ids[:, 0], ids[:, -1] = P.CLS, P.SEP
     ids[: B // 4, 100:] = P.PAD  # some padding too
-    inputs, labels = P.span_mask(ids, 0.15, V, gen)
+    inputs, labels = masking.span_mask(ids, 0.15, V, gen)
     real = ids >= 5
     chosen = labels != -100
     assert not chosen[~real].any()                                  # specials are never chosen
@@ -273,7 +274,7 @@ def test_uniform_masking_by_the_mlsm_rule():
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(len(P.SPECIALS), 300, (B, T), generator=gen)
     ids[:, 0], ids[:, -1] = P.CLS, P.SEP
-    inputs, labels = P.uniform_mask(ids, 0.15, gen)
+    inputs, labels = masking.uniform_mask(ids, 0.15, gen)
     chosen = labels != -100
     assert (chosen.sum(1) == 6).all()
     assert not chosen[:, [0, -1]].any()
@@ -286,8 +287,8 @@ def test_uniform_masking_by_the_mlsm_rule():
 
 def test_span_masking_is_a_function_of_the_generator():
     ids = torch.randint(5, 100, (4, 32))
-    a = P.span_mask(ids, 0.15, 100, torch.Generator().manual_seed(7))
-    b = P.span_mask(ids, 0.15, 100, torch.Generator().manual_seed(7))
+    a = masking.span_mask(ids, 0.15, 100, torch.Generator().manual_seed(7))
+    b = masking.span_mask(ids, 0.15, 100, torch.Generator().manual_seed(7))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
@@ -302,23 +303,23 @@ def test_mask_capacity_bounds_the_chosen_count(mean_span):
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(5, 1000, (4000 * B, T), generator=gen)
     ids[:, 0], ids[:, -1] = P.CLS, P.SEP
-    _, labels = P.span_mask(ids, p, 1000, gen, mean_span)
+    _, labels = masking.span_mask(ids, p, 1000, gen, mean_span)
     counts = (labels != -100).view(4000, B * T).sum(1).double()
-    cap = P.mask_capacity(B, T, p, mean_span)
+    cap = masking.mask_capacity(B, T, p, mean_span)
     n = B * (T - 2)
     std = math.sqrt(n * p * (1 - p) * (2 * mean_span - 1))
     assert 0.93 * std <= counts.std().item() <= 1.02 * std
     assert counts.mean().item() == pytest.approx(p * n, rel=0.01)
     assert cap == math.ceil(p * n + 7 * std) + 8 and counts.max() < p * n + 5 * std
     few = 10
-    full = P.span_mask(ids[:B], p, 1000, torch.Generator().manual_seed(1), mean_span)
-    cut = P.span_mask(ids[:B], p, 1000, torch.Generator().manual_seed(1), mean_span, few)
+    full = masking.span_mask(ids[:B], p, 1000, torch.Generator().manual_seed(1), mean_span)
+    cut = masking.span_mask(ids[:B], p, 1000, torch.Generator().manual_seed(1), mean_span, few)
     chosen = (full[1] != -100).flatten()
     keep = chosen & (chosen.cumsum(0) <= few)
     assert chosen.sum() > few and torch.equal((cut[1] != -100).flatten(), keep)
     assert torch.equal(cut[0].flatten()[keep], full[0].flatten()[keep])
     assert torch.equal(cut[0].flatten()[~keep], ids[:B].flatten()[~keep])
-    assert P.mask_capacity(B, T, p) == B * int(p * T)  # uniform: exactly int(p T) per row
+    assert masking.mask_capacity(B, T, p) == B * int(p * T)  # uniform: exactly int(p T) per row
 
 
 def test_predicted_slots_are_the_boolean_index_then_padding():
@@ -326,7 +327,7 @@ def test_predicted_slots_are_the_boolean_index_then_padding():
     x[labels != -100] reads them), then positions predicting nothing up to the capacity."""
     labels = torch.full((2, 4), -100)
     labels[0, 2], labels[1, 0], labels[1, 3] = 7, 8, 9
-    slots = P.predicted_slots(labels, 5)
+    slots = masking.predicted_slots(labels, 5)
     assert slots[:3].tolist() == [2, 4, 7] and slots.shape == (5,)
     assert labels.flatten()[slots].tolist() == [7, 8, 9, -100, -100]
     x = torch.randn(2, 4, 3)

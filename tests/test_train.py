@@ -18,6 +18,7 @@ import train as T
 import training_run
 from training_run import Trainee
 from conftest import TINY, run_train, run_trains
+from data.masking import make_batch
 from data.prepare import CLS, MASK, SEP, prepare
 from storage import save_checkpoint
 
@@ -68,7 +69,7 @@ def test_masking_defaults_follow_each_paper():
     assert masking("--objective", "kd", "--masking", "span") == "span"
     args = T.get_args(["--objective", "kd"])
     ids = torch.randint(5, 300, (4, 40))
-    batch = T.make_batch(ids, args, 300, torch.Generator().manual_seed(0))
+    batch = make_batch(ids, args, 300, torch.Generator().manual_seed(0))
     assert ((batch["labels"] != -100).sum(1) == 6).all()  # int(0.15 * 40) per row, all [MASK]
     assert (batch["inputs"][batch["labels"] != -100] == MASK).all()
 
@@ -80,7 +81,7 @@ def test_token_masking_is_berts():
     chosen = {}
     for masking in ("token", "span"):
         args = T.get_args(["--masking", masking])
-        b = T.make_batch(ids, args, 3000, torch.Generator().manual_seed(0))
+        b = make_batch(ids, args, 3000, torch.Generator().manual_seed(0))
         chosen[masking] = c = b["labels"] != -100
         next_too = (c[:, 1:] & c[:, :-1]).sum() / c[:, :-1].sum()
         if masking == "token":
@@ -140,7 +141,8 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     assert r.returncode == 0, r.stderr
     kept = {"args.json", "config.json", "data.json", "log.jsonl", "ckpt.pt", "code"}
     assert kept <= {p.name for p in out.iterdir()}
-    code = {"model.py", "train.py", "sparse.py", "prepare.py"}
+    code = {"train.py", "model.py", "kernels.py", "optim.py", "device.py", "sparse.py",
+            "prepare.py", "masking.py"}
     assert {p.name for p in (out / "code").iterdir()} == code
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert {"model", "optimizer", "config", "args", "step", "rng", "data_pos", "ctx_state",
@@ -389,7 +391,7 @@ def objective_setup(objective, **flags):
     parts = setup(encoder, args, None, "cpu") if setup else T.Parts()
     ids = torch.randint(5, 300, (4, 24))
     ids[:, 0], ids[:, -1] = CLS, SEP
-    batch = T.make_batch(ids, args, 300, torch.Generator().manual_seed(1))
+    batch = make_batch(ids, args, 300, torch.Generator().manual_seed(1))
     loss = T.OBJECTIVES[objective].loss
     return Trainee(encoder, parts.heads, loss), {**parts.ctx, "args": args}, batch
 
@@ -810,7 +812,7 @@ def fresh_batch(args, i):
     gen = torch.Generator().manual_seed(i)
     ids = torch.randint(5, 300, (4, 24), generator=gen)
     ids[:, 0], ids[:, -1] = CLS, SEP
-    return T.make_batch(ids, args, 300, gen)
+    return make_batch(ids, args, 300, gen)
 
 
 @pytest.mark.parametrize("objective", sorted(T.OBJECTIVES))

@@ -1,0 +1,95 @@
+"""Masking, vectorised over a batch on its device: LTG-BERT's spans (80/10/10 per span), BERT's
+tokens (spans of one), the MLSM code's uniform int(p T) per row; the predicted positions as a
+fixed number of slots (so a compiled step has one shape); and make_batch, which turns a batch of
+token ids into the dict every objective in train.py reads.
+"""
+import math
+
+import torch
+
+from data.prepare import MASK, SPECIALS
+
+
+def span_mask(ids, p, vocab_size, gen, mean_span=3.0, capacity=None):
+    """ids (B, T) -> (inputs (B, T), labels (B, T) with -100 where nothing is predicted).
+
+    Each position starts a new span with probability 1/mean_span, so span lengths are geometric
+    with mean `mean_span`. One uniform u per span decides everything: the span is chosen iff u < p
+    (so every token is chosen with probability exactly p), and, given it is chosen, u/p is uniform
+    on [0, 1) and picks LTG-BERT's per-span replacement: [MASK] below 0.8, a random token below
+    0.9, else the token itself. Special tokens ([CLS], [SEP], [PAD], ...) are never chosen.
+    capacity: at most this many chosen tokens in the batch (mask_capacity's bound, which a batch
+    rarely reaches): those beyond it, in row-major order, are not chosen.
+    """
+    B, T = ids.shape
+    start = torch.rand(B, T, generator=gen, device=ids.device) < 1.0 / mean_span
+    span = start.cumsum(1)                                                   # (B, T) span index
+    u = torch.rand(B, T + 1, generator=gen, device=ids.device).gather(1, span)  # per-span uniform
+    chosen = (u < p) & (ids >= len(SPECIALS))
+    if capacity is not None:
+        chosen &= chosen.flatten().cumsum(0).view(B, T) <= capacity
+    r = u / p
+    noise = torch.randint(len(SPECIALS), vocab_size, (B, T), generator=gen, device=ids.device)
+    inputs = torch.where(chosen & (r < 0.8), MASK, ids)
+    inputs = torch.where(chosen & (r >= 0.8) & (r < 0.9), noise, inputs)
+    labels = torch.where(chosen, ids, -100)
+    return inputs, labels
+
+
+def uniform_mask(ids, p, gen):
+    """ids (B, T) -> (inputs, labels) as span_mask, by the MLSM code's rule (szegedai/MLSM,
+    mlsm_pretrainer.py, July 2023): in each row exactly int(p * T) of the tokens that are not
+    special ([CLS], [SEP] and the rest are never chosen), drawn uniformly without replacement,
+    all replaced by [MASK]: no spans and no 80/10/10. T counts [CLS] and [SEP], as the
+    reference's count of a sequence's tokens does."""
+    B, T = ids.shape
+    score = torch.rand(B, T, generator=gen, device=ids.device)
+    score = score.masked_fill(ids < len(SPECIALS), 2.0)                # specials rank last
+    chosen = score.argsort(1).argsort(1) < int(p * T)                  # (B, T): the lowest ranks
+    return torch.where(chosen, MASK, ids), torch.where(chosen, ids, -100)
+
+
+def mask_capacity(B, T, p, mean_span=None) -> int:
+    """A fixed bound on the tokens a batch of B rows of T tokens ([CLS] and [SEP] included)
+    has chosen: exactly B int(p T) for uniform_mask (mean_span None); for span_mask, the mean
+    p n of its n = B (T - 2) choosable tokens plus 7 standard deviations of their count, plus 8.
+    Given the spans, the count is a sum of independent [chosen] * length terms, so its variance
+    is p (1 - p) times the sum of squared span lengths, about n (2m - 1) for geometric lengths
+    of mean m (a little less: rows cut their last span short). Computed exactly (a dynamic
+    program over a row's spans, 2026-11-25), a batch exceeds the bound with probability 6e-12
+    at 128 x 128 tokens (where it is 1.30x the mean count) and 4e-10 at the tests' 8 x 32; a
+    single short row with few masks more often (1 x 64 tokens at p 0.05: 2e-6). span_mask
+    then leaves the tokens beyond it unchosen."""
+    if mean_span is None:
+        return B * int(p * T)
+    n = B * (T - 2)
+    std = math.sqrt(n * p * (1 - p) * (2 * mean_span - 1))
+    return min(B * T, math.ceil(p * n + 7 * std) + 8)
+
+
+def predicted_slots(labels, capacity):
+    """labels (B, T), -100 where nothing is predicted -> slots (capacity,) long: the flat
+    positions (row * T + column) of the predicted tokens in row-major order, then positions
+    that predict nothing, up to `capacity` (at least their count). One shape for every batch,
+    so a compiled step gathers the predicted positions without a host sync; boolean indexing
+    would read their count first (a nonzero, a sync and a graph break). labels.flatten()[slots]
+    is -100 in the padding slots, which the losses weigh out."""
+    rest = (labels.flatten() == -100).to(torch.uint8)                  # 0: predicted, 1: not
+    return torch.argsort(rest, stable=True)[:capacity]
+
+
+def make_batch(ids, args, vocab_size, gen):
+    """ids (B, T) -> the batch every objective reads. The predicted positions are also given as
+    a fixed number C of slots (mask_capacity: exactly B int(p T) for uniform masking, a bound
+    for spans), so that the compiled step has one shape and never waits for the device."""
+    B, T = ids.shape
+    if args.masking == "uniform":  # the MLSM code's: int(p T) tokens per row, all [MASK]
+        capacity = mask_capacity(B, T, args.mask_p)
+        inputs, labels = uniform_mask(ids, args.mask_p, gen)
+    else:  # LTG-BERT's spans, 80/10/10 per span; token: spans of one, i.e. BERT's masking
+        mean_span = 1.0 if args.masking == "token" else 3.0
+        capacity = mask_capacity(B, T, args.mask_p, mean_span)
+        inputs, labels = span_mask(ids, args.mask_p, vocab_size, gen, mean_span, capacity)
+    slots = predicted_slots(labels, capacity)                              # (C,)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), inputs=inputs, labels=labels,
+                slots=slots, targets=labels.flatten()[slots])
