@@ -93,6 +93,16 @@ def lr_at(step, args, start=0, end=None):
     return args.lr * (args.min_lr + (1 - args.min_lr) * decay)
 
 
+def set_schedule(optimizer, step, args, start, end) -> float:
+    """The phase [start, end)'s learning rate (every group) and weight decay (group 0, the only
+    one that decays) at `step`, set in `optimizer`; returns the learning rate."""
+    lr = lr_at(step, args, start, end)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.param_groups[0]["weight_decay"] = weight_decay_at(step, args, start, end)
+    return lr
+
+
 def weight_decay_at(step, args, start, end):
     """--weight-decay, or with --weight-decay-end a cosine from one to the other over the phase
     (BootBERT raises it from 0.02 to 0.2)."""

@@ -47,16 +47,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import sparse
-from data.masking import make_batch
 from data.prepare import VOCAB_SIZE
-from device import peak_memory_gb, seed_of, use_compile
+from device import use_compile
 from model import (PARTS, PRESETS, BootHeads, BootPredictor, ModelConfig, boot_states, field_help,
                    load_checkpoint, small_init)
-from optim import ema_decay_at, ema_update, lr_at, weight_decay_at
-from progress import bar, duration, line_buffered
+from optim import ema_decay_at, ema_update, set_schedule
+from progress import bar, line_buffered
 from run_folder import REPO
 from stopping import SafetyNet, exit_now, on_stop_signals
-from training_run import Parts, Phase, Run, open_run, save, start_phase, word_marks
+from training_run import (Parts, Phase, Run, describe, log_line, open_run, save, start_phase,
+                          train_batch, validate, word_marks)
 
 
 # what decides a run's results: copied into its code/, hashed into every checkpoint
@@ -533,51 +533,8 @@ def check_phases(args):
                          f"{args.max_steps} steps")
 
 
-def describe(run: Run) -> str:
-    """Two lines on what is about to train, on what and where."""
-    args, cfg, meta = run.args, run.encoder.config, run.meta
-    p1 = phase1_steps(args)
-    phases = f"{phase_of(0, args)[0]} for {p1} steps, then " if p1 else ""
-    return (f"model: {run.encoder.num_params() / 1e6:.2f}M parameters ({args.size}: "
-            f"{cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.position} positions) | data: "
-            f"{meta['train_tokens']:,} train tokens, vocab {meta['vocab_size']}, unigram entropy "
-            f"{meta['unigram_entropy']:.3f} nats\n"
-            f"train: {phases}{args.objective} on {run.device} x{run.world} | "
-            f"{run.global_batch} seqs x {args.seq_len} tokens per step ({args.batch_size} x "
-            f"{args.grad_accum} accum x {run.world} procs) | {args.max_steps} steps = "
-            f"{args.max_steps * run.global_batch / run.train.n:.1f} epochs | {run.folder.path}")
-
-
-@torch.no_grad()
-def validate(run: Run, phase: Phase) -> dict:
-    """The objective's own loss and figures on the first --eval-batches validation batches: the
-    same masked batches every time, so figures compare across steps and runs."""
-    args, val, trainee = run.args, run.val, phase.trainee
-    trainee.eval()
-    sums = {}
-    for i in range(min(args.eval_batches, max(1, val.n // args.batch_size))):
-        ids = val.batch(i * args.batch_size % val.n, min(args.batch_size, val.n)).to(run.device)
-        gen = torch.Generator(run.device).manual_seed(seed_of(args.seed, 2**31, i))
-        with run.amp:
-            loss, figs = trainee(make_batch(ids, args, run.meta["vocab_size"], gen), phase.ctx)
-        for k, v in {"loss": loss, **figs}.items():
-            sums[k] = sums.get(k, 0.0) + v.float()
-    trainee.train()
-    return {f"val_{k}": (v / (i + 1)).item() for k, v in sums.items()}
-
-
 # ---------------------------------------------------------------------------------------------
 # Training
-
-def train_batch(run: Run, step: int, micro: int) -> dict:
-    """Micro-batch `micro` of `step`, and dropout reseeded for it: both functions of (seed, step,
-    its index in the global batch), so a resumed run draws what an uninterrupted one would."""
-    args = run.args
-    k = run.rank * args.grad_accum + micro  # this micro-batch's index in the global batch
-    torch.manual_seed(seed_of(args.seed, step, k))  # dropout
-    gen = torch.Generator(run.device).manual_seed(seed_of(args.seed, step, k, 1))  # masks
-    ids = run.train.batch(step * run.global_batch + k * args.batch_size, args.batch_size)
-    return make_batch(ids.to(run.device), args, run.meta["vocab_size"], gen)  # ids: on the GPU
 
 
 def main(argv=None):
@@ -594,7 +551,7 @@ def main(argv=None):
                 f"--stop-at {args.stop_at}")
         return
     phase = phase_at(run, step)
-    run.say(describe(run))
+    run.say(describe(run, phase1_steps(args)))
     if OBJECTIVES[args.objective].note:
         run.say("note: " + OBJECTIVES[args.objective].note)
     marks = word_marks(run)  # {step: (name, words)} of --save-words
@@ -609,11 +566,7 @@ def main(argv=None):
             phase = phase_at(run, step)
             net.new_phase()
             t_log = time.time()  # its set-up (a teacher, a dictionary...) is no training time
-        lr = lr_at(step, args, phase.start, phase.end)
-        for group in phase.optimizer.param_groups:
-            group["lr"] = lr
-        phase.optimizer.param_groups[0]["weight_decay"] = weight_decay_at(step, args, phase.start,
-                                                                          phase.end)
+        lr = set_schedule(phase.optimizer, step, args, phase.start, phase.end)
         step_loss = 0.0
         for micro in range(args.grad_accum):
             batch = train_batch(run, step, micro)
@@ -645,22 +598,13 @@ def main(argv=None):
         if is_log or is_save:  # the only places the loop waits for the device
             net.check_finite()
         if is_log:  # means over the steps since the last log line, across all processes
-            record = {"step": step, **run.mean(sums, since_log), "lr": lr,
-                      "tok_per_s": since_log * run.global_batch * args.seq_len
-                      / (time.time() - t_log), "peak_mem_gb": peak_memory_gb(run.device)}
-            run.folder.log(record)
+            record = run.log_figures(step, sums, since_log, time.time() - t_log, lr)
             net.judge(record, stop, args.lr)
             eta = (time.time() - t0) / (step - step0) * (args.max_steps - step)
-            terms = "".join(f" | {k} {record[k]:.4f}" for k in figs if k != "acc")
-            run.say(f"step {step}/{args.max_steps} | loss {record['loss']:.4f}{terms} | "
-                    f"lr {lr:.1e} | {record['tok_per_s'] / 1e3:.1f}k tok/s | "
-                    f"eta {duration(eta)}")
+            run.say(log_line(record, figs, args.max_steps, eta))
             sums, since_log, t_log = {}, 0, time.time()
         if step % args.eval_every == 0 or step == phase.end:
-            record = {"step": step, **validate(run, phase)}
-            run.folder.log(record)
-            run.say(f"step {step}/{args.max_steps} | {phase.objective} | " +
-                    " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+            validate(run, phase, step)
             t_log = time.time()  # throughput counts training time only
         if step == phase.end < args.max_steps:  # phase 1 is over: its model teaches phase 2
             save(run, phase, step, "phase1.pt")

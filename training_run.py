@@ -16,10 +16,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm import tqdm
 
+from data.masking import make_batch
 from data.prepare import Segments, load_meta, prepare
-from device import autocast, pick_device, seed_of, use_compile
+from device import autocast, peak_memory_gb, pick_device, seed_of, use_compile
 from model import PRESETS, Encoder, ModelConfig, check_config, load_weights
 from optim import make_optimizer
+from progress import duration
 from run_folder import RunFolder, code_version
 from storage import read_checkpoint
 
@@ -88,14 +90,20 @@ class Run:
         if self.rank == 0:
             tqdm.write(text)
 
-    def mean(self, sums: dict, n: int) -> dict:
-        """{name: sum over n steps} -> {name: its mean}, averaged across the processes too."""
+    def log_figures(self, step: int, sums: dict, n: int, seconds: float, lr: float) -> dict:
+        """The log record of the n steps since the last one, written to log.jsonl: each figure's
+        mean (sums: {name: its sum over those steps}), across the processes too; the learning
+        rate, tokens per second of training and peak memory."""
         names = list(sums)
         values = torch.stack([sums[k] for k in names]) / n
         if self.ddp:
             dist.all_reduce(values)
             values /= self.world
-        return dict(zip(names, values.tolist()))
+        record = {"step": step, **dict(zip(names, values.tolist())), "lr": lr,
+                  "tok_per_s": n * self.global_batch * self.args.seq_len / seconds,
+                  "peak_mem_gb": peak_memory_gb(self.device)}
+        self.folder.log(record)
+        return record
 
 
 @dataclass
@@ -316,3 +324,59 @@ def word_marks(run: Run) -> dict[int, tuple[str, int]]:
         run.say(f"note: --save-words: not written, beyond --max-steps {args.max_steps} "
                 f"({round(args.max_steps * per_step):,} words): {', '.join(late)}")
     return marks
+
+
+def describe(run: Run, p1: int) -> str:
+    """Two lines on what is about to train (after p1 steps of MLM), on what and where."""
+    args, cfg, meta = run.args, run.encoder.config, run.meta
+    phases = f"mlm for {p1} steps, then " if p1 else ""
+    return (f"model: {run.encoder.num_params() / 1e6:.2f}M parameters ({args.size}: "
+            f"{cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.position} positions) | data: "
+            f"{meta['train_tokens']:,} train tokens, vocab {meta['vocab_size']}, unigram entropy "
+            f"{meta['unigram_entropy']:.3f} nats\n"
+            f"train: {phases}{args.objective} on {run.device} x{run.world} | "
+            f"{run.global_batch} seqs x {args.seq_len} tokens per step ({args.batch_size} x "
+            f"{args.grad_accum} accum x {run.world} procs) | {args.max_steps} steps = "
+            f"{args.max_steps * run.global_batch / run.train.n:.1f} epochs | {run.folder.path}")
+
+
+@torch.no_grad()
+def validate(run: Run, phase: Phase, step: int) -> dict:
+    """The objective's own loss and figures on the first --eval-batches validation batches, logged
+    and said: the same masked batches every time, so figures compare across steps and runs."""
+    args, val, trainee = run.args, run.val, phase.trainee
+    trainee.eval()
+    sums = {}
+    for i in range(min(args.eval_batches, max(1, val.n // args.batch_size))):
+        ids = val.batch(i * args.batch_size % val.n, min(args.batch_size, val.n)).to(run.device)
+        gen = torch.Generator(run.device).manual_seed(seed_of(args.seed, 2**31, i))
+        with run.amp:
+            loss, figs = trainee(make_batch(ids, args, run.meta["vocab_size"], gen), phase.ctx)
+        for k, v in {"loss": loss, **figs}.items():
+            sums[k] = sums.get(k, 0.0) + v.float()
+    trainee.train()
+    record = {"step": step, **{f"val_{k}": (v / (i + 1)).item() for k, v in sums.items()}}
+    run.folder.log(record)
+    run.say(f"step {step}/{args.max_steps} | {phase.objective} | " +
+            " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+    return record
+
+
+def log_line(record: dict, figs: dict, max_steps: int, eta: float) -> str:
+    """A training log record as one line: the loss, the objective's figures (but accuracy), the
+    learning rate, the throughput and the time left."""
+    terms = "".join(f" | {k} {record[k]:.4f}" for k in figs if k != "acc")
+    return (f"step {record['step']}/{max_steps} | loss {record['loss']:.4f}{terms} | "
+            f"lr {record['lr']:.1e} | {record['tok_per_s'] / 1e3:.1f}k tok/s | "
+            f"eta {duration(eta)}")
+
+
+def train_batch(run: Run, step: int, micro: int) -> dict:
+    """Micro-batch `micro` of `step`, and dropout reseeded for it: both functions of (seed, step,
+    its index in the global batch), so a resumed run draws what an uninterrupted one would."""
+    args = run.args
+    k = run.rank * args.grad_accum + micro  # this micro-batch's index in the global batch
+    torch.manual_seed(seed_of(args.seed, step, k))  # dropout
+    gen = torch.Generator(run.device).manual_seed(seed_of(args.seed, step, k, 1))  # masks
+    ids = run.train.batch(step * run.global_batch + k * args.batch_size, args.batch_size)
+    return make_batch(ids.to(run.device), args, run.meta["vocab_size"], gen)  # ids: on the GPU
