@@ -58,10 +58,11 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
+import flags
 from data.prepare import MASK, PAD, SEP, SPECIALS, VOCAB_SIZE, load_tokenizer, prepare, raw_root
 from data.tasks import MSGS, TASKS, pad, read_task
 from device import autocast, pick_device
-from model import PRESETS, Encoder, ModelConfig, field_help, small_init
+from model import PRESETS, Encoder, ModelConfig, small_init
 from progress import bar, line_buffered
 from run_folder import REPO, RunFolder
 from storage import load_state
@@ -867,7 +868,7 @@ def main(argv=None):
     add("--seq-len", type=int, default=128, help="glue: sequence length (two_moons: 34, fixed)")
     add("--size", choices=tuple(PRESETS), default="tiny",
         help="glue: model preset (two_moons: 2 layers, d_model 8)")
-    helps = field_help()
+    helps = flags.field_help(ModelConfig)
     for f in MODEL_FLAGS[:-1]:
         add(f"--{f.replace('_', '-')}", type=int, default=None,
             help=f"{helps[f]} (overrides the preset)")

@@ -26,9 +26,7 @@ is off by default: slower on the CPU, not yet measured on a GPU, docs/bench.md.)
 
 init_weights documents the initialisation of every tensor.
 """
-import inspect
 import math
-import re
 from dataclasses import asdict, dataclass, replace
 
 import sentencepiece as spm
@@ -60,13 +58,6 @@ PRESETS = {
     "small": dict(n_layer=12, n_head=6, d_model=384, d_ff=1024),  # LTG-BERT small
     "base": dict(n_layer=12, n_head=12, d_model=768, d_ff=2048),  # LTG-BERT base
 }
-
-
-def field_help(cls=None) -> dict[str, str]:
-    """{field: its comment} of a config dataclass (default ModelConfig), so that the command-line
-    help and the dataclass never drift apart."""
-    src = inspect.getsource(cls or ModelConfig)
-    return dict(re.findall(r"^\s+(\w+): .*?#\s*(.+)$", src, flags=re.M))
 
 
 def relative_buckets(n: int, buckets: int, max_position: int) -> torch.Tensor:

@@ -43,9 +43,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import flags
 from data.prepare import CLS, SEP, prepare
 from device import pick_device
-from model import field_help, load_checkpoint
+from model import load_checkpoint
 from progress import bar, line_buffered
 from storage import load_state, read_checkpoint, save_checkpoint
 
@@ -586,15 +587,12 @@ def load_dictionary(path, d_model: int, n_layer: int) -> tuple[torch.Tensor, int
 
 def main(argv=None):
     line_buffered()
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=flags.Help)
     p.add_argument("--ckpt", required=True, help="checkpoint whose hidden states are coded (a "
                    "train.py ckpt.pt or phase1.pt)")
     p.add_argument("--data", default=None,
                    help="corpus it was trained on (default: the checkpoint's --data)")
-    for f, text in zip(fields(DictConfig), field_help(DictConfig).values()):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
-                       help=f"{text} (default {f.default})")
+    flags.add_fields(p.add_argument, DictConfig)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto = cuda if available (default auto)")
     p.add_argument("--out", required=True, help="where to write the dictionary (a torch file: "

@@ -34,7 +34,6 @@ import copy
 import functools
 import json
 import shutil
-import sys
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -46,10 +45,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import flags
 import sparse
 from data.prepare import VOCAB_SIZE
 from device import use_compile
-from model import (PARTS, PRESETS, BootHeads, BootPredictor, ModelConfig, boot_states, field_help,
+from model import (PARTS, PRESETS, BootHeads, BootPredictor, ModelConfig, boot_states,
                    load_checkpoint, small_init)
 from optim import ema_decay_at, ema_update, set_schedule
 from progress import bar, line_buffered
@@ -351,41 +351,35 @@ def phase_at(run: Run, step: int) -> Phase:
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False, formatter_class=flags.Help)
     add = p.add_argument
-    add("--objective", default="mlm", choices=sorted(OBJECTIVES),
-        help="pretraining objective (default mlm)")
+    add("--objective", default="mlm", choices=sorted(OBJECTIVES), help="pretraining objective")
     add("--data", default="babylm_10m", help="corpus name under $NANOMLM_RAW, a folder of text "
-        "files, or a prepared folder (default babylm_10m)")
+        "files, or a prepared folder")
     add("--vocab-size", type=int, default=VOCAB_SIZE,
-        help=f"sentencepiece vocabulary when the data is prepared (default {VOCAB_SIZE})")
+        help="sentencepiece vocabulary when the data is prepared")
     add("--size", default="small", choices=PRESETS,
-        help="model preset; ModelConfig flags below override it (default small)")
-    add("--seq-len", type=int, default=128,
-        help="tokens per sequence, [CLS] and [SEP] included (default 128)")
-    add("--batch-size", type=int, default=128,
-        help="sequences per micro-batch per process (default 128)")
-    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+        help="model preset; ModelConfig flags below override it")
+    add("--seq-len", type=int, default=128, help="tokens per sequence, [CLS] and [SEP] included")
+    add("--batch-size", type=int, default=128, help="sequences per micro-batch per process")
+    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     add("--optim", default="lamb", choices=["adamw", "lamb"],
-        help="optimizer; betas (0.9, 0.98), eps 1e-6 (default lamb)")
+        help="optimizer; betas (0.9, 0.98), eps 1e-6")
     add("--lr", type=float, default=1e-2, help="peak learning rate (default: tiny 1e-2, small "
         "and base 5e-3; boot 5e-3; see docs/objectives/mlm.md)")
     add("--warmup", type=float, default=0.016,
-        help="warmup: a fraction of --max-steps if < 1, else steps (default 0.016)")
-    add("--schedule", default="cosine", choices=["cosine", "linear"],
-        help="decay after warmup (default cosine)")
-    add("--min-lr", type=float, default=0.1,
-        help="final learning rate as a fraction of --lr (default 0.1)")
+        help="warmup: a fraction of --max-steps if < 1, else steps")
+    add("--schedule", default="cosine", choices=["cosine", "linear"], help="decay after warmup")
+    add("--min-lr", type=float, default=0.1, help="final learning rate as a fraction of --lr")
     add("--weight-decay", type=float, default=0.1, help="decoupled weight decay on weight "
         "matrices (default 0.1; boot 0.02, rising to 0.2)")
     add("--weight-decay-end", type=float, default=None, help="cosine weight decay from "
         "--weight-decay to this over the phase (default: constant; boot 0.2)")
-    add("--clip", type=float, default=2.0, help="gradient-norm clipping, 0 = off (default 2.0)")
+    add("--clip", type=float, default=2.0, help="gradient-norm clipping, 0 = off")
     add("--spike", type=float, default=10.0, help="stop a diverging run: when a log interval's "
         "mean gradient norm exceeds this multiple of its median over the phase so far, or its "
-        "loss stays 1 nat above the phase's lowest for two log lines; 0 = off (default 10)")
-    add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict (default 0.15)")
+        "loss stays 1 nat above the phase's lowest for two log lines; 0 = off")
+    add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict")
     add("--masking", default="span", choices=["span", "token", "uniform"], help="span: "
         "LTG-BERT's spans, 80/10/10 per span; token: BERT's, each token chosen alone, 80/10/10 "
         "(the synthetic-language blog's); uniform: int(p T) tokens per sequence, all [MASK], as "
@@ -395,10 +389,9 @@ def build_parser():
     add("--epochs", type=float, default=10.0, help="the budget when --max-steps is not given: "
         "passes over the training segments, rounded down to whole steps (default 10, BabyLM's "
         "limit: 7,246 steps of 128 x 128 on babylm_10m)")
-    add("--seed", type=int, default=0,
-        help="seed for init, data order, masks and dropout (default 0)")
+    add("--seed", type=int, default=0, help="seed for init, data order, masks and dropout")
     add("--device", default="auto", choices=["auto", "cpu", "cuda"],
-        help="auto = cuda if available (default auto)")
+        help="auto = cuda if available")
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the model (default: on with CUDA, off on the CPU)")
     add("--bf16", action=argparse.BooleanOptionalAction, default=None,
@@ -415,11 +408,11 @@ def build_parser():
         "then differ), positions; comma-separated")
     add("--freeze", default="", help="parts that get no updates: embeddings (the token "
         "embeddings, so the tied output too)")
-    add("--log-every", type=int, default=50, help="steps between log lines (default 50)")
-    add("--eval-every", type=int, default=500, help="steps between validations (default 500)")
+    add("--log-every", type=int, default=50, help="steps between log lines")
+    add("--eval-every", type=int, default=500, help="steps between validations")
     add("--eval-batches", type=int, default=20,
-        help="validation batches, always the same ones (default 20)")
-    add("--save-every", type=int, default=1000, help="steps between checkpoints (default 1000)")
+        help="validation batches, always the same ones")
+    add("--save-every", type=int, default=1000, help="steps between checkpoints")
     add("--save-words", default="", help="also keep the weights when this many training words "
         "have been seen, as chck_<N>.pt in the run folder (export.py turns them into the BabyLM "
         "pipeline's folders): a list such as 1M,2M,500K, or babylm (BabyLM 2025: every 1M to "
@@ -430,93 +423,78 @@ def build_parser():
         "schedule still runs to --max-steps (for time-limited jobs)")
     b = p.add_argument_group("boot (latent bootstrapping, Samuel 2023)").add_argument
     b("--lb-weight", type=float, default=1.0,
-      help="weight of the latent-bootstrapping loss; 0 removes it (default 1)")
+      help="weight of the latent-bootstrapping loss; 0 removes it")
     b("--mlm-weight", type=float, default=1.0, help="weight of the MLM loss in kd+mlm, mlsm+mlm "
       "and boot (default 1; boot 0.1, its decoder's)")
-    b("--ema-start", type=float, default=0.996,
-      help="mean-teacher EMA decay at the first step (default 0.996)")
-    b("--ema-end", type=float, default=1.0,
-      help="EMA decay at the last step, reached linearly (default 1.0)")
+    b("--ema-start", type=float, default=0.996, help="mean-teacher EMA decay at the first step")
+    b("--ema-end", type=float, default=1.0, help="EMA decay at the last step, reached linearly")
     b("--decoder-layers", type=int, default=None, help="layers of the student's decoder "
       "(default: a third of --n-layer, at least 1; the paper's 4 on 12)")
     b("--boot-student", default="mae", choices=["mae", "bert"], help="mae: the encoder sees the "
-      "kept tokens only; bert: the whole masked input (ablation) (default mae)")
+      "kept tokens only; bert: the whole masked input (ablation)")
     k = p.add_argument_group("kd, kd+mlm, mlsm, mlsm+mlm, mlm --two-phase (a phase of MLM, then "
                              "the objective, taught by that model; Berend 2023)").add_argument
-    k("--phase1-steps", type=float, default=0.2, help="MLM steps of phase 1: a fraction "
-      "of --max-steps if < 1, else steps (default 0.2)")
+    k("--phase1-steps", type=float, default=0.2,
+      help="MLM steps of phase 1: a fraction of --max-steps if < 1, else steps")
     k("--two-phase", action="store_true", help="mlm only: train in kd's two phases, the second "
       "restarting optimizer and warm-up from the phase-1 weights (Better Together's baseline)")
     k("--teacher", default=None, help="distil from this checkpoint instead of training a phase 1")
     k("--student-init", default="continued", choices=["continued", "scratch"],
-      help="phase 2 starts from the phase-1 weights, or from a fresh init (default continued)")
+      help="phase 2 starts from the phase-1 weights, or from a fresh init")
     k("--kd-temperature", type=float, default=1.0,
-      help="softmax temperature T; the KL is scaled by T^2 (default 1)")
+      help="softmax temperature T; the KL is scaled by T^2")
     k("--kd-teacher-input", default="clean", choices=["clean", "masked"],
-      help="what the teacher reads (default clean)")
+      help="what the teacher reads")
     k("--dict", default=None, help="mlsm: a dictionary from sparse.py (default: learn one from "
       "the teacher into RUN/dict.pt)")
-    dict_help = field_help(sparse.DictConfig)
-    for flag, name in DICT_FLAGS.items():
-        default = getattr(sparse.DictConfig, name)
-        k("--" + flag.replace("_", "-"), type=type(default), default=default,
-          help=f"mlsm: {dict_help[name]} (default {default})")
+    flags.add_fields(k, sparse.DictConfig, DICT_FLAGS, prefix="mlsm: ")
     k("--mlsm-coder", default="fista100", choices=["fista100", "exact"],
       help="mlsm: the targets' codes: fista100, 100 plain FISTA steps from zero as the MLSM code "
-      "(denser, softer); exact, the working-set FISTA run to --mlsm-tol (default fista100)")
+      "(denser, softer); exact, the working-set FISTA run to --mlsm-tol")
     k("--mlsm-iters", type=int, default=200,
-      help="mlsm --mlsm-coder exact: FISTA iteration cap per batch of targets (default 200)")
+      help="mlsm --mlsm-coder exact: FISTA iteration cap per batch of targets")
     k("--mlsm-tol", type=float, default=1e-2, help="mlsm --mlsm-coder exact: FISTA stops when "
-      "its gradient mapping is below tol*lam (default 1e-2)")
-    model_flags = p.add_argument_group("model (ModelConfig fields; default: the --size preset)")
-    for f, text in zip(fields(ModelConfig), field_help().values()):
-        if f.name != "vocab_size":  # the tokenizer decides it
-            choices = ("relative", "absolute") if f.name == "position" else None
-            kind = (dict(action=argparse.BooleanOptionalAction) if isinstance(f.default, bool)
-                    else dict(type=type(f.default), choices=choices))
-            model_flags.add_argument("--" + f.name.replace("_", "-"), default=None, help=text,
-                                     **kind)
+      "its gradient mapping is below tol*lam")
+    m = p.add_argument_group("model (ModelConfig fields; default: the --size preset)")
+    flags.add_fields(m.add_argument, ModelConfig, {f.name: f.name for f in fields(ModelConfig)
+                                                   if f.name != "vocab_size"},  # the tokenizer's
+                     preset=True, choices={"position": ("relative", "absolute")})
     return p
+
+
+# the least value of each integer flag
+AT_LEAST = {"seq_len": 3, "batch_size": 1, "grad_accum": 1, "max_steps": 1, "log_every": 1,
+            "eval_every": 1, "eval_batches": 1, "save_every": 1, "stop_at": 1,
+            "decoder_layers": 1}
 
 
 def get_args(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "eval_every",
-                 "eval_batches", "save_every", "stop_at"):
-        value = getattr(args, name)
-        if value is not None and value < (3 if name == "seq_len" else 1):
-            parser.error(f"--{name.replace('_', '-')} must be at least "
-                         f"{3 if name == 'seq_len' else 1}")
+    flags.check_at_least(parser, args, AT_LEAST)
     if not 0 < args.mask_p < 1:
         parser.error("--mask-p must be between 0 and 1")
-    if args.decoder_layers is not None and args.decoder_layers < 1:
-        parser.error("--decoder-layers must be at least 1")
-    if args.teacher and args.objective not in TWO_PHASE:
-        parser.error(f"--teacher only applies to {', '.join(TWO_PHASE)}")
+    if args.epochs <= 0:
+        parser.error("--epochs must be positive")
+    mlsm_family = OBJECTIVES[args.objective].setup is setup_mlsm
+    for flag, applies, to in (("teacher", args.objective in TWO_PHASE, ", ".join(TWO_PHASE)),
+                              ("dict", mlsm_family, "mlsm and mlsm+mlm"),
+                              ("reset", args.init_from, "with --init-from")):
+        if getattr(args, flag) and not applies:
+            parser.error(f"--{flag} only applies {'' if to.startswith('with') else 'to '}{to}")
     if args.two_phase and args.objective != "mlm":
         parser.error(f"--two-phase only applies to mlm ({', '.join(TWO_PHASE)} always have two)")
-    if args.dict and OBJECTIVES[args.objective].setup is not setup_mlsm:
-        parser.error("--dict only applies to mlsm and mlsm+mlm")
-    if OBJECTIVES[args.objective].setup is setup_mlsm:  # fail now, not after phase 1
+    if mlsm_family:  # fail now, not after phase 1
         dict_config(args).check(flags=DICT_FLAG_NAMES)
     for flag, allowed in (("reset", PARTS), ("freeze", ["embeddings"])):
         bad = [x for x in getattr(args, flag).split(",") if x and x not in allowed]
         if bad:
             parser.error(f"--{flag}: unknown part {bad[0]!r} (choose from {', '.join(allowed)})")
-    if args.reset and not args.init_from:
-        parser.error("--reset only applies with --init-from")
-    if args.epochs <= 0:
-        parser.error("--epochs must be positive")
     if args.max_steps is not None:
         check_phases(args)
     if args.out_dir is None:
         args.out_dir = str(REPO / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
-    # which flags were typed (a resumed run keeps its saved settings and refuses new ones);
-    # argparse has no public map from option string to destination, hence the private one
-    typed = [t.split("=")[0] for t in (sys.argv[1:] if argv is None else argv)]
-    options = parser._option_string_actions
-    args.given = sorted({options[t].dest for t in typed if t in options})
+    args.given = flags.typed(parser, argv)  # a resumed run refuses those that differ
     for k, v in {**SIZE_DEFAULTS[args.size], **(OBJECTIVES[args.objective].defaults or {})}.items():
         if k not in args.given:
             setattr(args, k, v)

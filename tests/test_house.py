@@ -14,6 +14,7 @@ from conftest import REPO
 # ground floor: run machinery (0), then the model, the data and the run folder (1) on it;
 # middle: libraries with a CLI (2); top: scripts (3)
 FLOOR = {"storage": 0, "device": 0, "optim": 0, "progress": 0, "stopping": 0, "kernels": 0,
+         "flags": 0,
          "model": 1, "data": 1, "run_folder": 1,
          "sparse": 2, "evaluate": 2, "training_run": 2,
          "train": 3, "meta": 3, "bench": 3, "synth": 3, "study": 3, "export": 3,
