@@ -4,7 +4,7 @@ semantic modeling (MLSM; Berend 2023, "Masked Latent Semantic Modeling", ACL Fin
     python sparse.py --ckpt runs/mlm_babylm_10m_small/ckpt.pt --data babylm_10m --layer -1 \\
         --k 3000 --lam 0.05 --out dict.pt          # learn a dictionary from a model's hidden states
 
-train.py calls learn_from_checkpoint itself between the two phases of `--objective mlsm` and
+train.py calls it (dictionary_for_run) between the two phases of `--objective mlsm` and
 `mlsm+mlm`, with its DictConfig.
 
 The problem. For hidden vectors h (rows of H, n x d) and a dictionary D (d x k) whose columns
@@ -12,10 +12,9 @@ have norm <= 1, the codes a >= 0 minimise
         1/2 ||h - D a||^2 + lam * ||a||_1                                                   (1)
 and learning D minimises the mean of (1) over the data under that norm constraint.
 
-    encode(H, D, lam, method="fista")   batched FISTA in torch, on any device (sparse_code, which
-                                        train.py calls every step)
-    encode(H, D, lam, method="lars")    an exact homotopy solver in float64 numpy, one vector at a
-                                        time: the reference the tests hold FISTA to
+    sparse_code(H, D, lam)              batched FISTA on working sets, in torch, on any device, run
+                                        to a tolerance (the exact targets; tests hold it to an
+                                        exact homotopy solver, tests/lasso_exact.py)
     fista_fixed(H, D, lam, iters=100)   the MLSM code's coder (szegedai/MLSM, sparser.py): a fixed
                                         number of plain FISTA steps from zero, not run to the
                                         optimum, so its codes are denser and softer
@@ -34,6 +33,7 @@ sub-word pieces into words), each piece is one vector, as each masked piece is o
 """
 import argparse
 import math
+import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 import flags
@@ -231,78 +232,6 @@ def compare_coders(H, D, lam: float) -> dict:
 def objective(H, D, A, lam) -> torch.Tensor:
     """(1) for every row: (n,) from H (n, d), D (d, k), A (n, k)."""
     return 0.5 * ((H - A @ D.T) ** 2).sum(1) + lam * A.abs().sum(1)
-
-
-def kkt_violation(H, D, A, lam) -> float:
-    """How far A is from optimal for (1): with c = D^T (h - D a), the optimum has c_j = lam where
-    a_j > 0 and c_j <= lam where a_j = 0 (and a >= 0). Returns the largest violation."""
-    c = (H - A @ D.T) @ D
-    on = A > 0
-    return max((c - lam).abs()[on].max().item() if on.any() else 0.0,
-               (c - lam).clamp(min=0)[~on].max().item() if (~on).any() else 0.0,
-               (-A).clamp(min=0).max().item())
-
-
-def lars(h: np.ndarray, D: np.ndarray, lam: float) -> np.ndarray:
-    """The exact minimiser of (1) for one vector h (d,), by the non-negative LARS-lasso homotopy
-    (Efron et al. 2004, "Least Angle Regression", sec. 3.1 with the lasso modification of sec.
-    3.1 and the positive constraint of sec. 3.4), in float64.
-
-    Follow the solution a(mu) as the penalty mu falls from max_j c_j (where a = 0) to lam. On the
-    active set S the KKT conditions hold with equality, D_S^T (h - D_S a_S) = mu, so
-    a_S(mu) = G^-1 (D_S^T h - mu 1) with G = D_S^T D_S: a_S grows along w = G^-1 1 as mu falls,
-    and the correlation of an inactive atom j falls at rate D_j^T D_S w (active ones at rate 1).
-    The path is linear until an inactive atom's correlation reaches mu (it joins) or an active
-    coefficient reaches 0 (it leaves); each such event is a breakpoint."""
-    D = np.asarray(D, np.float64)
-    h = np.asarray(h, np.float64)
-    k = D.shape[1]
-    a = np.zeros(k)
-    c = D.T @ h
-    mu = c.max()
-    if mu <= lam:
-        return a
-    active, left = [int(c.argmax())], None
-    for _ in range(10 * k):  # each breakpoint adds or drops one atom; the path has few of them
-        S = np.array(active)
-        w = np.linalg.solve(D[:, S].T @ D[:, S], np.ones(len(S)))
-        c = D.T @ (h - D @ a)                 # recomputed at every breakpoint: no drift
-        rate = D.T @ (D[:, S] @ w)            # how fast each correlation falls per unit of mu
-        inactive = np.ones(k, bool)
-        inactive[S] = False
-        if left is not None:
-            inactive[left] = False            # the atom that just left is at its breakpoint
-        with np.errstate(divide="ignore", invalid="ignore"):
-            join = np.where(inactive & (rate < 1 - 1e-12), (mu - c) / (1 - rate), np.inf)
-            drop = np.where(w < 0, -a[S] / w, np.inf)
-        join[join < 0] = 0.0                  # round-off at a breakpoint
-        step = min(mu - lam, join.min(), drop.min())
-        a[S] += step * w
-        if step == mu - lam:                  # reached lam before the next breakpoint
-            break
-        mu -= step
-        if drop.min() <= join.min():
-            j = int(S[drop.argmin()])
-            a[j], left = 0.0, j
-            active.remove(j)                  # never empties: at a = 0 some c_j = max c > mu
-        else:
-            active.append(int(join.argmin()))
-            left = None
-    return np.maximum(a, 0.0)
-
-
-def encode(H, D, lam: float, method: str = "fista", iters: int = 1000, tol: float = 1e-3,
-           work: int = 32):
-    """Codes (n, k) >= 0 minimising (1) for every row of H (n, d), dictionary D (d, k).
-    fista: batched, in H's dtype and device; tol and work (working-set size, 0 = all atoms): see
-    sparse_code. lars: exact, float64, one row at a time."""
-    if method == "fista":
-        return sparse_code(H, D, lam, iters=iters, tol=tol, work=work)
-    if method == "lars":
-        Dn = D.detach().cpu().double().numpy()
-        rows = [lars(h, Dn, lam) for h in H.detach().cpu().double().numpy()]
-        return torch.tensor(np.stack(rows), dtype=H.dtype, device=H.device)
-    raise ValueError(f"unknown method {method!r} (fista or lars)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,6 +491,28 @@ def learn_from_checkpoint(ckpt_path, data, cfg: DictConfig, device, out) -> dict
                            "device": str(device)},
                      seconds={"states": t1 - t0, "learning": t2 - t1}, coders=coders)
         return save_dictionary(out, D, layer, **about)
+
+
+def dictionary_for_run(path, given, teacher_path, n_layer: int, data, cfg: DictConfig, device,
+                       flag_names: dict) -> None:
+    """A training run's dictionary at `path` (RUN/dict.pt, so that a resumed run and its code/
+    folder keep the very dictionary it trained on): a copy of `given` (--dict), or without one
+    learned from the teacher checkpoint, whose n_layer layers cfg is checked against (its
+    messages name the flags, flag_names). Under DDP rank 0 makes it; the others wait."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0 and not Path(path).exists():
+        if given:
+            if not Path(given).is_file():
+                raise SystemExit(f"error: --dict {given}: no such file")
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(given, path)
+        else:
+            tqdm.write(f"learning the MLSM dictionary from layer {cfg.layer} of {teacher_path} "
+                       f"(sparse.py)")
+            cfg.check(n_layer, flag_names, f"the teacher {teacher_path}")
+            learn_from_checkpoint(teacher_path, data, cfg, device, path)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def save_dictionary(path, D, layer: int, **about) -> dict:

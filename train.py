@@ -9,11 +9,9 @@
     python train.py --objective mlsm+mlm --data babylm_10m                     # MLM, then MLSM
     python train.py --objective mlm --two-phase --masking uniform              # their baseline
 
-The data is prepared on first use (data/prepare.py). A run folder (--out-dir) holds args.json,
-config.json, data.json (the corpus' meta.json), log.jsonl (every logged figure), ckpt.pt (model,
-optimizer, config, args, step, RNG states, data position, code version, tokenizer, checksum),
-code/ (the source files that decide its results: CODE) and lock (held by the one
-process training there). SIGINT/SIGTERM save the current step and print the --resume command.
+The data is prepared on first use (data/prepare.py). A run folder (--out-dir, training_run.py)
+keeps the settings, log, checkpoints and code of a run. SIGINT/SIGTERM save the current step and
+print the --resume command.
 
 Adding an objective = its loss function `loss, figures = fn(model, batch, ctx)` (+ a setup
 function if it trains extra modules or needs a teacher) + one OBJECTIVES entry; the loop names no
@@ -33,7 +31,6 @@ import contextlib
 import copy
 import functools
 import json
-import shutil
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -43,7 +40,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import flags
 import sparse
@@ -139,17 +135,13 @@ def setup_boot(encoder, args, run_dir, device) -> Parts:
     """The student's extra parts, and the mean teacher: an EMA copy of the encoder (its
     embeddings, layers and final norm, not the decoder). As ctx["ema"], the loop updates it after
     every optimizer step, its decay scheduled over the phase (optim.ema_decay_at)."""
-    heads = BootHeads(encoder.config, decoder_layers(args, encoder.config),
-                      args.boot_student == "mae")
+    # --decoder-layers, by default a third of the encoder's, at least 1: the paper's 4 on 12
+    n = args.decoder_layers or max(1, encoder.config.n_layer // 3)
+    heads = BootHeads(encoder.config, n, args.boot_student == "mae")
     ema = copy.deepcopy(encoder).eval().requires_grad_(False)
     # compiled, the student reads all T slots: the kept count varies per batch (boot_states)
     ctx = {"ema": ema, "compact": not use_compile(torch.device(device), args.compile)}
     return Parts(heads, ctx=ctx, saved={"ema": ema})
-
-
-def decoder_layers(args, config) -> int:
-    """--decoder-layers, by default a third of the encoder's, at least 1: the paper's 4 on 12."""
-    return args.decoder_layers if args.decoder_layers is not None else max(1, config.n_layer // 3)
 
 
 def kd(model, batch, ctx, with_mlm=False):
@@ -256,20 +248,8 @@ def setup_mlsm(encoder, args, run_dir, device) -> Parts:
     others wait), so a resumed run and its code/ folder keep the very dictionary it trained on."""
     teacher, teacher_path = load_teacher(encoder, args, run_dir, device, encoder_only=True)
     path = Path(run_dir) / "dict.pt"
-    if (not dist.is_initialized() or dist.get_rank() == 0) and not path.exists():
-        if args.dict:
-            if not Path(args.dict).is_file():
-                raise SystemExit(f"error: --dict {args.dict}: no such file")
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
-            shutil.copy(args.dict, path)
-        else:
-            tqdm.write(f"learning the MLSM dictionary from layer {args.mlsm_layer} of "
-                       f"{teacher_path} (sparse.py)")
-            config = dict_config(args)
-            config.check(teacher.config.n_layer, DICT_FLAG_NAMES, f"the teacher {teacher_path}")
-            sparse.learn_from_checkpoint(teacher_path, args.data, config, device, path)
-    if dist.is_initialized():
-        dist.barrier()
+    sparse.dictionary_for_run(path, args.dict, teacher_path, teacher.config.n_layer, args.data,
+                              dict_config(args), device, DICT_FLAG_NAMES)
     n_layer = teacher.config.n_layer
     D, layer = sparse.load_dictionary(path, teacher.config.d_model, n_layer)
     if "mlsm_layer" in args.given and args.mlsm_layer % (n_layer + 1) != layer:

@@ -3,6 +3,11 @@ encoder of a run, opened fresh or resumed with its saved settings; a phase made 
 (its objective's parts, the trainee wrapped for DDP and compiled, a fresh or restored optimizer);
 its checkpoints; the steps at which --save-words keeps the weights. Nothing here knows an
 objective: train.py hands each phase its objective's loss and setup.
+
+A run folder holds args.json, config.json, data.json (the corpus' meta.json), log.jsonl (every
+logged figure), ckpt.pt (model, heads, optimizer, config, args, step, RNG states, data position,
+code version, tokenizer, checksum), code/ (train.CODE: the source that decides its results) and
+lock (held by the one process training there).
 """
 import argparse
 import math

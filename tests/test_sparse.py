@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
+import lasso_exact as lasso
 import sparse as S
 from conftest import REPO
 
@@ -49,7 +50,7 @@ def test_lars_equals_brute_force_support_search(lam):
     H, D = problem(8, 6, 10, seed=1)
     for h in H.numpy():
         want = brute_force(h, D.numpy(), lam)
-        np.testing.assert_allclose(S.lars(h, D.numpy(), lam), want, atol=1e-10)
+        np.testing.assert_allclose(lasso.lars(h, D.numpy(), lam), want, atol=1e-10)
 
 
 @pytest.mark.parametrize("lam", [0.01, 0.05, 0.2])
@@ -57,15 +58,15 @@ def test_fista_matches_lars_and_both_satisfy_kkt(lam):
     """Over-complete (k > d) random problems: FISTA at its default tolerance reaches LARS's exact
     objective to 1e-4 relative, row by row; both meet the optimality conditions."""
     H, D = problem(24, 60, 30, seed=2)
-    exact = S.encode(H, D, lam, method="lars")
-    fista = S.encode(H, D, lam, method="fista")
-    assert S.kkt_violation(H, D, exact, lam) < 1e-10
-    assert S.kkt_violation(H, D, S.encode(H, D, lam, iters=20000, tol=1e-7), lam) < 1e-6
+    exact = lasso.encode(H, D, lam, method="lars")
+    fista = lasso.encode(H, D, lam, method="fista")
+    assert lasso.kkt_violation(H, D, exact, lam) < 1e-10
+    assert lasso.kkt_violation(H, D, lasso.encode(H, D, lam, iters=20000, tol=1e-7), lam) < 1e-6
     f_exact, f_fista = S.objective(H, D, exact, lam), S.objective(H, D, fista, lam)
     assert ((f_fista - f_exact) / f_exact).abs().max().item() < 1e-4
     assert (exact > 0).sum(1).float().mean() > 3  # the codes are neither empty nor trivial
     # float32, as in training, against the float64 exact solution
-    f32 = S.encode(H.float(), D.float(), lam)
+    f32 = lasso.encode(H.float(), D.float(), lam)
     assert f32.dtype == torch.float32
     assert ((S.objective(H, D, f32.double(), lam) - f_exact) / f_exact).abs().max().item() < 1e-4
 
@@ -84,7 +85,7 @@ def test_working_sets_that_grow_and_rows_that_leave_early_keep_the_exact_codes()
     H = torch.cat([H + 0.5 * (common / common.norm()).T, D[:, :20].T])
     H = (H / H.norm(dim=1, keepdim=True))[torch.randperm(40, generator=g)]
     lam = 0.02
-    exact = S.encode(H, D, lam, method="lars")
+    exact = lasso.encode(H, D, lam, method="lars")
     assert (exact > 0).sum(1).max() > 8      # m grows from 4 at least twice
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # converged: no warning
@@ -102,7 +103,7 @@ def test_a_start_changes_the_path_not_the_codes():
     zero, in fewer rounds when the start is close."""
     H, D = problem(24, 60, 30, seed=3)
     lam = 0.05
-    exact = S.encode(H, D, lam, method="lars")
+    exact = lasso.encode(H, D, lam, method="lars")
     g = torch.Generator().manual_seed(0)
     as_start = lambda A: tuple(reversed(A.topk(20, dim=1)))                  # (atoms, weights)
     near = as_start(S.sparse_code(H, D + 0.05 * torch.randn(D.shape, generator=g, dtype=D.dtype),
@@ -143,7 +144,7 @@ def test_fista_rows_that_finish_first_leave_with_their_own_codes():
         h = D[:, :3] @ torch.rand(3, generator=g, dtype=torch.float64) + 0.1 * torch.randn(
             16, generator=g, dtype=torch.float64)
         rows.append((D, h))
-        want.append(torch.from_numpy(S.lars(h.numpy(), D.numpy(), 0.05)))
+        want.append(torch.from_numpy(lasso.lars(h.numpy(), D.numpy(), 0.05)))
     G = torch.stack([D.T @ D for D, _ in rows])                                 # (12, 24, 24)
     b = torch.stack([D.T @ h for D, h in rows])                                 # (12, 24)
     L = torch.linalg.eigvalsh(G)[:, -1:]                                        # (12, 1)
@@ -155,7 +156,7 @@ def test_codes_are_non_negative_even_where_the_unconstrained_lasso_is_not():
     H, D = problem(16, 32, 20, seed=3)
     H = torch.cat([H, -D[:, :4].T])  # h = -d_j: the plain lasso would put a negative weight on j
     for method in ("fista", "lars"):
-        A = S.encode(H, D, 0.05, method=method)
+        A = lasso.encode(H, D, 0.05, method=method)
         assert (A >= 0).all()
         assert (A[-4:, :4] == 0).all()
 
@@ -165,7 +166,7 @@ def test_vectors_too_weakly_correlated_get_all_zero_codes():
     H, D = problem(16, 32, 8, seed=4)
     lam = (H @ D).max().item() + 1e-3
     for method in ("fista", "lars"):
-        assert (S.encode(H, D, lam, method=method) == 0).all()
+        assert (lasso.encode(H, D, lam, method=method) == 0).all()
 
 
 def planted(seed, d=20, k=24, n=3000, per=3):
@@ -260,7 +261,7 @@ def test_fista_fixed_is_the_mlsm_codes_rule(coherent):
     want = mlsm_code_fista(H.T, D, lam, 100).T
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
     if coherent:
-        exact = S.encode(torch.tensor(H), torch.tensor(D), lam, method="lars")
+        exact = lasso.encode(torch.tensor(H), torch.tensor(D), lam, method="lars")
         obj = lambda A: S.objective(torch.tensor(H), torch.tensor(D), torch.as_tensor(A), lam)
         assert (got > 0).sum() > (exact.numpy() > 0).sum()
         assert obj(got).mean().item() > obj(exact).mean().item()

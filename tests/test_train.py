@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import lasso_exact as lasso
 import optim
 import sparse
 import stopping
@@ -635,7 +636,7 @@ def test_mlsm_loss_against_a_per_position_loop():
     want, nnz = [], []
     for h, z in zip(states, logits):
         unit = (h / h.norm())[None].double()
-        code = sparse.encode(unit, ctx["dict"].double(), 0.05, method="lars")[0]
+        code = lasso.encode(unit, ctx["dict"].double(), 0.05, method="lars")[0]
         assert code.sum() > 0
         target = code / code.sum()
         assert target.sum().item() == pytest.approx(1.0, abs=1e-12) and (target >= 0).all()
