@@ -435,7 +435,6 @@ def check_config(saved: dict, config: ModelConfig, path, ignore=()) -> None:
     Dropout is a training setting, not part of the model, and may differ; so may the `ignore`d
     fields (the vocabulary, when the embeddings are re-initialised for another language)."""
     want = asdict(config)
-    saved = {**asdict(ModelConfig()), **saved}  # a field added since it was written: its default
     diff = [f"{k}={saved.get(k)!r} there but {want.get(k)!r} here"
             for k in sorted(set(saved) | set(want))
             if saved.get(k) != want.get(k) and k != "dropout" and k not in ignore]
@@ -480,10 +479,6 @@ def load_checkpoint(path, device="cpu", encoder_only=False):
     if ckpt.get("objective") == "boot" and not encoder_only:
         heads = ckpt["heads"]
         boot = BootHeads(model.config, *boot_shape(heads))
-        if set(boot.state_dict()) != set(heads):
-            raise SystemExit(f"error: {path} is a boot checkpoint from before its decoder ended "
-                             f"in a LayerNorm (issue 16), so its trained path cannot be rebuilt; "
-                             f"load it with encoder_only=True")
         boot.load_state_dict(heads, strict=True)
         model = BootPredictor(model, boot, tok.piece_to_id("[MASK]"))
     model.train_args = ckpt.get("args", {})

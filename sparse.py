@@ -525,7 +525,7 @@ def save_dictionary(path, D, layer: int, **about) -> dict:
 
 def load_dictionary(path, d_model: int, n_layer: int) -> tuple[torch.Tensor, int]:
     """(D (d, k) float32, the layer it codes) of a dictionary file, for a model of d_model
-    dimensions and n_layer layers (a file without a layer is taken to code the last)."""
+    dimensions and n_layer layers."""
     saved = load_state(path)  # a missing, unreadable or corrupt file: one line
     D = saved.get("D") if isinstance(saved, dict) else None
     if not isinstance(D, torch.Tensor):
@@ -533,7 +533,7 @@ def load_dictionary(path, d_model: int, n_layer: int) -> tuple[torch.Tensor, int
     if D.ndim != 2 or D.shape[0] != d_model:
         raise SystemExit(f"error: the dictionary {path} has shape {tuple(D.shape)}, but the "
                          f"model's states have {d_model} dimensions")
-    return D.float(), saved.get("layer", n_layer)
+    return D.float(), saved["layer"]
 
 
 def main(argv=None):

@@ -109,8 +109,8 @@ def save_checkpoint(state: dict, path) -> None:
 
 
 def load_state(path, map_location="cpu") -> dict:
-    """torch.load a file save_checkpoint wrote, its checksum verified (a file written before
-    checksums were kept loads unverified), or one line saying what is wrong with it."""
+    """torch.load a file save_checkpoint wrote, its checksum verified, or one line saying what is
+    wrong with it."""
     path = Path(path)
     if not path.is_file():
         raise SystemExit(f"error: no checkpoint at {path}")
@@ -119,12 +119,13 @@ def load_state(path, map_location="cpu") -> dict:
     except Exception as e:  # truncated zip, random bytes, a pickle of something else...
         raise SystemExit(f"error: cannot read checkpoint {path} (corrupt or truncated file: "
                          f"{type(e).__name__})") from None
-    if isinstance(state, dict) and "checksum" in state:
-        saved = state.pop("checksum")
-        if checksum(state) != saved:
-            raise SystemExit(f"error: {path} is corrupt: its content does not match the checksum "
-                             f"it was saved with (damaged on disk or in a copy); use another "
-                             f"checkpoint")
+    if not isinstance(state, dict) or "checksum" not in state:
+        raise SystemExit(f"error: {path} has no checksum: it was not written by nanoMLM")
+    saved = state.pop("checksum")
+    if checksum(state) != saved:
+        raise SystemExit(f"error: {path} is corrupt: its content does not match the checksum "
+                         f"it was saved with (damaged on disk or in a copy); use another "
+                         f"checkpoint")
     return state
 
 

@@ -48,6 +48,8 @@ import torch
 import evaluate
 from data.prepare import prepare, prepared_copies, raw_root, resolve
 from data.tasks import TASKS
+from multibootstrap import examples_of, multibootstrap
+from results import read_result
 from storage import replacing
 
 
@@ -433,10 +435,10 @@ def write_result(job: Job):
     out["commands"] = [shown(s.argv) for s in job.steps]
     eval_dir = run / "eval"
     if (eval_dir / "mlm.json").exists():
-        r = evaluate.read_result(eval_dir / "mlm.json")
+        r = read_result(eval_dir / "mlm.json")
         out["val_loss"], out["val_acc"] = r["examples_loss"], r["examples"]
     if (eval_dir / "blimp.json").exists():
-        r = evaluate.read_result(eval_dir / "blimp.json")
+        r = read_result(eval_dir / "blimp.json")
         pairs = {p["id"]: p for p in r["pairs"]}
         ex = r["examples_best_t"]  # the reporting half, at the temperature the other half chose
         for group in r["summary"]:
@@ -447,7 +449,7 @@ def write_result(job: Job):
         out["blimp"] = {k: r[k] for k in ("best_temperature", "summary", "phenomena",
                                           "sentences_per_s")}
     for step in [s for s in job.steps if s.argv[1:2] == ["finetune"]]:
-        r = evaluate.read_result(step.done)
+        r = read_result(step.done)
         out[step.label] = r["examples"]
         out.setdefault("finetune", {})[step.label] = r["aggregate"]
     result = {"kind": "study-run", "arm": job.arm, "seed": job.seed, "pretrain_seed": job.seed,
@@ -466,7 +468,7 @@ def read_results(folder: Path, jobs_by_arm: dict) -> tuple[dict, list, list]:
     the plan's (the study file changed since) is stale: listed, never compared."""
     results, stale, failed = {}, [], []
     for path in sorted((folder / "results").glob("*/s*.json.gz")):
-        r = evaluate.read_result(path)
+        r = read_result(path)
         if r.get("fingerprint") != jobs_by_arm.get((r.get("arm"), r.get("seed"))):
             stale.append(str(path.relative_to(folder)))
             continue
@@ -489,16 +491,16 @@ def compare_arms(spec, scale_name, results, nboot) -> dict:
         return {"metrics": out, "phenomena": phen}
     names = spec.get("metrics") or metric_names(spec["scales"][scale_name])
     for m in names:
-        A = [evaluate.examples_of(r, m, f"{base} s{r['seed']}") for r in results[base] if m in r]
+        A = [examples_of(r, m, f"{base} s{r['seed']}") for r in results[base] if m in r]
         for arm, rs in results.items():
-            B = [evaluate.examples_of(r, m, f"{arm} s{r['seed']}") for r in rs if m in r]
+            B = [examples_of(r, m, f"{arm} s{r['seed']}") for r in rs if m in r]
             if A and B:
-                out.setdefault(m, {})[arm] = evaluate.multibootstrap(A, B, nboot)
+                out.setdefault(m, {})[arm] = multibootstrap(A, B, nboot)
             if A and B and "phenomenon" in results[base][0].get(m, {}):
                 labels = np.array(results[base][0][m]["phenomenon"])
                 for p in np.unique(labels):
                     keep = np.flatnonzero(labels == p)
-                    phen.setdefault(m, {}).setdefault(str(p), {})[arm] = evaluate.multibootstrap(
+                    phen.setdefault(m, {}).setdefault(str(p), {})[arm] = multibootstrap(
                         [subset(a, keep) for a in A], [subset(b, keep) for b in B], nboot)
     return {"metrics": out, "phenomena": phen}
 
@@ -714,7 +716,7 @@ def estimate(jobs, resolved, folder) -> list[str]:
     tokens/s per arm), else from RATES."""
     done_rates = {}
     for path in (folder / "results").glob("*/s*.json.gz"):
-        r = evaluate.read_result(path)
+        r = read_result(path)
         if r["compute"]["tok_per_s"]:
             done_rates.setdefault(r["arm"], []).append(r["compute"]["tok_per_s"])
     lines, total = [], 0.0
@@ -795,7 +797,7 @@ def main(argv=None):
         return
     todo = [j for j in jobs if not done(j)]
     for j in jobs:
-        if j.result and j.result.exists() and evaluate.read_result(j.result).get(
+        if j.result and j.result.exists() and read_result(j.result).get(
                 "fingerprint") != j.fingerprint:
             print(f"warning: {j.result} was made with other settings than the study file's "
                   f"now (stale, left out of the report); move it and {j.folder} away to redo it")

@@ -124,11 +124,6 @@ class Phase:
     ctx: dict                  # what the loss reads besides the batch: parts.ctx and args
 
 
-# flags added since a run may have started whose default is not what such a run did: it goes
-# on as it began (issue 16 made the MLSM code's coder and all-token dictionaries the defaults)
-BEFORE = {"mlsm_coder": "exact", "dict_max_freq": 1e-3}
-
-
 def resumed_args(args, path, defaults: dict):
     """(the saved settings of the run at `path`, its checkpoint). A resumed run keeps them: typed
     flags that would change them are refused (but the RESUMABLE ones), and flags newer than the
@@ -146,7 +141,7 @@ def resumed_args(args, path, defaults: dict):
     # --stop-at holds for one command: the run it resumes stopped there, this one goes on
     now = {k: getattr(args, k) for k in RESUMABLE
            if k in args.given or k in ("resume", "out_dir", "stop_at")}
-    return argparse.Namespace(**{**defaults, **BEFORE, **saved, **now, "given": args.given}), ckpt
+    return argparse.Namespace(**{**defaults, **saved, **now, "given": args.given}), ckpt
 
 
 def build_encoder(args, vocab_size, ckpt):
@@ -202,7 +197,7 @@ def open_run(args, code: list[str], defaults: dict, check_steps: Callable) -> Ru
     val = Segments(data_dir / "val.bin", args.seq_len - 2, args.seed, shuffle=False)
     tokenizer = (data_dir / "tokenizer.model").read_bytes()
     if ckpt is not None and (ckpt["tokenizer"] != tokenizer or
-                             ckpt.get("data", {}).get("folder", data_dir.name) != data_dir.name):
+                             ckpt["data"]["folder"] != data_dir.name):
         raise SystemExit(f"error: {folder.path / 'ckpt.pt'} was trained on other data than the "
                          f"prepared {data_dir} (the corpus at {args.data}, or its tokenizer, "
                          f"changed since the run began); it cannot be resumed on it")
@@ -256,16 +251,12 @@ def start_phase(run: Run, step: int, objective: str, start: int, end: int, spec)
         model = torch.compile(model)
     optimizer = make_optimizer(trainee, args)
     saved = run.ckpt if run.ckpt is not None and run.ckpt["step"] == step else None
-    if saved is not None and saved.get("objective", "mlm") != objective and step != start:
+    if saved is not None and saved["objective"] != objective and step != start:
         raise SystemExit(f"error: {run.folder.path / 'ckpt.pt'} was written in the "
-                         f"{saved.get('objective', 'mlm')} phase, but step {step} belongs to the "
+                         f"{saved['objective']} phase, but step {step} belongs to the "
                          f"{objective} phase; it cannot be resumed with these settings")
     if saved is not None and step > start:  # resumed inside the phase, not at its start
-        if set(saved.get("heads", {})) != set(trainee.heads.state_dict()):
-            raise SystemExit(f"error: {run.folder.path / 'ckpt.pt'} holds other {objective} parts "
-                             f"than this code builds (it was written by older code); start a new "
-                             f"--out-dir")
-        trainee.heads.load_state_dict(saved.get("heads", {}), strict=True)
+        trainee.heads.load_state_dict(saved["heads"], strict=True)
         for name, module in parts.saved.items():
             module.load_state_dict(saved["ctx_state"][name], strict=True)
         optimizer.load_state_dict(saved["optimizer"])

@@ -11,10 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+import finetune
+import multibootstrap
+import results
 import evaluate as E
 import device as device_module
 from conftest import shared_data
+from data.masking import uniform_mask
 from data.prepare import CLS, MASK, SEP, load_tokenizer
+from data.tasks import read_task
 from model import PRESETS, BootHeads, BootPredictor, Encoder, ModelConfig
 from storage import save_checkpoint
 
@@ -186,19 +191,19 @@ def test_split_by_pair_id_is_fixed_and_balanced():
 
 def test_metrics_hand_computed():
     labels, preds = [1, 1, 0, 0, 1], [1, 0, 0, 1, 1]  # TP 2, FN 1, TN 1, FP 1
-    cm = E.confusion(labels, preds, 2)
+    cm = results.confusion(labels, preds, 2)
     assert cm.tolist() == [[1, 1], [1, 2]]
-    assert E.accuracy(cm) == pytest.approx(3 / 5)
+    assert results.accuracy(cm) == pytest.approx(3 / 5)
     assert E.f1(cm) == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))
-    assert E.mcc(cm) == pytest.approx((2 * 1 - 1 * 1) / math.sqrt(3 * 3 * 2 * 2))
+    assert results.mcc(cm) == pytest.approx((2 * 1 - 1 * 1) / math.sqrt(3 * 3 * 2 * 2))
     # three classes: c = 4 correct of s = 6; true counts t = (2, 2, 2), predicted p = (3, 2, 1)
-    cm3 = E.confusion([0, 0, 1, 1, 2, 2], [0, 0, 1, 0, 2, 1], 3)
+    cm3 = results.confusion([0, 0, 1, 1, 2, 2], [0, 0, 1, 0, 2, 1], 3)
     want = (4 * 6 - (3 * 2 + 2 * 2 + 1 * 2)) / math.sqrt((36 - (9 + 4 + 1)) * (36 - 12))
-    assert E.mcc(cm3) == pytest.approx(want)
-    assert E.accuracy(cm3) == pytest.approx(4 / 6)
+    assert results.mcc(cm3) == pytest.approx(want)
+    assert results.accuracy(cm3) == pytest.approx(4 / 6)
     # a constant prediction has no correlation; a class never seen has F1 0
-    assert E.mcc(E.confusion([0, 1, 1], [1, 1, 1], 2)) == 0
-    assert E.f1(E.confusion([0, 0], [0, 0], 2)) == 0
+    assert results.mcc(results.confusion([0, 1, 1], [1, 1, 1], 2)) == 0
+    assert E.f1(results.confusion([0, 0], [0, 0], 2)) == 0
 
 
 def test_binary_mcc_is_the_phi_coefficient_and_vectorises():
@@ -207,10 +212,10 @@ def test_binary_mcc_is_the_phi_coefficient_and_vectorises():
     for _ in range(20):
         y = rng.integers(0, 2, 50)
         p = np.where(rng.random(50) < 0.7, y, 1 - y)
-        cm = E.confusion(y, p, 2)
-        assert E.mcc(cm) == pytest.approx(np.corrcoef(y, p)[0, 1])
+        cm = results.confusion(y, p, 2)
+        assert results.mcc(cm) == pytest.approx(np.corrcoef(y, p)[0, 1])
         cms.append(cm)
-    np.testing.assert_allclose(E.mcc(np.stack(cms)), [E.mcc(c) for c in cms])
+    np.testing.assert_allclose(results.mcc(np.stack(cms)), [results.mcc(c) for c in cms])
 
 
 # --- Multi-Bootstrap -----------------------------------------------------------------------------
@@ -225,7 +230,7 @@ def result(seed, pred, label=None, metric="accuracy"):
 def test_identical_inputs_give_no_difference():
     rng = np.random.default_rng(0)
     A = [result(s, rng.integers(0, 2, 300)) for s in range(4)]
-    r = E.multibootstrap(A, A, nboot=300)
+    r = multibootstrap.multibootstrap(A, A, nboot=300)
     assert r["paired_seeds"] and r["paired_examples"]
     assert r["diff"] == 0 and r["ci95"] == [0, 0] and r["p"] == 0.5
 
@@ -236,7 +241,7 @@ def test_same_distribution_unpaired_seeds_is_not_significant():
     draw = lambda: (rng.random(1000) < 0.4 + 0.4 * easy).astype(int)
     A = [result(s, draw()) for s in range(5)]
     B = [result(s + 10, draw()) for s in range(5)]
-    r = E.multibootstrap(A, B, nboot=1000)
+    r = multibootstrap.multibootstrap(A, B, nboot=1000)
     assert not r["paired_seeds"] and r["paired_examples"]
     assert r["ci95"][0] < 0 < r["ci95"][1] and 0.05 < r["p"] < 0.95
 
@@ -245,7 +250,7 @@ def test_known_shift_is_detected():
     rng = np.random.default_rng(0)
     A = [result(s, (rng.random(2000) < 0.60).astype(int)) for s in range(5)]
     B = [result(s, (rng.random(2000) < 0.66).astype(int)) for s in range(5)]
-    r = E.multibootstrap(A, B, nboot=1000)
+    r = multibootstrap.multibootstrap(A, B, nboot=1000)
     assert r["diff"] == pytest.approx(0.06, abs=0.01) and r["ci95"][0] > 0.03
     assert r["p"] == 1 / 1000 and r["p_floored"]  # no resample the other way: p < 1/nboot
 
@@ -261,7 +266,7 @@ def test_tiny_case_matches_brute_force_enumeration():
         diffs.append(acc(B, sb) - acc(A, sa))
     diffs = np.array(diffs)
     exact_p = (diffs < 0).mean() + 0.5 * (diffs == 0).mean()
-    r = E.multibootstrap(A, B, nboot=40000, block=5000)
+    r = multibootstrap.multibootstrap(A, B, nboot=40000, block=5000)
     assert r["p"] == pytest.approx(exact_p, abs=0.01)
     assert r["diff"] == pytest.approx(0.75 - 0.75)  # point estimates on all data: both 0.75
 
@@ -272,8 +277,8 @@ def test_bootstrap_point_estimates_use_the_metric():
     # 3 pretraining seeds x 2 fine-tuning seeds
     preds = [np.where(rng.random((2, 200)) < 0.8, y, 1 - y) for _ in range(3)]
     A = [result(s, p, y, "f1") for s, p in enumerate(preds)]
-    want = np.mean([E.f1(E.confusion(y, row, 2)) for p in preds for row in p])
-    assert E.multibootstrap(A, A, nboot=10)["mean_a"] == pytest.approx(want, rel=1e-6)
+    want = np.mean([E.f1(results.confusion(y, row, 2)) for p in preds for row in p])
+    assert multibootstrap.multibootstrap(A, A, nboot=10)["mean_a"] == pytest.approx(want, rel=1e-6)
 
 
 # --- readers and errors --------------------------------------------------------------------------
@@ -315,8 +320,8 @@ def test_task_without_train_file_fails_clearly(prepared):
     tok = load_tokenizer(prepared)
     glue = shared_data() / "babylm_eval" / "full_eval" / "glue_filtered"
     with pytest.raises(SystemExit, match=r"no boolq\.train\.jsonl .*only boolq\.valid\.jsonl"):
-        E.read_task(glue, "boolq", "train", tok, 128)
-    seqs, labels, ids = E.read_task(glue, "mrpc", "valid", tok, 32)
+        read_task(glue, "boolq", "train", tok, 128)
+    seqs, labels, ids = read_task(glue, "mrpc", "valid", tok, 32)
     assert len(seqs) == 204 and max(map(len, seqs)) <= 32 and set(labels) == {0, 1}
     # [CLS] a [SEP] b [SEP]
     assert all(s[0] == CLS and s[-1] == SEP and s.count(SEP) == 2 for s in seqs)
@@ -327,7 +332,7 @@ def test_pair_truncation_is_longest_first(tmp_path, prepared):
     long, short = " ".join(["word"] * 40), "two words"
     row = {"sentence1": long, "sentence2": short, "label": 0}
     (tmp_path / "rte.valid.jsonl").write_text(json.dumps(row) + "\n")
-    (seq,), _, _ = E.read_task(tmp_path, "rte", "valid", tok, 16)
+    (seq,), _, _ = read_task(tmp_path, "rte", "valid", tok, 16)
     assert len(seq) == 16
     assert seq[-1 - len(tok.encode(short)):-1] == tok.encode(short)  # the short one kept whole
 
@@ -351,7 +356,7 @@ def test_length_grouped_batches_cover_every_example_once_with_little_padding():
     lengths = np.random.default_rng(0).integers(5, 120, 3000)
     # tokens / padded tokens
     useful = lambda batches: lengths.sum() / sum(lengths[b].max() * len(b) for b in batches)
-    epochs = [E.length_grouped(lengths, 32, np.random.default_rng(seed)) for seed in (1, 2)]
+    epochs = [finetune.length_grouped(lengths, 32, np.random.default_rng(seed)) for seed in (1, 2)]
     for batches in epochs:
         assert sorted(np.concatenate(batches)) == list(range(3000))
         # the schedule's step count holds
@@ -374,8 +379,8 @@ def test_finetune_learns_and_reports_every_seed(ckpt, tmp_path, capsys):
     assert r["kind"] == "finetune" and r["pretrain_seed"] == 7 and set(r["runs"]) == {"1", "2"}
     assert r["aggregate"]["mcc"]["mean"] > 0.8 and len(r["aggregate"]["mcc"]["values"]) == 2
     for run in r["runs"].values():  # the reported metrics are those of the reported predictions
-        cm = E.confusion(r["examples"]["label"], run["pred"], 2)
-        assert run["metrics"]["mcc"] == pytest.approx(E.mcc(cm))
+        cm = results.confusion(r["examples"]["label"], run["pred"], 2)
+        assert run["metrics"]["mcc"] == pytest.approx(results.mcc(cm))
     assert "mcc" in capsys.readouterr().out
 
 
@@ -503,11 +508,11 @@ def test_mean_metric_matches_brute_force_enumeration():
         diffs.append(mean(B, sb) - mean(A, sa))
     diffs = np.array(diffs)
     exact_p = (diffs > 0).mean() + 0.5 * (diffs == 0).mean()  # B not better: a higher loss
-    r = E.multibootstrap(A, B, nboot=40000, block=5000)
+    r = multibootstrap.multibootstrap(A, B, nboot=40000, block=5000)
     assert r["mean_a"] == pytest.approx(2.5) and r["mean_b"] == pytest.approx(2.3)
     assert r["better"] == "lower" and r["p"] == pytest.approx(exact_p, abs=0.01)
     with pytest.raises(SystemExit, match="different metrics"):
-        E.multibootstrap(A, [{**b, "better": "higher"} for b in B], nboot=10)
+        multibootstrap.multibootstrap(A, [{**b, "better": "higher"} for b in B], nboot=10)
 
 
 def test_masked_lm_against_a_loop_over_hidden_tokens(ckpt, small_raw, prepared, tmp_path,
@@ -528,7 +533,7 @@ def test_masked_lm_against_a_loop_over_hidden_tokens(ckpt, small_raw, prepared, 
         gen = torch.Generator().manual_seed(E.seed_of(0, first))
         body = torch.from_numpy(tokens[:6 * 30].reshape(6, 30)[first:first + size])
         ids = torch.cat([torch.full((size, 1), CLS), body, torch.full((size, 1), SEP)], 1)
-        inputs, _ = E.uniform_mask(ids, 0.15, gen)
+        inputs, _ = uniform_mask(ids, 0.15, gen)
         with torch.no_grad():
             logits = model.logits(inputs).log_softmax(-1)                 # (b, T, V)
         for row in range(size):
@@ -549,7 +554,7 @@ def test_masked_lm_against_a_loop_over_hidden_tokens(ckpt, small_raw, prepared, 
 def test_babylm2025_schedule_is_the_pipelines_rule():
     """Transcribed from the pipeline's finetune/utils.py: lr 0 at step 0, the peak at the end
     of warm-up, half way down the cosine at the middle of the rest, 0.1 at the end."""
-    f = lambda s: E.cosine_with_warmup(s, warmup=6, steps=106)
+    f = lambda s: finetune.cosine_with_warmup(s, warmup=6, steps=106)
     assert f(0) == 0 and f(3) == 0.5 and f(6) == 1.0
     assert f(56) == pytest.approx(0.1 + 0.9 * 0.5) and f(106) == pytest.approx(0.1)
 
@@ -563,7 +568,7 @@ def test_babylm2025_schedule_is_the_pipelines_rule():
 def test_babylm2025_recipe_settings(task, typed, want):
     args = E.build_parser().parse_args(["finetune", "--ckpt", "x", "--task", task, "--data-dir",
                                         "d", "--recipe", "babylm2025", *typed])
-    E.recipe_settings(args)
+    finetune.recipe_settings(args)
     assert {k: getattr(args, k) for k in want} == want
     assert args.group_by_length is False
 
@@ -584,8 +589,8 @@ def test_finetune_babylm2025_runs_every_epoch_and_keeps_the_best(ckpt, tmp_path,
     assert len(printed) == 3 and len(set(printed)) > 1  # (a choice to make)
     assert run["epoch"] == printed.index(max(printed)) + 1
     assert r["settings"]["patience"] is None and r["settings"]["batch_size"] == 32
-    cm = E.confusion(r["examples"]["label"], run["pred"], 2)
-    assert run["metrics"]["mcc"] == pytest.approx(E.mcc(cm))
+    cm = results.confusion(r["examples"]["label"], run["pred"], 2)
+    assert run["metrics"]["mcc"] == pytest.approx(results.mcc(cm))
 
 
 def test_supplement_pair_ids_keep_an_items_variants_in_one_half(tmp_path):

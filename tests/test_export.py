@@ -13,6 +13,7 @@ for name in ("transformers", "tokenizers", "safetensors", "google.protobuf"):
     pytest.importorskip(name, reason="the export tests need pip install -r "
                                      "requirements-export.txt")
 
+import results
 import evaluate as E  # noqa: E402
 import export  # noqa: E402
 from conftest import run_train, shared_data  # noqa: E402
@@ -114,7 +115,7 @@ def test_pll_through_the_hugging_face_api_equals_evaluate_blimp(tokenizer_bytes,
         (folder / f.name).write_text("".join(f.read_text().splitlines(True)[:4]))
     E.main(["blimp", "--ckpt", str(path), "--blimp-dir", str(folder), "--device", "cpu",
             "--out", str(tmp_path / "blimp.json")])
-    result = E.read_result(tmp_path / "blimp.json")
+    result = results.read_result(tmp_path / "blimp.json")
     t1 = result["temperatures"].index(1.0)
     hf = AutoModelForMaskedLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")

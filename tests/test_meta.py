@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import evaluate as E
+from multibootstrap import load_examples, multibootstrap
 import meta as M
 from conftest import shared_data
 from data.prepare import MASK, PAD
@@ -392,9 +392,9 @@ def test_two_moons_cli_prints_the_table_and_resumes(tmp_path, capsys):
     cell = json.loads((out / "cells" / "soft_n4_s1.json").read_text())
     ex = cell["examples"]
     assert np.mean(np.array(ex["pred"][0]) == np.array(ex["label"])) == results["soft/4/1"]
-    A, B = ([E.load_examples(out / "cells" / f"{lab}_n4_s{s}.json", "examples") for s in (0, 1)]
+    A, B = ([load_examples(out / "cells" / f"{lab}_n4_s{s}.json", "examples") for s in (0, 1)]
             for lab in ("mlm", "soft"))
-    r = E.multibootstrap(A, B, nboot=50)
+    r = multibootstrap(A, B, nboot=50)
     assert r["seeds_a"] == r["seeds_b"] == [0, 1] and r["mean_b"] == pytest.approx(
         (results["soft/4/0"] + results["soft/4/1"]) / 2)
     assert (out / "args.json").exists() and (out / "code" / "meta.py").exists()

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import results
 import evaluate as E
 import study
 from conftest import REPO, TINY, run_train, shared_data
@@ -91,11 +92,11 @@ def test_report_equals_compare_on_the_result_files(whole, tmp_path):
             assert mine[key] == direct[key], (metric, key)
         assert direct["seeds_a"] == direct["seeds_b"] == [0, 1] and direct["paired_seeds"]
         md = (folder / "REPORT.md").read_text()
-        show = E.read_result(folder / "results" / "kd" / "s0.json.gz")[metric]
+        show = results.read_result(folder / "results" / "kd" / "s0.json.gz")[metric]
         fmt = study.fmt(direct["mean_b"], show.get("better", "higher"))
         assert f"| kd | 2 | {fmt} |" in md
     # a result file is small and holds what compare needs and what the report shows
-    r = E.read_result(folder / "results" / "kd" / "s1.json.gz")
+    r = results.read_result(folder / "results" / "kd" / "s1.json.gz")
     assert (folder / "results" / "kd" / "s1.json.gz").stat().st_size < 100_000
     assert r["pretrain_seed"] == 1
     assert r["compute"]["steps"] == 12 and r["curve"] and "python train.py" in r["commands"][0]

@@ -16,12 +16,11 @@ import optim
 import sparse
 import stopping
 import train as T
-import training_run
 from training_run import Trainee
 from conftest import TINY, run_train, run_trains
 from data.masking import make_batch
 from data.prepare import CLS, MASK, SEP, prepare
-from storage import save_checkpoint
+from model import PRESETS, Encoder, ModelConfig
 
 
 # --- optimizer and schedule ----------------------------------------------------------------------
@@ -386,8 +385,8 @@ def objective_setup(objective, **flags):
         setattr(args, k, v)
     torch.manual_seed(0)
     shape = {"vocab_size": 300, "d_model": 32, "d_ff": 48}
-    encoder = T.Encoder(T.ModelConfig(**{**T.PRESETS["tiny"], **shape,
-                                         "final_norm": bool(args.final_norm)}))
+    encoder = Encoder(ModelConfig(**{**PRESETS["tiny"], **shape,
+                                     "final_norm": bool(args.final_norm)}))
     setup = T.OBJECTIVES[objective].setup
     parts = setup(encoder, args, None, "cpu") if setup else T.Parts()
     ids = torch.randint(5, 300, (4, 24))
@@ -524,20 +523,6 @@ def test_kd_from_a_boot_teacher_hides_what_it_predicts():
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
 
 
-def test_a_run_started_before_new_flags_keeps_its_behaviour(prepared, tmp_path):
-    """Flags added by issue 16 whose defaults changed what a run does: a resumed older run goes
-    on as it began (the exact coder, the frequency filter)."""
-    args = T.get_args(["--objective", "mlsm", "--out-dir", str(tmp_path), "--resume"])
-    saved = {k: v for k, v in vars(T.get_args(["--objective", "mlsm"])).items()
-             if k not in ("given", "mlsm_coder", "dict_max_freq", "masking")}
-    save_checkpoint({"model": {}, "config": {}, "tokenizer": b"spm", "args": saved},
-                      tmp_path / "ckpt.pt")
-    defaults = vars(T.build_parser().parse_args([]))
-    resumed, _ = training_run.resumed_args(args, tmp_path / "ckpt.pt", defaults)
-    assert (resumed.mlsm_coder, resumed.dict_max_freq, resumed.masking) == ("exact", 1e-3, "span")
-    assert T.get_args(["--objective", "mlsm"]).mlsm_coder == "fista100"  # a new run: the default
-
-
 def test_kd_with_a_given_teacher_skips_phase_one(trained, prepared, tmp_path):
     out = tmp_path / "run"
     r = run_train("--data", prepared, "--objective", "kd", "--teacher", trained, "--out-dir", out,
@@ -580,7 +565,7 @@ def test_the_loop_updates_the_mean_teacher(prepared, tmp_path, decay):
         want = ckpt["model"]
     else:
         torch.manual_seed(0)  # the seed the run initialised its encoder with
-        want = T.Encoder(T.ModelConfig(**ckpt["config"])).state_dict()
+        want = Encoder(ModelConfig(**ckpt["config"])).state_dict()
         # the student moved
         assert not torch.equal(want["word.weight"], ckpt["model"]["word.weight"])
     assert all(torch.equal(v, want[k]) for k, v in ckpt["ctx_state"]["ema"].items())
@@ -766,7 +751,7 @@ def test_reset_and_freeze_change_exactly_the_intended_tensors(prepared, small_ra
     source = torch.load(src / "ckpt.pt", weights_only=True)["model"]
     torch.manual_seed(0)
     config = torch.load(src / "ckpt.pt", weights_only=True)["config"]
-    init = T.Encoder(T.ModelConfig(**config)).state_dict()
+    init = Encoder(ModelConfig(**config)).state_dict()
     assert torch.equal(source["word.weight"], init["word.weight"])  # frozen
     moved = ("pos.weight", "layers.0.attn.qk.weight", "head_bias")
     assert all(not torch.equal(source[k], init[k]) for k in moved)
@@ -782,7 +767,7 @@ def test_reset_and_freeze_change_exactly_the_intended_tensors(prepared, small_ra
         assert r.returncode == 0, r.stderr
         ckpt = torch.load(out / "ckpt.pt", weights_only=True)
         torch.manual_seed(0)
-        own = T.Encoder(T.ModelConfig(**ckpt["config"])).state_dict()
+        own = Encoder(ModelConfig(**ckpt["config"])).state_dict()
         assert ckpt["model"]["word.weight"].shape[0] == 1500
         for k, v in ckpt["model"].items():
             assert torch.equal(v, own[k] if k in fresh else source[k]), k

@@ -1,0 +1,147 @@
+"""The Multi-Bootstrap (Sellam et al. 2022, "The MultiBERTs", section 3): is one pretraining
+procedure better than another, over pretraining seeds and evaluation examples both? As `python
+evaluate.py compare A_PATTERN B_PATTERN` runs it on RUN/eval/NAME.json files.
+"""
+import glob
+import json
+from pathlib import Path
+
+import numpy as np
+
+from progress import bar
+from results import METRICS, read_result
+
+
+def examples_of(result: dict, key: str, path="the result") -> dict:
+    """One per-example section of a result (evaluate.py's or study.py's) as multibootstrap reads
+    it: label (N,), pred (F, N) (F fine-tuning seeds; one row elsewhere), the metric, and whether
+    higher or lower is better."""
+    if key not in result:
+        raise SystemExit(f"error: {path} has no '{key}' section (not written by evaluate.py?)")
+    ex = result[key]
+    return {"seed": result.get("pretrain_seed"), "id": ex["id"], "label": np.array(ex["label"]),
+            "pred": np.array(ex["pred"]), "metric": ex["metric"], "k": ex["k"],
+            "better": ex.get("better", "higher"), "path": str(path)}
+
+
+def load_examples(path: Path, key: str) -> dict:
+    return examples_of(read_result(path), key, path)
+
+
+def bootstrap_counts(rng, n, size) -> np.ndarray:
+    """(size, n): how often each of n items is drawn in each of `size` resamples of n with
+    replacement."""
+    draws = rng.integers(0, n, (size, n)) + n * np.arange(size)[:, None]
+    return np.bincount(draws.ravel(), minlength=size * n).reshape(size, n).astype(np.float32)
+
+
+def multibootstrap(A: list[dict], B: list[dict], nboot=1000, seed=0, block=100) -> dict:
+    """A, B: per-pretraining-seed results (load_examples). The statistic of a procedure is the
+    mean over its seeds (and their fine-tuning seeds) of the metric on the examples. Resample
+    seeds and examples jointly, nboot times: paired (the same draw for A and B) where A and B have
+    the same pretraining seeds / the same examples, independently otherwise. metric "mean": pred
+    holds one number per example (a segment's loss) and the statistic is their mean."""
+    metric, k, better = A[0]["metric"], A[0]["k"], A[0].get("better", "higher")
+    if any((r["metric"], r["k"], r.get("better", "higher")) != (metric, k, better)
+           for r in A + B):
+        raise SystemExit("error: the results to compare use different metrics or label sets")
+    for side in (A, B):
+        if any(r["id"] != side[0]["id"] for r in side):
+            raise SystemExit(f"error: {side[0]['path']} and its siblings were scored on "
+                             f"different examples")
+    paired_examples = sorted(A[0]["id"]) == sorted(B[0]["id"])
+    if paired_examples:  # put B's examples in A's order
+        where = {e: i for i, e in enumerate(B[0]["id"])}
+        order = np.array([where[e] for e in A[0]["id"]])
+        B = [{**r, "label": r["label"][order], "pred": r["pred"][:, order]} for r in B]
+    seeds_a, seeds_b = [r["seed"] for r in A], [r["seed"] for r in B]
+    distinct = None not in seeds_a and len(set(seeds_a)) == len(seeds_a)
+    paired_seeds = distinct and sorted(seeds_a) == sorted(seeds_b)
+    if paired_seeds:
+        B = sorted(B, key=lambda r: seeds_a.index(r["seed"]))
+    fn = METRICS.get(metric)
+
+    def indicators(r):  # (F * k*k, N): one row per (fine-tuning seed, confusion cell)
+        if fn is None:  # "mean": (F, N), the values themselves
+            return r["pred"].astype(np.float64)
+        cells = r["label"][None, :] * k + r["pred"]                               # (F, N)
+        hits = cells[:, None, :] == np.arange(k * k)[None, :, None]               # (F, k*k, N)
+        return hits.reshape(-1, cells.shape[1]).astype(np.float32)
+
+    def stat(side, rows, U, W):  # U (N, b) example counts, W (S, b) seed counts -> (b,)
+        if fn is None:
+            per_seed = [(R @ U / U.sum(0)).mean(0) for R in rows]      # S x (b,): mean over F
+        else:
+            cms = [np.moveaxis((R @ U).reshape(-1, k, k, U.shape[1]), -1, 0) for R in rows]
+            per_seed = [fn(cm).mean(1) for cm in cms]                  # S x (b,): mean over F
+        return (W * np.stack(per_seed)).sum(0) / len(side)
+
+    rows_a, rows_b = [indicators(r) for r in A], [indicators(r) for r in B]
+    n_a, n_b = len(A[0]["id"]), len(B[0]["id"])
+    ones = lambda n: np.ones((n, 1), np.float32)
+    mean_a = float(stat(A, rows_a, ones(n_a), ones(len(A)))[0])
+    mean_b = float(stat(B, rows_b, ones(n_b), ones(len(B)))[0])
+    rng = np.random.default_rng(seed)
+    diffs = []
+    for start in bar(range(0, nboot, block), desc="bootstrap", disable=None):
+        b = min(block, nboot - start)
+        U_a = bootstrap_counts(rng, n_a, b).T
+        U_b = U_a if paired_examples else bootstrap_counts(rng, n_b, b).T
+        W_a = bootstrap_counts(rng, len(A), b).T
+        W_b = W_a if paired_seeds else bootstrap_counts(rng, len(B), b).T
+        diffs.append(stat(B, rows_b, U_b, W_b) - stat(A, rows_a, U_a, W_a))
+    diffs = np.concatenate(diffs)
+    lo, hi = np.percentile(diffs, [2.5, 97.5])
+    worse = diffs < 0 if better == "higher" else diffs > 0
+    p = float(worse.mean() + 0.5 * (diffs == 0).mean())
+    return {"metric": metric, "mean_a": mean_a, "mean_b": mean_b, "diff": mean_b - mean_a,
+            "ci95": [float(lo), float(hi)],
+            # one-sided: how often B is not better than A; exact ties count half (mid-p), so
+            # identical inputs give 0.5 rather than 1. No resample the other way does not make
+            # p 0: it is below 1/nboot, and reported as 1/nboot with p_floored
+            "p": max(p, 1 / nboot), "p_floored": p < 1 / nboot, "better": better,
+            "nboot": nboot,
+            "paired_seeds": paired_seeds, "paired_examples": paired_examples,
+            "seeds_a": seeds_a, "seeds_b": seeds_b}
+
+
+def expand(patterns) -> list[list[Path]]:
+    """Two groups of result files: two arguments, each a file, folder or quoted glob; or the
+    shell's expansion of two globs, split by parent folder."""
+    def one(p):
+        path = Path(p)
+        files = (sorted([*path.glob("*.json"), *path.glob("*.json.gz")]) if path.is_dir()
+                 else sorted(map(Path, glob.glob(p))))
+        if not files:
+            raise SystemExit(f"error: no result files match {p}")
+        return files
+    if len(patterns) == 2:
+        return [one(p) for p in patterns]
+    groups = {}
+    for p in patterns:
+        groups.setdefault(Path(p).parent, []).append(Path(p))
+    if len(groups) != 2:
+        raise SystemExit("error: give two groups of results: `compare 'A/*.json' 'B/*.json'` "
+                         "(quoted globs) or two folders")
+    return list(groups.values())
+
+
+def compare(args):
+    a_files, b_files = expand(args.results)
+    A = [load_examples(f, args.examples) for f in a_files]
+    B = [load_examples(f, args.examples) for f in b_files]
+    r = multibootstrap(A, B, args.nboot, args.seed)
+    paired = lambda key: "paired" if r[key] else "unpaired"
+    print(f"A: {len(A)} seeds {r['seeds_a']}, B: {len(B)} seeds {r['seeds_b']}; {r['metric']}; "
+          f"seeds {paired('paired_seeds')}, examples {paired('paired_examples')}")
+    # rates in percent with 2 decimals, losses as they are with 4
+    show = ((lambda x: f"{100 * x:.2f}") if r["better"] == "higher" else (lambda x: f"{x:.4f}"))
+    sign = lambda x: ("+" if x >= 0 else "-") + show(abs(x))
+    print(f"mean A {show(r['mean_a'])} | mean B {show(r['mean_b'])} | B - A {sign(r['diff'])} "
+          f"(95% CI {sign(r['ci95'][0])} .. {sign(r['ci95'][1])}) | p = P(B - A "
+          f"{'<=' if r['better'] == 'higher' else '>='} 0) "
+          f"{'<' if r['p_floored'] else '='} {r['p']:.4g}  "
+          f"[{r['nboot']} resamples; {r['better']} is better]")
+    if args.out:
+        files = {"a": list(map(str, a_files)), "b": list(map(str, b_files))}
+        Path(args.out).write_text(json.dumps({**r, **files}, indent=1))

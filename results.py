@@ -1,0 +1,64 @@
+"""Evaluation results on disk, and the metrics they hold: each evaluation writes RUN/eval/NAME.json
+next to its checkpoint, with every per-example result (so that the Multi-Bootstrap can resample
+examples as well as pretraining seeds); metrics are computed on confusion matrices, vectorised
+over leading axes (the bootstrap's replicates).
+"""
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+
+from storage import replacing, writing
+
+
+def write_result(result: dict, out, ckpt, name: str, indent=None) -> Path:
+    path = Path(out) if out else Path(ckpt).parent / "eval" / f"{name}.json"
+    write_lines(path, [result], indent)
+    return path
+
+
+def write_lines(path: Path, rows: list, indent=None) -> None:
+    """Each of `rows` as JSON on a line of its own, written whole or not at all (`replacing`)."""
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with replacing(path) as tmp:
+        tmp.write_text("".join(json.dumps(r, indent=indent) + "\n" for r in rows))
+
+
+def read_result(path) -> dict:
+    """A result JSON, plain or gzipped (study.py keeps its portable result files as .json.gz)."""
+    path = Path(path)
+    try:
+        opener = gzip.open if path.read_bytes()[:2] == b"\x1f\x8b" else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, EOFError, ValueError) as e:
+        raise SystemExit(f"error: {path} is not a readable result file ({e})")
+
+
+def confusion(labels, preds, k: int) -> np.ndarray:
+    cells = np.asarray(labels) * k + np.asarray(preds)
+    return np.bincount(cells, minlength=k * k).reshape(k, k).astype(float)
+
+
+def accuracy(cm):
+    return np.trace(cm, axis1=-2, axis2=-1) / cm.sum((-2, -1))
+
+
+def f1(cm):
+    """F1 of class 1 (binary tasks: MRPC, QQP); 0 when class 1 is never true nor predicted."""
+    tp, fp, fn = cm[..., 1, 1], cm[..., 0, 1], cm[..., 1, 0]
+    return np.divide(2 * tp, 2 * tp + fp + fn, out=np.zeros_like(tp), where=(2 * tp + fp + fn) > 0)
+
+
+def mcc(cm):
+    """Matthews correlation, multiclass form (Gorodkin 2004); 0 when a marginal is constant."""
+    s = cm.sum((-2, -1))
+    c = np.trace(cm, axis1=-2, axis2=-1)
+    t, p = cm.sum(-1), cm.sum(-2)  # true and predicted counts per class
+    den = np.sqrt((s ** 2 - (p ** 2).sum(-1)) * (s ** 2 - (t ** 2).sum(-1)))
+    return np.divide(c * s - (t * p).sum(-1), den, out=np.zeros_like(den), where=den > 0)
+
+
+METRICS = {"accuracy": accuracy, "f1": f1, "mcc": mcc}
