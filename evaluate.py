@@ -39,7 +39,7 @@ from model import load_checkpoint
 from multibootstrap import compare
 from progress import bar, duration, line_buffered
 from results import write_lines, write_result
-from storage import writing
+from storage import one_line_os_errors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def blimp(args):
             continue
         s = pll(model, [seqs[r] for r in rows], temps, l2r, batch_tokens, device, starts,
                 bf16=args.bf16)
-        with writing(partial), open(partial, "a") as f:
+        with one_line_os_errors(partial), open(partial, "a") as f:
             f.write(json.dumps({"chunk": i, "scores": s.tolist()}) + "\n")
         scores[rows], scored = s, scored + len(rows)
         rate = scored / (time.time() - t0)

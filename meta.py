@@ -257,7 +257,7 @@ class Teacher(nn.Module):
         return lx.index_fill(-1, torch.tensor([PAD], device=x.device), -torch.inf), self.y_head(h)
 
 
-def wide(t):
+def at_least_float32(t):
     """Half-precision logits (bf16 autocast on GPU) to float32 for the softmax; float64 stays."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
@@ -269,11 +269,11 @@ def seq_loss(model, params, x, y, mask):
     student, its unrolled copies (theta1, theta2 above) and plain training."""
     scored = (mask > 0) & (y != PAD) if y.dim() == 2 else mask > 0
     _, logits = functional_call(model, params, (x, mask), {"predict": scored})
-    logp = wide(logits).log_softmax(-1)                                  # (N, V), N scored
+    logp = at_least_float32(logits).log_softmax(-1)                 # (N, V), N scored
     if y.dim() == 2:
         nll = -logp.gather(1, y[scored][:, None]).sum()
     else:
-        nll = -(wide(y[scored]) * logp).sum()
+        nll = -(at_least_float32(y[scored]) * logp).sum()
     return nll / scored.sum().clamp(min=1)                       # no scored position: 0, not NaN
 
 
@@ -282,8 +282,8 @@ def token_ce(logits, target, mask):
     not PAD (ignore_index rather than boolean indexing, whose backward would scatter into
     (B, T, V))."""
     target = target.masked_fill(mask == 0, PAD)
-    total = F.cross_entropy(wide(logits).flatten(0, 1), target.flatten(), ignore_index=PAD,
-                            reduction="sum")
+    total = F.cross_entropy(at_least_float32(logits).flatten(0, 1), target.flatten(),
+                            ignore_index=PAD, reduction="sum")
     return total / (target != PAD).sum().clamp(min=1)
 
 
@@ -291,7 +291,7 @@ def sample(logits, gen):
     """One token per position from softmax(logits) (B, T, V), by inverting the CDF: a cumsum and a
     searchsorted (torch.multinomial's exponential draws took 12 ms of a 100 ms Two Moons step).
     right=True: never a token of probability 0."""
-    cdf = wide(logits).softmax(-1).cumsum(-1)
+    cdf = at_least_float32(logits).softmax(-1).cumsum(-1)
     u = torch.rand(*cdf.shape[:-1], 1, generator=gen, device=cdf.device) * cdf[..., -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
@@ -416,11 +416,11 @@ def soft_step(student, opt, b, lx, ly, args, gen):
     """Soft labels: the meta loss is L_query(theta2) itself; the student keeps its AdamW step on
     g0. --labels denoise: y^ is x_u itself, one-hot (MetaLMO's --fixed_y, Shen's Appendix B):
     the teacher only learns how to corrupt the text the student restores."""
-    px = wide(lx).softmax(-1)                                        # (B, T, V)
+    px = at_least_float32(lx).softmax(-1)                                        # (B, T, V)
     if args.labels == "denoise":
         py = F.one_hot(b["x_u"], px.shape[-1]).to(px.dtype)
     else:
-        py = wide(ly).softmax(-1)
+        py = at_least_float32(ly).softmax(-1)
     lq, lp, ls, g0 = soft_unroll(student, opt, px, py, b, args)
     for p, g in zip(student.parameters(), g0):
         p.grad = g.detach().clone()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from storage import replacing, writing
+from storage import atomic_write, one_line_os_errors
 
 
 def write_result(result: dict, out, ckpt, name: str, indent=None) -> Path:
@@ -19,10 +19,10 @@ def write_result(result: dict, out, ckpt, name: str, indent=None) -> Path:
 
 
 def write_lines(path: Path, rows: list, indent=None) -> None:
-    """Each of `rows` as JSON on a line of its own, written whole or not at all (`replacing`)."""
-    with writing(path):
+    """Each of `rows` as JSON on a line of its own, written whole or not at all (`atomic_write`)."""
+    with one_line_os_errors(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-    with replacing(path) as tmp:
+    with atomic_write(path) as tmp:
         tmp.write_text("".join(json.dumps(r, indent=indent) + "\n" for r in rows))
 
 

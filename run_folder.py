@@ -12,7 +12,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from storage import save_checkpoint, writing
+from storage import one_line_os_errors, save_checkpoint
 
 
 REPO = Path(__file__).resolve().parent
@@ -45,7 +45,7 @@ class RunFolder:
         that dies however it dies, so a stale lock file is simply taken over."""
         if not self.master or self._lock is not None:
             return
-        with writing(self.path):
+        with one_line_os_errors(self.path):
             self.path.mkdir(parents=True, exist_ok=True)
             f = open(self.path / "lock", "a+")
         try:
@@ -59,7 +59,7 @@ class RunFolder:
         except OSError as e:  # a filesystem without flock (some Lustre, NFS or FUSE mounts)
             print(f"warning: cannot lock {self.path / 'lock'} ({e.strerror}); nothing stops a "
                   f"second process from using this folder at the same time")
-        with writing(self.path / "lock"):
+        with one_line_os_errors(self.path / "lock"):
             f.truncate(0)
             f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
             f.flush()
@@ -81,7 +81,7 @@ class RunFolder:
         `code` file (repository paths) into code/; start an empty log unless keep_log."""
         if not self.master:
             return
-        with writing(self.path / "code"):
+        with one_line_os_errors(self.path / "code"):
             (self.path / "code").mkdir(parents=True, exist_ok=True)
             for f in code:
                 shutil.copy(REPO / f, self.path / "code" / Path(f).name)
@@ -93,7 +93,7 @@ class RunFolder:
     def write(self, name: str, content: dict) -> None:
         """NAME.json in the folder."""
         if self.master:
-            with writing(self.path / f"{name}.json"):
+            with one_line_os_errors(self.path / f"{name}.json"):
                 (self.path / f"{name}.json").write_text(json.dumps(content, indent=1))
 
     def resume(self, step: int) -> None:
@@ -106,14 +106,14 @@ class RunFolder:
                     records.append(json.loads(line))
                 except ValueError:  # a line torn by a kill or a full disk
                     continue
-            with writing(self.log_path):
+            with one_line_os_errors(self.log_path):
                 self.log_path.write_text("".join(json.dumps(r) + "\n" for r in records
                                                  if r["step"] <= step))
 
     def log(self, record: dict) -> None:
         """One JSON line in log.jsonl, flushed at once (a killed run keeps what it logged)."""
         if self.master:
-            with writing(self.log_path):
+            with one_line_os_errors(self.log_path):
                 self._log = self._log or open(self.log_path, "a")
                 self._log.write(json.dumps(record) + "\n")
                 self._log.flush()

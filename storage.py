@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 
-class writing:
-    """`with writing(path):` turns an OS error (a full disk, a quota, no permission...) into one
-    line naming the path and, for a full disk, the space needed (`need` bytes, if known) and
-    free. It also sees an OSError that another error was raised while handling (torch.save
-    reports a failed write as a RuntimeError whose context is the OSError)."""
+class one_line_os_errors:
+    """`with one_line_os_errors(path):` turns an OS error (a full disk, a quota, no
+    permission...) into one line naming the path and, for a full disk, the space needed (`need`
+    bytes, if known) and free. It also sees an OSError that another error was raised while
+    handling (torch.save reports a failed write as a RuntimeError whose context is the OSError)."""
 
     def __init__(self, path, need: int | None = None):
         self.path, self.need = Path(path), need
@@ -83,15 +83,15 @@ def tensors(x):
 
 
 @contextlib.contextmanager
-def replacing(path, need: int | None = None):
-    """`with replacing(path) as tmp:` the block writes tmp, a temp file of this process beside
+def atomic_write(path, need: int | None = None):
+    """`with atomic_write(path) as tmp:` the block writes tmp, a temp file of this process beside
     `path`, which then replaces `path` in one rename: a kill at any moment leaves the old file or
-    the new one, never a torn one. A failure removes tmp; an OS error is one line (`writing`,
-    with `need` bytes)."""
+    the new one, never a torn one. A failure removes tmp; an OS error is one line
+    (`one_line_os_errors`, with `need` bytes)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with writing(path, need):
+        with one_line_os_errors(path, need):
             yield tmp
             os.replace(tmp, path)
     finally:
@@ -99,10 +99,10 @@ def replacing(path, need: int | None = None):
 
 
 def save_checkpoint(state: dict, path) -> None:
-    """`state` and its checksum, fsynced to a temp file and renamed (`replacing`)."""
+    """`state` and its checksum, fsynced to a temp file and renamed (`atomic_write`)."""
     state = {k: v for k, v in state.items() if k != "checksum"}
     state["checksum"] = checksum(state)  # of the rest: the right side runs before the key exists
-    with replacing(path, sum(t.nbytes for t in tensors(state))) as tmp, open(tmp, "wb") as f:
+    with atomic_write(path, sum(t.nbytes for t in tensors(state))) as tmp, open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())

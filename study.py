@@ -50,7 +50,7 @@ from data.prepare import prepare, prepared_copies, raw_root, resolve
 from data.tasks import TASKS
 from multibootstrap import examples_of, multibootstrap
 from results import read_result
-from storage import replacing
+from storage import atomic_write
 
 
 REPO = Path(__file__).resolve().parent
@@ -455,7 +455,7 @@ def write_result(job: Job):
     result = {"kind": "study-run", "arm": job.arm, "seed": job.seed, "pretrain_seed": job.seed,
               "fingerprint": job.fingerprint, **out}
     job.result.parent.mkdir(parents=True, exist_ok=True)
-    with replacing(job.result) as tmp, gzip.open(tmp, "wt", encoding="utf-8") as f:
+    with atomic_write(job.result) as tmp, gzip.open(tmp, "wt", encoding="utf-8") as f:
         json.dump(result, f)
     job.result.with_name(job.result.name.replace(".json.gz", ".failed")).unlink(missing_ok=True)
 

@@ -13,7 +13,7 @@ The data is prepared on first use (data/prepare.py). A run folder (--out-dir, tr
 keeps the settings, log, checkpoints and code of a run. SIGINT/SIGTERM save the current step and
 print the --resume command.
 
-Adding an objective = its loss function `loss, figures = fn(model, batch, ctx)` (+ a setup
+Adding an objective = its loss function `loss, stats = fn(model, batch, extras)` (+ a setup
 function if it trains extra modules or needs a teacher) + one OBJECTIVES entry; the loop names no
 objective. Two-phase objectives (kd, kd+mlm, mlsm, mlsm+mlm) train plain MLM for
 --phase1-steps, keep that model as phase1.pt, then continue with the objective against it as a
@@ -51,8 +51,8 @@ from optim import ema_decay_at, ema_update, set_schedule
 from progress import bar, line_buffered
 from run_folder import REPO
 from stopping import SafetyNet, exit_now, on_stop_signals
-from training_run import (Parts, Phase, Run, describe, log_line, open_run, save, start_phase,
-                          train_batch, validate, word_marks)
+from training_run import (ObjectiveParts, Phase, Run, describe, log_line, open_run, save,
+                          start_phase, train_batch, validate, word_marks)
 
 
 # what decides a run's results: copied into its code/, hashed into every checkpoint
@@ -61,14 +61,15 @@ CODE = ["train.py", "model.py", "kernels.py", "optim.py", "device.py", "sparse.p
 
 
 # ---------------------------------------------------------------------------------------------
-# Objectives: loss, figures = fn(model, batch, ctx)
+# Objectives: loss, stats = fn(model, batch, extras)
 #   model:   a Trainee; model.encoder is the shared Encoder, model.heads what the objective adds
 #   batch:   input_ids (B, T) clean, attention_mask (B, T), inputs (B, T) masked, labels (B, T)
 #            (-100 where nothing is predicted); slots (C,) the flat positions b * T + t of the
 #            predicted tokens, then padding slots; targets (C,) their labels, -100 in padding
-#   ctx:     what an objective owns beyond what it trains (frozen teachers...), plus "args";
-#            a mean teacher under "ema" is updated by the loop after every optimizer step
-#   figures: {name: 0-dim tensor}, averaged over the log interval and written to log.jsonl
+#   extras:  what the loss reads besides the batch that the optimizer does not train: frozen
+#            teachers, a dictionary..., and "args"; a mean teacher under "ema" is updated by the
+#            loop after every optimizer step
+#   stats:   {name: 0-dim tensor}, averaged over the log interval and written to log.jsonl
 # Losses are means over the predicted slots, padding weighed out: a batch with nothing to
 # predict gives 0 and no gradient, not 0/0. No tensor becomes a Python number in a loss.
 
@@ -88,14 +89,14 @@ def accuracy(logits, targets):
     return slot_mean((logits.argmax(-1) == targets).float(), targets != -100)
 
 
-def mlm(model, batch, ctx):
+def mlm(model, batch, extras):
     """Masked language modelling (Devlin et al. 2019): cross-entropy at the chosen positions."""
     _, logits = model.encoder(batch["inputs"], batch["attention_mask"],
                               predict=batch["slots"])                       # (C, V)
     return cross_entropy(logits, batch["targets"]), {"acc": accuracy(logits, batch["targets"])}
 
 
-def boot(model, batch, ctx):
+def boot(model, batch, extras):
     """Latent bootstrapping (Samuel 2023, "Mean BERTs make erratic language teachers", sec. 3).
 
     The student encoder sees only the kept tokens, each at its original position (a masked
@@ -107,15 +108,15 @@ def boot(model, batch, ctx):
     loss = lb_weight * LB + mlm_weight * MLM. Student, teacher and decoder each end in an affine
     LayerNorm (--final-norm, on for boot).
     """
-    args, enc, heads = ctx["args"], model.encoder, model.heads
+    args, enc, heads = extras["args"], model.encoder, model.heads
     ids, mask, slots, targets = (batch[k] for k in ("input_ids", "attention_mask", "slots",
                                                     "targets"))
     hide = batch["labels"] != -100                                         # (B, T)
     predicted = targets != -100                                            # (C,)
-    out = boot_states(enc, heads, batch["inputs"], mask, hide, ctx["compact"])
+    out = boot_states(enc, heads, batch["inputs"], mask, hide, extras["compact"])
     out = out.flatten(0, 1)[slots]                                         # (C, D)
     with torch.no_grad():
-        target = ctx["ema"](ids, mask).flatten(0, 1)[slots].float()        # (C, D)
+        target = extras["ema"](ids, mask).flatten(0, 1)[slots].float()        # (C, D)
         target = F.layer_norm(target, target.shape[-1:])
     per_slot = F.smooth_l1_loss(heads.regress(out).float(), target, reduction="none").mean(-1)
     lb = slot_mean(per_slot, predicted)
@@ -127,44 +128,44 @@ def boot(model, batch, ctx):
     w, n = predicted[:, None].float(), predicted.sum()
     centred = target - (target * w).sum(0) / n.clamp(min=1)
     spread = ((centred ** 2 * w).sum(0) / (n - 1).clamp(min=1)).sqrt().mean()
-    figures = {"lb": lb, "mlm": ce, "acc": accuracy(logits, targets), "target_std": spread}
-    return args.lb_weight * lb + args.mlm_weight * ce, figures
+    stats = {"lb": lb, "mlm": ce, "acc": accuracy(logits, targets), "target_std": spread}
+    return args.lb_weight * lb + args.mlm_weight * ce, stats
 
 
-def setup_boot(encoder, args, run_dir, device) -> Parts:
+def setup_boot(encoder, args, run_dir, device) -> ObjectiveParts:
     """The student's extra parts, and the mean teacher: an EMA copy of the encoder (its
-    embeddings, layers and final norm, not the decoder). As ctx["ema"], the loop updates it after
+    embeddings, layers and final norm, not the decoder). As extras["ema"], the loop updates it after
     every optimizer step, its decay scheduled over the phase (optim.ema_decay_at)."""
     # --decoder-layers, by default a third of the encoder's, at least 1: the paper's 4 on 12
     n = args.decoder_layers or max(1, encoder.config.n_layer // 3)
     heads = BootHeads(encoder.config, n, args.boot_student == "mae")
     ema = copy.deepcopy(encoder).eval().requires_grad_(False)
     # compiled, the student reads all T slots: the kept count varies per batch (boot_states)
-    ctx = {"ema": ema, "compact": not use_compile(torch.device(device), args.compile)}
-    return Parts(heads, ctx=ctx, saved={"ema": ema})
+    extras = {"ema": ema, "compact": not use_compile(torch.device(device), args.compile)}
+    return ObjectiveParts(heads, extras=extras, saved={"ema": ema})
 
 
-def kd(model, batch, ctx, with_mlm=False):
+def kd(model, batch, extras, with_mlm=False):
     """Knowledge distillation (Hinton et al. 2015) from the frozen phase-1 model (Berend 2023,
     "Better Together", sec. 2.2): KL(teacher || student) over the vocabulary at the masked
     positions, mean over positions, at temperature T and times T^2 (so gradients keep their
     size as T changes); kd+mlm adds --mlm-weight x the MLM cross-entropy."""
-    args, slots, targets = ctx["args"], batch["slots"], batch["targets"]
+    args, slots, targets = extras["args"], batch["slots"], batch["targets"]
     _, logits = model.encoder(batch["inputs"], batch["attention_mask"], predict=slots)  # (C, V)
     with torch.no_grad():
         seen = batch["input_ids"] if args.kd_teacher_input == "clean" else batch["inputs"]
         # a boot teacher hides what it predicts from its encoder, as it was trained to
-        hidden = ({"hide": batch["labels"] != -100} if isinstance(ctx["teacher"], BootPredictor)
+        hidden = ({"hide": batch["labels"] != -100} if isinstance(extras["teacher"], BootPredictor)
                   else {})
-        _, teacher = ctx["teacher"](seen, batch["attention_mask"], predict=slots, **hidden)
+        _, teacher = extras["teacher"](seen, batch["attention_mask"], predict=slots, **hidden)
     T = args.kd_temperature
     per_slot = F.kl_div(F.log_softmax(logits.float() / T, -1),
                         F.log_softmax(teacher.float() / T, -1),
                         log_target=True, reduction="none").sum(-1)              # (C,)
     kl = slot_mean(per_slot, targets != -100) * T * T
     ce = cross_entropy(logits, targets)
-    figures = {"kd": kl, "mlm": ce, "acc": accuracy(logits, targets)}
-    return kl + (args.mlm_weight * ce if with_mlm else 0.0), figures
+    stats = {"kd": kl, "mlm": ce, "acc": accuracy(logits, targets)}
+    return kl + (args.mlm_weight * ce if with_mlm else 0.0), stats
 
 
 def load_teacher(encoder, args, run_dir, device, encoder_only=False):
@@ -178,16 +179,16 @@ def load_teacher(encoder, args, run_dir, device, encoder_only=False):
     return teacher.requires_grad_(False), path
 
 
-def setup_kd(encoder, args, run_dir, device) -> Parts:
+def setup_kd(encoder, args, run_dir, device) -> ObjectiveParts:
     """The frozen teacher. A boot teacher inside a compiled step reads all T slots, as a
     compiled boot student does (boot_states: a static shape, no host sync)."""
     teacher = load_teacher(encoder, args, run_dir, device)[0]
     if isinstance(teacher, BootPredictor):
         teacher.compact = not use_compile(torch.device(device), args.compile)
-    return Parts(ctx={"teacher": teacher})
+    return ObjectiveParts(extras={"teacher": teacher})
 
 
-def mlsm(model, batch, ctx, with_mlm=False):
+def mlsm(model, batch, extras, with_mlm=False):
     """Masked latent semantic modeling (Berend 2023, "Masked Latent Semantic Modeling", sec. 3;
     "Better Together", sec. 2.3). At every masked position the frozen phase-1 model, reading the
     unmasked sequence, gives its layer-L state h; the target is the l1-normalised non-negative
@@ -196,18 +197,18 @@ def mlsm(model, batch, ctx, with_mlm=False):
     Loss: KL(target || prediction), mean over the positions whose code is not all zero (those
     have no distribution to predict and are left out, counted in zero_rate); mlsm+mlm adds
     --mlm-weight x the MLM cross-entropy at the same positions."""
-    args, enc, slots, targets = ctx["args"], model.encoder, batch["slots"], batch["targets"]
+    args, enc, slots, targets = extras["args"], model.encoder, batch["slots"], batch["targets"]
     predicted = targets != -100                                           # (C,)
     with torch.no_grad():
-        states = ctx["teacher"](batch["input_ids"], batch["attention_mask"], all_layers=True)
-        h = states[ctx["layer"]].flatten(0, 1)[slots]                     # (C, d)
+        states = extras["teacher"](batch["input_ids"], batch["attention_mask"], all_layers=True)
+        h = states[extras["layer"]].flatten(0, 1)[slots]                     # (C, d)
         with torch.autocast(h.device.type, enabled=False):
             h = F.normalize(h.float(), dim=-1)
             if args.mlsm_coder == "fista100":  # the MLSM code's targets
-                codes = sparse.fista_fixed(h, ctx["dict"], args.mlsm_lam, 100, ctx["L"],
-                                           ctx["momentum"])                          # (C, k)
+                codes = sparse.fista_fixed(h, extras["dict"], args.mlsm_lam, 100, extras["L"],
+                                           extras["momentum"])                          # (C, k)
             else:  # its working set is sized by the data: run eagerly (setup_mlsm)
-                codes = ctx["exact_coder"](h, ctx["dict"], args.mlsm_lam, args.mlsm_iters,
+                codes = extras["exact_coder"](h, extras["dict"], args.mlsm_lam, args.mlsm_iters,
                                            args.mlsm_tol)
         mass = codes.sum(1, keepdim=True)                                 # (C, 1)
         coded = (mass.squeeze(1) > 0) & predicted                         # (C,)
@@ -219,13 +220,13 @@ def mlsm(model, batch, ctx, with_mlm=False):
     # an all-zero target row adds exactly 0 to the sum (kl_div takes 0 log 0 = 0), so dividing by
     # the number of coded rows is the batch mean over those rows, without a host sync
     kl = F.kl_div(logp, target, reduction="sum") / n_coded
-    figs = {"kl": kl, "nnz": ((codes > 0) & coded[:, None]).sum() / n_coded,
+    stats = {"kl": kl, "nnz": ((codes > 0) & coded[:, None]).sum() / n_coded,
             "zero_rate": 1 - coded.sum() / predicted.sum().clamp(min=1)}
     if not with_mlm:
-        return kl, figs
+        return kl, stats
     logits = F.linear(feats, enc.word.weight, enc.head_bias)              # (C, V)
     ce = cross_entropy(logits, targets)
-    return kl + args.mlm_weight * ce, {**figs, "mlm": ce, "acc": accuracy(logits, targets)}
+    return kl + args.mlm_weight * ce, {**stats, "mlm": ce, "acc": accuracy(logits, targets)}
 
 
 # train.py's mlsm flags -> the sparse.DictConfig fields they set (their defaults come from there)
@@ -240,7 +241,7 @@ def dict_config(args) -> sparse.DictConfig:
     return sparse.DictConfig(seq_len=args.seq_len, seed=args.seed, **given)
 
 
-def setup_mlsm(encoder, args, run_dir, device) -> Parts:
+def setup_mlsm(encoder, args, run_dir, device) -> ObjectiveParts:
     """The frozen teacher (as kd), the dictionary of its layer --mlsm-layer, and the student's
     k-way head (a Linear on the MLM head's features, N(0, s) weight, zero bias: a separate head
     rather than k extra tied rows, so the MLM head stays as it is). The dictionary is
@@ -261,16 +262,16 @@ def setup_mlsm(encoder, args, run_dir, device) -> Parts:
         head.bias.zero_()
     D = D.to(device)
     L = torch.linalg.matrix_norm(D, ord=2) ** 2  # fista_fixed's step 1/L, of the frozen D: once
-    ctx = {"teacher": teacher, "dict": D, "L": L, "momentum": sparse.fista_momentum(100, device),
+    extras = {"teacher": teacher, "dict": D, "L": L, "momentum": sparse.fista_momentum(100, device),
            "layer": layer}
     if args.mlsm_coder == "exact":  # outside any compiled graph: a break in a compiled step
-        ctx["exact_coder"] = torch.compiler.disable(sparse.sparse_code)
-    return Parts(nn.ModuleDict({"latent": head}), ctx=ctx)
+        extras["exact_coder"] = torch.compiler.disable(sparse.sparse_code)
+    return ObjectiveParts(nn.ModuleDict({"latent": head}), extras=extras)
 
 
 class Objective(NamedTuple):
-    loss: Callable                  # (model, batch, ctx) -> (loss, figures)
-    setup: Callable | None = None   # (encoder, args, run_dir, device) -> Parts
+    loss: Callable                  # (model, batch, extras) -> (loss, stats)
+    setup: Callable | None = None   # (encoder, args, run_dir, device) -> ObjectiveParts
     two_phase: bool = False         # plain MLM first; then this, taught by the phase-1 model
     defaults: dict | None = None    # shared flags whose default differs, as its paper trained it
     note: str | None = None         # said as a run starts: what a user might not expect of it
@@ -531,10 +532,10 @@ def main(argv=None):
             sync = not run.ddp or micro == args.grad_accum - 1  # DDP all-reduces on the last one
             with contextlib.nullcontext() if sync else phase.model.no_sync():
                 with run.amp:
-                    loss, figs = phase.model(batch, phase.ctx)
+                    loss, stats = phase.model(batch, phase.extras)
                 (loss / args.grad_accum).backward()
             step_loss = step_loss + loss.detach()
-            for name, v in {"loss": loss, **figs}.items():
+            for name, v in {"loss": loss, **stats}.items():
                 sums[name] = sums.get(name, 0.0) + v.detach().float() / args.grad_accum
         clip = args.clip if args.clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(phase.trainee.parameters(), clip)
@@ -542,9 +543,9 @@ def main(argv=None):
         net.watch(step, step_loss, grad_norm)
         phase.optimizer.step()
         phase.optimizer.zero_grad(set_to_none=True)
-        if "ema" in phase.ctx:  # a mean teacher follows the student (BootBERT, sec. 3)
+        if "ema" in phase.extras:  # a mean teacher follows the student (BootBERT, sec. 3)
             decay = ema_decay_at(step, args, phase.start, phase.end)
-            ema_update(phase.ctx["ema"], run.encoder, decay)  # one fused lerp over all tensors
+            ema_update(phase.extras["ema"], run.encoder, decay)  # one fused lerp over all tensors
         step += 1
         since_log += 1
         progress.update()
@@ -556,10 +557,10 @@ def main(argv=None):
         if is_log or is_save:  # the only places the loop waits for the device
             net.check_finite()
         if is_log:  # means over the steps since the last log line, across all processes
-            record = run.log_figures(step, sums, since_log, time.time() - t_log, lr)
+            record = run.log_stats(step, sums, since_log, time.time() - t_log, lr)
             net.judge(record, stop, args.lr)
             eta = (time.time() - t0) / (step - step0) * (args.max_steps - step)
-            run.say(log_line(record, figs, args.max_steps, eta))
+            run.say(log_line(record, stats, args.max_steps, eta))
             sums, since_log, t_log = {}, 0, time.time()
         if step % args.eval_every == 0 or step == phase.end:
             validate(run, phase, step)

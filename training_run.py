@@ -39,16 +39,16 @@ class Trainee(nn.Module):
         super().__init__()
         self.encoder, self.heads, self.loss = encoder, heads, loss
 
-    def forward(self, batch, ctx):
-        return self.loss(self, batch, ctx)
+    def forward(self, batch, extras):
+        return self.loss(self, batch, extras)
 
 
 @dataclass
-class Parts:
+class ObjectiveParts:
     """What an objective adds to the loop besides its loss; its setup function returns one."""
     heads: nn.Module = field(default_factory=nn.ModuleDict)  # trained along with the encoder
-    ctx: dict = field(default_factory=dict)      # what the loss reads: frozen teachers, ...
-    saved: dict = field(default_factory=dict)    # {name: module} in ckpt["ctx_state"], restored
+    extras: dict = field(default_factory=dict)   # what the loss reads: frozen teachers, ...
+    saved: dict = field(default_factory=dict)    # {name: module}: ckpt["extras_state"], restored
 
 
 RESUMABLE = {"resume", "out_dir", "device", "compile", "bf16", "log_every", "eval_every",
@@ -95,7 +95,7 @@ class Run:
         if self.rank == 0:
             tqdm.write(text)
 
-    def log_figures(self, step: int, sums: dict, n: int, seconds: float, lr: float) -> dict:
+    def log_stats(self, step: int, sums: dict, n: int, seconds: float, lr: float) -> dict:
         """The log record of the n steps since the last one, written to log.jsonl: each figure's
         mean (sums: {name: its sum over those steps}), across the processes too; the learning
         rate, tokens per second of training and peak memory."""
@@ -120,8 +120,8 @@ class Phase:
     trainee: Trainee           # the encoder and the objective's heads; its forward is the loss
     model: nn.Module           # the trainee, wrapped for DDP and compiled as asked
     optimizer: torch.optim.Optimizer
-    parts: Parts
-    ctx: dict                  # what the loss reads besides the batch: parts.ctx and args
+    parts: ObjectiveParts
+    extras: dict               # what the loss reads besides the batch: parts.extras and args
 
 
 def resumed_args(args, path, defaults: dict):
@@ -235,7 +235,8 @@ def start_phase(run: Run, step: int, objective: str, start: int, end: int, spec)
     if step == start > 0 and args.student_init == "scratch":
         torch.manual_seed(seed_of(args.seed, step))
         run.encoder.init_weights()
-    parts = spec.setup(run.encoder, args, run.folder.path, run.device) if spec.setup else Parts()
+    parts = (spec.setup(run.encoder, args, run.folder.path, run.device) if spec.setup
+             else ObjectiveParts())
     if step == start > 0:
         init = "scratch" if args.student_init == "scratch" else "the phase-1 weights"
         teacher = args.teacher or run.folder.path / "phase1.pt"
@@ -258,10 +259,10 @@ def start_phase(run: Run, step: int, objective: str, start: int, end: int, spec)
     if saved is not None and step > start:  # resumed inside the phase, not at its start
         trainee.heads.load_state_dict(saved["heads"], strict=True)
         for name, module in parts.saved.items():
-            module.load_state_dict(saved["ctx_state"][name], strict=True)
+            module.load_state_dict(saved["extras_state"][name], strict=True)
         optimizer.load_state_dict(saved["optimizer"])
-    ctx = {**parts.ctx, "args": args}
-    return Phase(objective, start, end, trainee, model, optimizer, parts, ctx)
+    extras = {**parts.extras, "args": args}
+    return Phase(objective, start, end, trainee, model, optimizer, parts, extras)
 
 
 DATA_KEYS = ("name", "folder", "vocab_size", "train_tokens", "unigram_entropy")  # in checkpoints
@@ -282,7 +283,7 @@ def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | 
         else:
             cuda = run.device.type == "cuda"
             state.update({
-                "ctx_state": {k: m.state_dict() for k, m in phase.parts.saved.items()} or None,
+                "extras_state": {k: m.state_dict() for k, m in phase.parts.saved.items()} or None,
                 "optimizer": phase.optimizer.state_dict(),
                 "rng": {"torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state() if cuda else None},
@@ -338,8 +339,8 @@ def describe(run: Run, p1: int) -> str:
 
 @torch.no_grad()
 def validate(run: Run, phase: Phase, step: int) -> dict:
-    """The objective's own loss and figures on the first --eval-batches validation batches, logged
-    and said: the same masked batches every time, so figures compare across steps and runs."""
+    """The objective's own loss and stats on the first --eval-batches validation batches, logged
+    and said: the same masked batches every time, so stats compare across steps and runs."""
     args, val, trainee = run.args, run.val, phase.trainee
     trainee.eval()
     sums = {}
@@ -347,8 +348,8 @@ def validate(run: Run, phase: Phase, step: int) -> dict:
         ids = val.batch(i * args.batch_size % val.n, min(args.batch_size, val.n)).to(run.device)
         gen = torch.Generator(run.device).manual_seed(seed_of(args.seed, 2**31, i))
         with run.amp:
-            loss, figs = trainee(make_batch(ids, args, run.meta["vocab_size"], gen), phase.ctx)
-        for k, v in {"loss": loss, **figs}.items():
+            loss, stats = trainee(make_batch(ids, args, run.meta["vocab_size"], gen), phase.extras)
+        for k, v in {"loss": loss, **stats}.items():
             sums[k] = sums.get(k, 0.0) + v.float()
     trainee.train()
     record = {"step": step, **{f"val_{k}": (v / (i + 1)).item() for k, v in sums.items()}}
@@ -358,10 +359,10 @@ def validate(run: Run, phase: Phase, step: int) -> dict:
     return record
 
 
-def log_line(record: dict, figs: dict, max_steps: int, eta: float) -> str:
-    """A training log record as one line: the loss, the objective's figures (but accuracy), the
+def log_line(record: dict, stats: dict, max_steps: int, eta: float) -> str:
+    """A training log record as one line: the loss, the objective's stats (but accuracy), the
     learning rate, the throughput and the time left."""
-    terms = "".join(f" | {k} {record[k]:.4f}" for k in figs if k != "acc")
+    terms = "".join(f" | {k} {record[k]:.4f}" for k in stats if k != "acc")
     return (f"step {record['step']}/{max_steps} | loss {record['loss']:.4f}{terms} | "
             f"lr {record['lr']:.1e} | {record['tok_per_s'] / 1e3:.1f}k tok/s | "
             f"eta {duration(eta)}")

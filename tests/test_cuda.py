@@ -60,11 +60,11 @@ def test_a_compiled_step_never_waits_for_the_gpu(corpus, objective):
     under CUDA's sync debug mode: after two warm-up steps, any host sync raises. aot_eager runs
     the graphs inductor would compile, in seconds instead of a minute per objective."""
     device = torch.device("cuda")
-    trainee, ctx, args = compiled_trainee(objective)
+    trainee, extras, args = compiled_trainee(objective)
     trainee.to(device)
     move = lambda v: (v.to(device) if isinstance(v, (torch.Tensor, torch.nn.Module))
                       else [move(x) for x in v] if isinstance(v, list) else v)
-    ctx = {k: move(v) for k, v in ctx.items()}
+    extras = {k: move(v) for k, v in extras.items()}
     train = Segments(corpus / "train.bin", 22, 0, shuffle=True).to(device)
     model = torch.compile(trainee, fullgraph=True, backend="aot_eager")
     optimizer = Lamb(trainee.parameters(), lr=1e-3)
@@ -74,13 +74,13 @@ def test_a_compiled_step_never_waits_for_the_gpu(corpus, objective):
             gen = torch.Generator(device).manual_seed(step)
             batch = make_batch(train.batch(4 * step, 4) % 300, args, 300, gen)
             with torch.autocast("cuda", torch.bfloat16):
-                loss, figs = model(batch, ctx)
+                loss, stats = model(batch, extras)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainee.parameters(), 2.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if "ema" in ctx:
-                ema_update(ctx["ema"], trainee.encoder, 0.99)
+            if "ema" in extras:
+                ema_update(extras["ema"], trainee.encoder, 0.99)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss).item()

@@ -145,7 +145,7 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
             "prepare.py", "masking.py"}
     assert {p.name for p in (out / "code").iterdir()} == code
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
-    assert {"model", "optimizer", "config", "args", "step", "rng", "data_pos", "ctx_state",
+    assert {"model", "optimizer", "config", "args", "step", "rng", "data_pos", "extras_state",
             "code_version", "tokenizer"} <= ckpt.keys()
     assert ckpt["step"] == 10 and ckpt["data_pos"] == 10 * 8 and ckpt["args"]["seq_len"] == 32
     assert json.loads((out / "config.json").read_text()) == ckpt["config"]
@@ -178,8 +178,8 @@ def test_resume_is_exact(prepared, tmp_path, objective, stop):
         for k in a[part]:
             assert torch.equal(a[part][k], b[part][k]), (part, k)
     if objective == "boot":
-        ema = b["ctx_state"]["ema"]
-        assert all(torch.equal(v, ema[k]) for k, v in a["ctx_state"]["ema"].items())
+        ema = b["extras_state"]["ema"]
+        assert all(torch.equal(v, ema[k]) for k, v in a["extras_state"]["ema"].items())
     if objective in T.TWO_PHASE:
         phase1 = tmp_path / "b" / "phase1.pt"
         assert phase1.exists() and torch.load(phase1, weights_only=True)["step"] == 10
@@ -190,7 +190,7 @@ def test_resume_is_exact(prepared, tmp_path, objective, stop):
     measured = ("tok_per_s", "peak_mem_gb")
     drop = lambda log: [{k: v for k, v in e.items() if k not in measured} for e in log]
     log_a, log_b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
-    assert [e.keys() for e in log_a] == [e.keys() for e in log_b]  # the same figures logged
+    assert [e.keys() for e in log_a] == [e.keys() for e in log_b]  # the same stats logged
     assert drop(log_a) == drop(log_b)
 
 
@@ -379,7 +379,7 @@ def test_divergence_stops_the_run_and_a_healthy_run_trains_on(prepared, tmp_path
 # --- objectives, in process ----------------------------------------------------------------------
 
 def objective_setup(objective, **flags):
-    """A tiny encoder, the Trainee and ctx an objective trains with, and a masked batch."""
+    """A tiny encoder, the Trainee and extras an objective trains with, and a masked batch."""
     args = T.get_args(["--objective", objective])  # with the objective's own defaults
     for k, v in flags.items():
         setattr(args, k, v)
@@ -388,36 +388,36 @@ def objective_setup(objective, **flags):
     encoder = Encoder(ModelConfig(**{**PRESETS["tiny"], **shape,
                                      "final_norm": bool(args.final_norm)}))
     setup = T.OBJECTIVES[objective].setup
-    parts = setup(encoder, args, None, "cpu") if setup else T.Parts()
+    parts = setup(encoder, args, None, "cpu") if setup else T.ObjectiveParts()
     ids = torch.randint(5, 300, (4, 24))
     ids[:, 0], ids[:, -1] = CLS, SEP
     batch = make_batch(ids, args, 300, torch.Generator().manual_seed(1))
     loss = T.OBJECTIVES[objective].loss
-    return Trainee(encoder, parts.heads, loss), {**parts.ctx, "args": args}, batch
+    return Trainee(encoder, parts.heads, loss), {**parts.extras, "args": args}, batch
 
 
 def test_boot_teacher_starts_as_the_student_and_gets_no_gradient():
-    trainee, ctx, batch = objective_setup("boot")
-    teacher = ctx["ema"]
+    trainee, extras, batch = objective_setup("boot")
+    teacher = extras["ema"]
     for (name, s), t in zip(trainee.encoder.named_parameters(), teacher.parameters()):
         assert torch.equal(s, t), name
-    loss, figs = trainee(batch, ctx)
+    loss, stats = trainee(batch, extras)
     loss.backward()
     assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
     assert trainee.heads.mask.grad is not None and trainee.encoder.word.weight.grad is not None
-    assert set(figs) == {"lb", "mlm", "acc", "target_std"}
-    assert loss.item() == pytest.approx(figs["lb"].item() + 0.1 * figs["mlm"].item())
+    assert set(stats) == {"lb", "mlm", "acc", "target_std"}
+    assert loss.item() == pytest.approx(stats["lb"].item() + 0.1 * stats["mlm"].item())
 
 
 @pytest.mark.parametrize("compact", [True, False])  # False: the static layout compiled runs use
 def test_mae_student_never_embeds_mask(compact):
-    trainee, ctx, batch = objective_setup("boot")
-    assert ctx["compact"]  # on the CPU, not compiled
-    ctx["compact"] = compact
+    trainee, extras, batch = objective_setup("boot")
+    assert extras["compact"]  # on the CPU, not compiled
+    extras["compact"] = compact
     assert (batch["inputs"] == MASK).any()  # the masked input has some, so the check can fail
     seen = []
     trainee.encoder.word.register_forward_pre_hook(lambda m, a: seen.append(a[0].flatten()))
-    trainee(batch, ctx)
+    trainee(batch, extras)
     assert seen and not (torch.cat(seen) == MASK).any()
     heads = trainee.heads
     assert heads.mask.std().item() == pytest.approx(1.0, abs=0.3)  # N(0, 1), boot-bert's scale
@@ -425,50 +425,50 @@ def test_mae_student_never_embeds_mask(compact):
 
 
 def test_boot_ablations():
-    trainee, ctx, batch = objective_setup("boot", lb_weight=0.0, boot_student="bert")
-    loss, figs = trainee(batch, ctx)
+    trainee, extras, batch = objective_setup("boot", lb_weight=0.0, boot_student="bert")
+    loss, stats = trainee(batch, extras)
     assert trainee.heads.mask is None  # the BERT-style student has nothing to fill in
-    assert loss.item() == pytest.approx(0.1 * figs["mlm"].item())
+    assert loss.item() == pytest.approx(0.1 * stats["mlm"].item())
 
 
 def test_slot_losses_equal_the_boolean_index_ones():
-    """Span masking leaves padding slots in the batch; mlm's and boot's losses and figures over
+    """Span masking leaves padding slots in the batch; mlm's and boot's losses and stats over
     the slots equal the same formulas over x[labels != -100] (the loss before static slots),
     recomputed here."""
-    trainee, ctx, batch = objective_setup("mlm")
+    trainee, extras, batch = objective_setup("mlm")
     trainee.eval()
     assert (batch["targets"] == -100).any()  # there are padding slots to weigh out
     hide = batch["labels"] != -100
-    loss, figs = trainee(batch, ctx)
+    loss, stats = trainee(batch, extras)
     _, logits = trainee.encoder(batch["inputs"], predict=hide)
     want = torch.nn.functional.cross_entropy(logits, batch["labels"][hide])
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
     acc = (logits.argmax(-1) == batch["labels"][hide]).float().mean()
-    assert figs["acc"].item() == pytest.approx(acc.item())
+    assert stats["acc"].item() == pytest.approx(acc.item())
 
-    trainee, ctx, batch = objective_setup("boot")
+    trainee, extras, batch = objective_setup("boot")
     trainee.eval()
     hide = batch["labels"] != -100
-    _, figs = trainee(batch, ctx)
+    _, stats = trainee(batch, extras)
     out = T.boot_states(trainee.encoder, trainee.heads, batch["inputs"],
                         batch["attention_mask"], hide)[hide]
-    target = ctx["ema"](batch["input_ids"])[hide]
+    target = extras["ema"](batch["input_ids"])[hide]
     target = torch.nn.functional.layer_norm(target, target.shape[-1:])
     lb = torch.nn.functional.smooth_l1_loss(trainee.heads.regress(out), target)
     ce = torch.nn.functional.cross_entropy(trainee.encoder.head(out), batch["labels"][hide])
     for name, value in (("lb", lb), ("mlm", ce), ("target_std", target.std(0).mean())):
-        assert figs[name].item() == pytest.approx(value.item(), rel=1e-5), name
+        assert stats[name].item() == pytest.approx(value.item(), rel=1e-5), name
 
 
 def test_a_batch_with_nothing_to_predict_adds_nothing():
     """Every loss is a mean over the predicted slots: with none, 0 and zero gradients, not 0/0."""
     for objective in ("mlm", "boot"):
-        trainee, ctx, batch = objective_setup(objective)
+        trainee, extras, batch = objective_setup(objective)
         batch["labels"][:] = -100
         batch["targets"][:] = -100
-        loss, figs = trainee(batch, ctx)
+        loss, stats = trainee(batch, extras)
         loss.backward()
-        assert loss.item() == 0.0 and all(torch.isfinite(v) for v in figs.values())
+        assert loss.item() == 0.0 and all(torch.isfinite(v) for v in stats.values())
         assert all((p.grad == 0).all() for p in trainee.parameters() if p.grad is not None)
 
 
@@ -484,14 +484,14 @@ def test_kd_loss(temperature):
     teacher = copy.deepcopy(trainee.encoder)
     args = T.build_parser().parse_args(["--objective", "kd", "--kd-temperature", str(temperature),
                                         "--kd-teacher-input", "masked"])
-    ctx = {"teacher": teacher, "args": args}
+    extras = {"teacher": teacher, "args": args}
     kd = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["kd"].loss)
     # student = teacher (up to float noise)
-    assert kd(batch, ctx)[0].item() == pytest.approx(0.0, abs=1e-5)
+    assert kd(batch, extras)[0].item() == pytest.approx(0.0, abs=1e-5)
     with torch.no_grad():
         for p in teacher.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    loss, figs = kd(batch, ctx)
+    loss, stats = kd(batch, extras)
     predict = batch["labels"] != -100
     _, s = trainee.encoder(batch["inputs"], predict=predict)
     _, t = teacher(batch["inputs"], predict=predict)
@@ -501,14 +501,14 @@ def test_kd_loss(temperature):
     want = (p_t * log_ratio).sum(-1).mean() * temperature ** 2
     assert loss.item() == pytest.approx(want.item(), rel=1e-5) and loss.item() > 1e-3
     kd_mlm = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["kd+mlm"].loss)
-    mixed, mfigs = kd_mlm(batch, ctx)
+    mixed, mfigs = kd_mlm(batch, extras)
     assert mixed.item() == pytest.approx(mfigs["kd"].item() + mfigs["mlm"].item())
 
 
 def test_kd_from_a_boot_teacher_hides_what_it_predicts():
     """A boot teacher reads clean text (kd's default), but its encoder is not shown the tokens
     it predicts: its logits are those of the [MASK]-filled input, its trained path."""
-    trainee, ctx, batch = objective_setup("boot")
+    trainee, extras, batch = objective_setup("boot")
     teacher = T.BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
     kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), T.OBJECTIVES["kd"].loss)
     args = T.get_args(["--objective", "kd"])
@@ -538,13 +538,13 @@ def test_kd_with_a_given_teacher_skips_phase_one(trained, prepared, tmp_path):
 
 
 def test_mae_decoder_input_is_the_kept_tokens_encoding_and_the_mask_vector():
-    trainee, ctx, batch = objective_setup("boot")
+    trainee, extras, batch = objective_setup("boot")
     trainee.eval()
     seen = {}
     decode = trainee.heads.decoder.forward
     # record its input
     trainee.heads.decoder.forward = lambda x, att: decode(seen.setdefault("x", x), att)
-    trainee(batch, ctx)
+    trainee(batch, extras)
     hide = batch["labels"] != -100
     keep = ~hide
     want = trainee.encoder(batch["input_ids"], keep.long())  # hidden tokens out of attention
@@ -568,7 +568,7 @@ def test_the_loop_updates_the_mean_teacher(prepared, tmp_path, decay):
         want = Encoder(ModelConfig(**ckpt["config"])).state_dict()
         # the student moved
         assert not torch.equal(want["word.weight"], ckpt["model"]["word.weight"])
-    assert all(torch.equal(v, want[k]) for k, v in ckpt["ctx_state"]["ema"].items())
+    assert all(torch.equal(v, want[k]) for k, v in ckpt["extras_state"]["ema"].items())
 
 
 def test_student_init_continued_or_scratch(trained, prepared, tmp_path):
@@ -601,27 +601,28 @@ def mlsm_setup(lam=0.05, with_mlm=False, coder="exact"):
     args = T.get_args(["--objective", "mlsm+mlm" if with_mlm else "mlsm", "--mlsm-lam", str(lam),
                        "--mlsm-tol", "1e-5", "--mlsm-coder", coder])
     head = torch.nn.Linear(32, 40)
-    ctx = {"teacher": teacher, "dict": D, "L": torch.linalg.matrix_norm(D, ord=2) ** 2, "layer": 1,
-           "momentum": sparse.fista_momentum(100), "exact_coder": sparse.sparse_code, "args": args}
+    extras = {"teacher": teacher, "dict": D, "L": torch.linalg.matrix_norm(D, ord=2) ** 2,
+              "layer": 1, "momentum": sparse.fista_momentum(100),
+              "exact_coder": sparse.sparse_code, "args": args}
     heads = torch.nn.ModuleDict({"latent": head})
-    return Trainee(trainee.encoder, heads, T.OBJECTIVES[args.objective].loss), ctx, batch
+    return Trainee(trainee.encoder, heads, T.OBJECTIVES[args.objective].loss), extras, batch
 
 
 def test_mlsm_loss_against_a_per_position_loop():
     """Targets: l1-normalised codes of the teacher's unit-norm layer states at the masked
     positions, each a distribution (sums to 1); the loss is the mean over positions of
     KL(target || softmax(student)), here recomputed position by position with the exact solver."""
-    trainee, ctx, batch = mlsm_setup()
+    trainee, extras, batch = mlsm_setup()
     trainee.eval()
-    loss, figs = trainee(batch, ctx)
+    loss, stats = trainee(batch, extras)
     predict = batch["labels"] != -100
-    states = ctx["teacher"](batch["input_ids"], all_layers=True)[1][predict]
+    states = extras["teacher"](batch["input_ids"], all_layers=True)[1][predict]
     feats = trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict])
     logits = trainee.heads.latent(feats)
     want, nnz = [], []
     for h, z in zip(states, logits):
         unit = (h / h.norm())[None].double()
-        code = lasso.encode(unit, ctx["dict"].double(), 0.05, method="lars")[0]
+        code = lasso.encode(unit, extras["dict"].double(), 0.05, method="lars")[0]
         assert code.sum() > 0
         target = code / code.sum()
         assert target.sum().item() == pytest.approx(1.0, abs=1e-12) and (target >= 0).all()
@@ -630,14 +631,14 @@ def test_mlsm_loss_against_a_per_position_loop():
         want.append(sum(t * (math.log(t) - lp) for t, lp in pairs if t > 0))
         nnz.append((code > 0).sum().item())
     assert loss.item() == pytest.approx(float(np.mean(want)), rel=1e-5)
-    assert figs["nnz"].item() == pytest.approx(np.mean(nnz), abs=0.05)
-    assert figs["zero_rate"].item() == 0.0
+    assert stats["nnz"].item() == pytest.approx(np.mean(nnz), abs=0.05)
+    assert stats["zero_rate"].item() == 0.0
     loss.backward()
     assert trainee.heads.latent.weight.grad is not None
     assert trainee.encoder.word.weight.grad is not None
-    assert all(p.grad is None for p in ctx["teacher"].parameters())
+    assert all(p.grad is None for p in extras["teacher"].parameters())
     mlsm_mlm = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["mlsm+mlm"].loss)
-    mixed, mfigs = mlsm_mlm(batch, ctx)
+    mixed, mfigs = mlsm_mlm(batch, extras)
     assert mixed.item() == pytest.approx(mfigs["kl"].item() + mfigs["mlm"].item(), rel=1e-6)
 
 
@@ -646,14 +647,14 @@ def test_mlsm_fista100_targets_are_the_mlsm_codes_coder():
     steps from zero (a float64 transcription of the MLSM code's rule, in test_sparse), and the
     loss the mean KL over positions, recomputed position by position."""
     from test_sparse import mlsm_code_fista
-    trainee, ctx, batch = mlsm_setup(coder="fista100")
+    trainee, extras, batch = mlsm_setup(coder="fista100")
     assert T.get_args(["--objective", "mlsm"]).mlsm_coder == "fista100"
     trainee.eval()
-    loss, figs = trainee(batch, ctx)
+    loss, stats = trainee(batch, extras)
     predict = batch["labels"] != -100
-    states = ctx["teacher"](batch["input_ids"], all_layers=True)[1][predict]
+    states = extras["teacher"](batch["input_ids"], all_layers=True)[1][predict]
     units = (states / states.norm(dim=1, keepdim=True)).detach().double().numpy()
-    codes = mlsm_code_fista(units.T, ctx["dict"].double().numpy(), 0.05, 100).T       # (N, k)
+    codes = mlsm_code_fista(units.T, extras["dict"].double().numpy(), 0.05, 100).T       # (N, k)
     feats = trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict])
     logits = trainee.heads.latent(feats)
     want = []
@@ -662,39 +663,39 @@ def test_mlsm_fista100_targets_are_the_mlsm_codes_coder():
         logp = torch.log_softmax(z.double(), -1).detach().numpy()
         want.append(float(np.sum(t[t > 0] * (np.log(t[t > 0]) - logp[t > 0]))))
     assert loss.item() == pytest.approx(np.mean(want), rel=1e-4)
-    assert figs["nnz"].item() == pytest.approx((codes > 1e-12).sum(1).mean(), abs=0.5)
+    assert stats["nnz"].item() == pytest.approx((codes > 1e-12).sum(1).mean(), abs=0.5)
 
 
 def test_mlsm_skips_all_zero_codes_without_nan():
     """lam above every correlation: all codes are 0, there is nothing to predict; the loss is 0 with
     finite gradients, not 0/0. At a middle lam, the positions with zero codes are left out of the
     mean: the loss equals the mean over the others."""
-    trainee, ctx, batch = mlsm_setup(lam=10.0)
-    loss, figs = trainee(batch, ctx)
-    assert loss.item() == 0.0 and figs["zero_rate"].item() == 1.0
+    trainee, extras, batch = mlsm_setup(lam=10.0)
+    loss, stats = trainee(batch, extras)
+    assert loss.item() == 0.0 and stats["zero_rate"].item() == 1.0
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in trainee.parameters() if p.grad is not None)
 
-    trainee, ctx, batch = mlsm_setup()
+    trainee, extras, batch = mlsm_setup()
     trainee.eval()
     predict = batch["labels"] != -100
-    states = ctx["teacher"](batch["input_ids"], all_layers=True)[1][predict]
+    states = extras["teacher"](batch["input_ids"], all_layers=True)[1][predict]
     states = torch.nn.functional.normalize(states, dim=-1)
-    best = (states @ ctx["dict"]).amax(1)  # a row codes to 0 iff its best correlation <= lam
+    best = (states @ extras["dict"]).amax(1)  # a row codes to 0 iff its best correlation <= lam
     # lam halfway between the two middle correlations, not on one of them: a row exactly at lam
     # would code to zero or not by float rounding, which differs from CPU to CPU
     low, high = best.sort().values[len(best) // 2 - 1:len(best) // 2 + 1].tolist()
     assert high - low > 1e-4
     lam = (low + high) / 2
-    ctx["args"].mlsm_lam = lam
-    loss, figs = trainee(batch, ctx)
+    extras["args"].mlsm_lam = lam
+    loss, stats = trainee(batch, extras)
     zero = best <= lam
     assert 0 < zero.sum() < len(zero)
-    assert figs["zero_rate"].item() == pytest.approx(zero.float().mean().item())
+    assert stats["zero_rate"].item() == pytest.approx(zero.float().mean().item())
     per_row = []
     feats = trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict])
     logits = trainee.heads.latent(feats)
-    codes = sparse.sparse_code(states, ctx["dict"], lam, tol=1e-5)  # 1e-6: below float32's floor
+    codes = sparse.sparse_code(states, extras["dict"], lam, tol=1e-5)  # 1e-6: below float32's floor
     for code, z in zip(codes[~zero], logits[~zero]):
         t = code / code.sum()
         kl = torch.nn.functional.kl_div(torch.log_softmax(z, -1), t, reduction="sum")
@@ -779,19 +780,20 @@ def test_reset_and_freeze_change_exactly_the_intended_tensors(prepared, small_ra
 # --- torch.compile: shapes that settle ---------------------------------------------------------
 
 def compiled_trainee(objective):
-    """(Trainee, ctx, args) for `objective` as a compiled run holds them: tiny, on the CPU, with a
-    perturbed copy as the frozen teacher and a random dictionary where the objective needs them."""
+    """(Trainee, extras, args) for `objective` as a compiled run holds them: tiny, on the CPU,
+    with a perturbed copy as the frozen teacher and a random dictionary where the objective needs
+    them."""
     if objective.startswith("mlsm"):
-        trainee, ctx, _ = mlsm_setup(with_mlm=objective == "mlsm+mlm", coder="fista100")
+        trainee, extras, _ = mlsm_setup(with_mlm=objective == "mlsm+mlm", coder="fista100")
     elif objective.startswith("kd"):
-        trainee, ctx, _ = objective_setup("mlm")
+        trainee, extras, _ = objective_setup("mlm")
         args = T.get_args(["--objective", objective])
-        ctx = {"teacher": copy.deepcopy(trainee.encoder).eval(), "args": args}
+        extras = {"teacher": copy.deepcopy(trainee.encoder).eval(), "args": args}
         trainee = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES[objective].loss)
     else:
-        trainee, ctx, _ = objective_setup(objective)
-    ctx["compact"] = False  # what setup_boot picks for a compiled run
-    return trainee, ctx, ctx["args"]
+        trainee, extras, _ = objective_setup(objective)
+    extras["compact"] = False  # what setup_boot picks for a compiled run
+    return trainee, extras, extras["args"]
 
 
 def fresh_batch(args, i):
@@ -805,12 +807,12 @@ def fresh_batch(args, i):
 def test_every_loss_compiles_whole_and_matches_eager(objective):
     """fullgraph=True: dynamo traces the whole loss into one graph or raises at the first break
     (a boolean index, a .item(), a shape read from the data: each a host sync on a GPU).
-    aot_eager also traces the backward, as inductor would. Compiled, the loss, its figures and
+    aot_eager also traces the backward, as inductor would. Compiled, the loss, its stats and
     every gradient equal the eager ones (dropout off: the two draw their masks differently; the
     training graph, dropout on, is traced by the next test). mlm and boot mask spans here, so
     padding slots are in the batch."""
     torch._dynamo.reset()
-    trainee, ctx, args = compiled_trainee(objective)
+    trainee, extras, args = compiled_trainee(objective)
     batch = fresh_batch(args, 0)
     assert (batch["targets"] == -100).any() == (args.masking != "uniform")
     compiled = torch.compile(trainee, fullgraph=True, backend="aot_eager")
@@ -818,9 +820,9 @@ def test_every_loss_compiles_whole_and_matches_eager(objective):
     for name, model in (("eager", trainee), ("compiled", compiled)):
         trainee.eval()
         trainee.zero_grad()
-        loss, figs = model(batch, ctx)
+        loss, stats = model(batch, extras)
         loss.backward()
-        got[name] = ({"loss": loss.detach(), **figs},
+        got[name] = ({"loss": loss.detach(), **stats},
                      {n: p.grad.clone() for n, p in trainee.named_parameters()
                       if p.grad is not None})
     (want, want_grads), (have, have_grads) = got["eager"], got["compiled"]
@@ -857,12 +859,12 @@ def test_compiled_objectives_stop_recompiling(objective):
         graphs.append(graph)
         return graph.forward
     torch._dynamo.reset()
-    trainee, ctx, args = compiled_trainee(objective)
+    trainee, extras, args = compiled_trainee(objective)
     step = torch.compile(trainee, fullgraph=True, backend=keep)
     # above dynamo's limit (8) a function runs uncompiled and stops adding graphs: count on
     with torch._dynamo.config.patch(recompile_limit=64):
         for i in range(50):
-            loss, _ = step(fresh_batch(args, i), ctx)
+            loss, _ = step(fresh_batch(args, i), extras)
             loss.backward()
     assert 1 <= len(graphs) <= 3
     assert not [node for g in graphs for node in symbolic_shapes(g)]
@@ -876,11 +878,11 @@ def test_kd_from_a_boot_teacher_compiles_whole():
     teacher = T.BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
     kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), T.OBJECTIVES["kd"].loss)
     args = T.get_args(["--objective", "kd"])
-    ctx = {"teacher": teacher, "args": args}
+    extras = {"teacher": teacher, "args": args}
     batch = fresh_batch(args, 0)
-    want = kd(batch, ctx)[0]
+    want = kd(batch, extras)[0]
     teacher.compact = False
-    torch.testing.assert_close(kd(batch, ctx)[0], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kd(batch, extras)[0], want, rtol=1e-5, atol=1e-6)
     graphs = []
 
     def keep(graph, example_inputs):
@@ -889,6 +891,6 @@ def test_kd_from_a_boot_teacher_compiles_whole():
     torch._dynamo.reset()
     step = torch.compile(kd, fullgraph=True, backend=keep)
     for i in range(20):
-        loss, _ = step(fresh_batch(args, i), ctx)
+        loss, _ = step(fresh_batch(args, i), extras)
         loss.backward()
     assert len(graphs) == 1 and not symbolic_shapes(graphs[0])
