@@ -102,7 +102,7 @@ def padded(seqs, idx, device):
 
 
 @torch.no_grad()
-def predict(model, seqs, batch_size, device) -> np.ndarray:
+def classify(model, seqs, batch_size, device) -> np.ndarray:
     model.eval()
     order = np.argsort([len(s) for s in seqs])  # similar lengths together: little padding
     preds = np.empty(len(seqs), dtype=int)
@@ -156,12 +156,12 @@ def finetune_once(args, encoder, task, train: Examples, valid: Examples, dev: Ex
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-        preds = predict(model, valid.seqs, args.batch_size * 2, device)
+        preds = classify(model, valid.seqs, args.batch_size * 2, device)
         scores = {m: score(valid, preds, m) for m in metrics}
         if dev is None:
             judge = scores[metrics[0]]
         else:
-            judge = score(dev, predict(model, dev.seqs, args.batch_size * 2, device), metrics[0])
+            judge = score(dev, classify(model, dev.seqs, args.batch_size * 2, device), metrics[0])
         held_out = "" if dev is None else f" | held-out train {metrics[0]} {judge:.4f}"
         print(f"  seed {seed} epoch {epoch}: "
               + ", ".join(f"{m} {v:.4f}" for m, v in scores.items()) + held_out)

@@ -297,7 +297,7 @@ def sample(logits, gen):
 
 
 @torch.no_grad()
-def predict(model, x, label_ids) -> torch.Tensor:
+def predict_labels(model, x, label_ids) -> torch.Tensor:
     """Classes of examples x (n, T): the label token with the largest logit averaged over the
     positions."""
     mask = (x != PAD).long()
@@ -575,7 +575,7 @@ def finetune_predict(student, train: Labeled, valid: Labeled, test: Labeled, lab
         for _ in range(args.ft_steps):
             loss = seq_loss(model, params_of(model), xs, ys, (xs != PAD).long())
             outer_step(model, opt, loss, args.clip)
-        return predict(model.eval(), test.x, label_ids).tolist()
+        return predict_labels(model.eval(), test.x, label_ids).tolist()
     bs, gen, step, best = ft_batch(args.labels, n), torch.Generator().manual_seed(seed), 0, None
     for _ in range(args.ft_epochs):
         for idx in torch.randperm(n, generator=gen).to(device).split(bs):
@@ -586,9 +586,9 @@ def finetune_predict(student, train: Labeled, valid: Labeled, test: Labeled, lab
                        args.clip)
             step += 1
         model.eval()
-        acc = (predict(model, valid.x, label_ids) == valid.y).float().mean().item()
+        acc = (predict_labels(model, valid.x, label_ids) == valid.y).float().mean().item()
         if best is None or acc > best[0]:
-            best = (acc, predict(model, test.x, label_ids).tolist())
+            best = (acc, predict_labels(model, test.x, label_ids).tolist())
         model.train()
     return best[1]
 

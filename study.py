@@ -401,7 +401,7 @@ def run_job(job: Job, env: dict, counter) -> str | None:
             f.write(json.dumps({"step": step.label, "seconds": seconds}) + "\n")
         say(f"    {job.name}: {step.label} done in {seconds / 60:.1f} min")
     if job.result and not job.result.exists():
-        write_result(job)
+        write_job_result(job)
     return None
 
 
@@ -418,7 +418,7 @@ def device_name(settings_device: str) -> str:
 # A run's portable result: what the report and `evaluate.py compare` need, and nothing that can
 # be recomputed from it (BLiMP's per-temperature log-probabilities are left out: 1.7 -> 0.3 MB)
 
-def write_result(job: Job):
+def write_job_result(job: Job):
     run, out = job.folder, {}
     records = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
     args = json.loads((run / "args.json").read_text())

@@ -85,7 +85,7 @@ def cross_entropy(logits, targets):
     return slot_mean(per_slot, targets != -100)
 
 
-def accuracy(logits, targets):
+def slot_accuracy(logits, targets):
     return slot_mean((logits.argmax(-1) == targets).float(), targets != -100)
 
 
@@ -93,7 +93,7 @@ def mlm(model, batch, extras):
     """Masked language modelling (Devlin et al. 2019): cross-entropy at the chosen positions."""
     _, logits = model.encoder(batch["inputs"], batch["attention_mask"],
                               predict=batch["slots"])                       # (C, V)
-    return cross_entropy(logits, batch["targets"]), {"acc": accuracy(logits, batch["targets"])}
+    return cross_entropy(logits, batch["targets"]), {"acc": slot_accuracy(logits, batch["targets"])}
 
 
 def boot(model, batch, extras):
@@ -128,7 +128,7 @@ def boot(model, batch, extras):
     w, n = predicted[:, None].float(), predicted.sum()
     centred = target - (target * w).sum(0) / n.clamp(min=1)
     spread = ((centred ** 2 * w).sum(0) / (n - 1).clamp(min=1)).sqrt().mean()
-    stats = {"lb": lb, "mlm": ce, "acc": accuracy(logits, targets), "target_std": spread}
+    stats = {"lb": lb, "mlm": ce, "acc": slot_accuracy(logits, targets), "target_std": spread}
     return args.lb_weight * lb + args.mlm_weight * ce, stats
 
 
@@ -164,7 +164,7 @@ def kd(model, batch, extras, with_mlm=False):
                         log_target=True, reduction="none").sum(-1)              # (C,)
     kl = slot_mean(per_slot, targets != -100) * T * T
     ce = cross_entropy(logits, targets)
-    stats = {"kd": kl, "mlm": ce, "acc": accuracy(logits, targets)}
+    stats = {"kd": kl, "mlm": ce, "acc": slot_accuracy(logits, targets)}
     return kl + (args.mlm_weight * ce if with_mlm else 0.0), stats
 
 
@@ -226,7 +226,7 @@ def mlsm(model, batch, extras, with_mlm=False):
         return kl, stats
     logits = F.linear(feats, enc.word.weight, enc.head_bias)              # (C, V)
     ce = cross_entropy(logits, targets)
-    return kl + args.mlm_weight * ce, {**stats, "mlm": ce, "acc": accuracy(logits, targets)}
+    return kl + args.mlm_weight * ce, {**stats, "mlm": ce, "acc": slot_accuracy(logits, targets)}
 
 
 # train.py's mlsm flags -> the sparse.DictConfig fields they set (their defaults come from there)

@@ -517,9 +517,9 @@ def test_shen_fine_tuning_keeps_the_best_validation_epoch(tmp_path, monkeypatch)
     """Two Moons under --protocol shen end to end (a few steps). The fine-tuning's choice: the
     test predictions kept are those made after the first epoch with the best accuracy on the
     10 validation examples."""
-    calls, predict, sets, finetune = [], M.predict, [], M.finetune_predict
-    monkeypatch.setattr(M, "predict", lambda model, x, ids: (
-        calls.append((len(x), predict(model, x, ids))), calls[-1][1])[1])
+    calls, predict_labels, sets, finetune = [], M.predict_labels, [], M.finetune_predict
+    monkeypatch.setattr(M, "predict_labels", lambda model, x, ids: (
+        calls.append((len(x), predict_labels(model, x, ids))), calls[-1][1])[1])
     monkeypatch.setattr(M, "finetune_predict", lambda student, train, valid, *a: (
         sets.append((train, valid)), finetune(student, train, valid, *a))[1])
     out = tmp_path / "run"
