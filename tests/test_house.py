@@ -12,12 +12,14 @@ import train
 from conftest import REPO
 
 # ground floor: run machinery (0), then the model, the data, the run folder and result files (1)
-# on it; libraries (2); evaluate.py, the evaluation CLI (3); top: scripts (4)
+# on it; libraries (2); evaluate.py and the scripts' own parts (3); top: scripts (4)
 FLOOR = {"storage": 0, "device": 0, "optim": 0, "progress": 0, "stopping": 0, "kernels": 0,
-         "flags": 0,
-         "model": 1, "data": 1, "run_folder": 1, "results": 1,
-         "sparse": 2, "training_run": 2, "finetune": 2, "multibootstrap": 2,
-         "evaluate": 3,
+         "flags": 0, "timing": 0,
+         "model": 1, "data": 1, "run_folder": 1, "results": 1, "ltg_bert": 1,
+         "sparse": 2, "training_run": 2, "finetune": 2, "multibootstrap": 2, "meta_pretrain": 2,
+         "study_plan": 2,
+         "evaluate": 3, "meta_moons": 3, "meta_glue": 3, "study_report": 3, "bench_models": 3,
+         "bench_ops": 3,
          "train": 4, "meta": 4, "bench": 4, "synth": 4, "study": 4, "export": 4,
          "hf": 0}  # hf/: the modeling file export.py ships, transformers' code only
 

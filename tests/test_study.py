@@ -13,6 +13,8 @@ import pytest
 import results
 import evaluate as E
 import study
+import study_plan
+import study_report
 from conftest import REPO, TINY, run_train, shared_data
 
 ARMS = """
@@ -93,7 +95,7 @@ def test_report_equals_compare_on_the_result_files(whole, tmp_path):
         assert direct["seeds_a"] == direct["seeds_b"] == [0, 1] and direct["paired_seeds"]
         md = (folder / "REPORT.md").read_text()
         show = results.read_result(folder / "results" / "kd" / "s0.json.gz")[metric]
-        fmt = study.fmt(direct["mean_b"], show.get("better", "higher"))
+        fmt = study_report.fmt(direct["mean_b"], show.get("better", "higher"))
         assert f"| kd | 2 | {fmt} |" in md
     # a result file is small and holds what compare needs and what the report shows
     r = results.read_result(folder / "results" / "kd" / "s1.json.gz")
@@ -111,7 +113,8 @@ def test_merged_from_two_folders_equals_one_folder(whole, tmp_path):
     path, one, _ = whole
     b, merged = tmp_path / "b", tmp_path / "merged"
     # b: "mlm s1" was killed after its checkpoint at step 6
-    job = next(j for j in study.plan(study.load_study(path), "cpu", b) if j.name == "mlm s1")
+    jobs = study_plan.plan(study_plan.load_study(path), "cpu", b)
+    job = next(j for j in jobs if j.name == "mlm s1")
     p = run_train(*job.steps[0].argv[1:], "--stop-at", "6")
     assert p.returncode == 0, p.stderr
     slice_ = ("--out", b, "--seeds", "1", "--only", "mlm")

@@ -5,7 +5,11 @@ tensor, then two einsums), its bucket formula, its masked softmax, its in-place 
 per-layer copy of the scores. The function is our Encoder's, so one state dict loads into both
 (parameter names follow ours); the work is theirs. A reviewer ran their file against this:
 equal logits and gradients. bench.py times forward, backward and AdamW for both, not their
-train.py's step."""
+train.py's step.
+
+    python bench.py --only ltg                       # our step against theirs
+    python -m pytest -q tests/test_model.py -k ltg   # equal logits and gradients
+"""
 import math
 
 import torch

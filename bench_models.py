@@ -1,0 +1,164 @@
+"""bench.py's whole-model rows: our MLM training step against transformers' BertForMaskedLM at
+the same shape (`bert`) and against LTG-BERT's own model code with the same weights (`ltg`),
+and the matrix-FLOP count behind MFU.
+
+    python bench.py --only bert,ltg
+"""
+
+import torch
+import torch.nn.functional as F
+
+from data.prepare import MASK, SPECIALS, VOCAB_SIZE
+from device import autocast, use_bf16
+from ltg_bert import LtgBert
+from model import PRESETS, Encoder, ModelConfig
+from timing import PROFILES, alternate, profile_ops, row
+
+
+V = VOCAB_SIZE
+
+
+# dense bf16 peak FLOP/s, for MFU (vendor datasheets; SXM parts)
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, masked=0.15) -> float:
+    """Training FLOPs per token (3x forward, 2 per multiply-add): the layers' matrices, attention
+    scores and values (2 T D each), the relative-position scores (2 R D each way), and the MLM
+    head on the masked share of tokens only."""
+    D, L, Ff = cfg.d_model, cfg.n_layer, cfg.d_ff
+    R = 2 * cfg.position_buckets - 1 if cfg.position == "relative" else 0
+    layer = 2 * (3 * D * D + D * D + 2 * D * Ff + Ff * D) + 2 * 2 * seq_len * D + 2 * 2 * R * D
+    head = masked * 2 * (D * D + D * cfg.vocab_size)
+    return 3 * (L * layer + head)
+
+
+def bert_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The same count for BertForMaskedLM at cfg's shape: a plain d_ff-wide FFN, no position
+    scores, and the head on every position (it computes logits everywhere, then ignores -100)."""
+    D, L, Ff = cfg.d_model, cfg.n_layer, cfg.d_ff
+    layer = 2 * (4 * D * D + 2 * D * Ff) + 2 * 2 * seq_len * D
+    return 3 * (L * layer + 2 * (D * D + D * cfg.vocab_size))
+
+
+def mfu(cfg, seq_len, tokens_per_s, device):
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return None if peak is None else flops_per_token(cfg, seq_len) * tokens_per_s / peak
+
+
+def mlm_batch(B, T, device):
+    """A fixed random MLM batch on device: ids (B, T), masked (B, T) bool (15%), the inputs
+    with [MASK] there, and an all-ones attention mask."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(len(SPECIALS), V, (B, T), generator=g)
+    masked = torch.rand(B, T, generator=g) < 0.15
+    inp = ids.masked_fill(masked, MASK)
+    att = torch.ones(B, T, dtype=torch.long)
+    return ids.to(device), masked.to(device), inp.to(device), att.to(device)
+
+
+def bench_bert(args, device, tmp):
+    """Our MLM step against BertForMaskedLM's at the same shape, the two timed alternately (so a
+    slow spell of the machine hits both). --variants adds, per size, ours with absolute positions
+    and both models without dropout: what the relative positions and dropout cost."""
+    try:
+        from transformers import BertConfig, BertForMaskedLM
+    except ImportError:
+        print("note: transformers is not installed; the BertForMaskedLM rows are skipped (it is "
+              "never a requirement)")
+        return
+    B, T = args.batch_size, args.seq_len
+    warmup, repeat = (1, 3) if args.quick else (3, 10)
+    bf16 = use_bf16(device, args.bf16)
+    fused = {"fused": True} if device.type == "cuda" else {}
+    ids, masked, inp, att = mlm_batch(B, T, device)
+    targets, labels = ids[masked], torch.where(masked, ids, -100)
+    variants = [("", {}, bf16)]
+    if args.variants:
+        variants += [(", absolute positions", {"position": "absolute"}, bf16),
+                     (", dropout 0 (both)", {"dropout": 0.0}, bf16)]
+        if not bf16:
+            variants.append((", bf16 autocast (both)", {}, True))
+    for size in args.sizes:
+        for name, change, half in variants:
+            amp = autocast(device, half)
+            cfg = ModelConfig(**{**PRESETS[size], "vocab_size": V, **change})
+            ours = Encoder(cfg).to(device).train()
+            p = cfg.dropout
+            bert = BertConfig(vocab_size=V, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
+                              num_attention_heads=cfg.n_head, intermediate_size=cfg.d_ff,
+                              max_position_embeddings=cfg.max_position, hidden_dropout_prob=p,
+                              attention_probs_dropout_prob=p)
+            theirs = BertForMaskedLM(bert).to(device).train()
+            opts = [torch.optim.AdamW(m.parameters(), lr=1e-4, **fused) for m in (ours, theirs)]
+            if args.compile:  # both or neither; compiling happens in the warm-up steps
+                ours.compile()
+                theirs.compile()
+
+            def step_ours():
+                with amp:
+                    _, logits = ours(inp, att, predict=masked)  # the MLM head on masked positions
+                F.cross_entropy(logits.float(), targets).backward()
+                opts[0].step()
+                opts[0].zero_grad(set_to_none=True)
+
+            def step_theirs():
+                with amp:
+                    loss = theirs(input_ids=inp, attention_mask=att, labels=labels).loss
+                loss.backward()
+                opts[1].step()
+                opts[1].zero_grad(set_to_none=True)
+
+            a, b = alternate(step_ours, step_theirs, B * T, device, warmup, repeat)
+            name += ", compiled (both)" if args.compile else ""
+            params = f"{ours.num_params() / 1e6:.1f}M vs {theirs.num_parameters() / 1e6:.1f}M"
+            case = f"mlm step {size} {B}x{T}{name} ({params} params)"
+            yield row("bert", case, "tokens/s", a, "BertForMaskedLM", b,
+                      flops_ratio=flops_per_token(cfg, T) / bert_flops_per_token(cfg, T))
+            if args.profile:
+                PROFILES[f"bert: {case}"] = {"ours": profile_ops(step_ours, device),
+                                             "BertForMaskedLM": profile_ops(step_theirs, device)}
+
+
+def bench_ltg(args, device, tmp):
+    """Our MLM step against LTG-BERT's model code (ltg_bert.py) with the same weights, the
+    two timed alternately; max_abs_diff: their logits against ours in float32, dropout off."""
+    B, T = args.batch_size, args.seq_len
+    warmup, repeat = (1, 3) if args.quick else (3, 10)
+    amp = autocast(device, args.bf16)
+    fused = {"fused": True} if device.type == "cuda" else {}
+    ids, masked, inp, att = mlm_batch(B, T, device)
+    # theirs predicts in (T, B) order, ours in (B, T): `back` puts their rows in our order
+    back = torch.arange(B * T, device=device).view(B, T).t()[masked.t()].argsort()
+    for size in args.sizes:
+        cfg = ModelConfig(**PRESETS[size], vocab_size=V)
+        ours = Encoder(cfg).to(device).eval()
+        theirs = LtgBert(cfg).to(device).eval()
+        theirs.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            diff = (ours(inp, att, predict=masked)[1] - theirs(inp, att, masked)[back]).abs()
+        opts = [torch.optim.AdamW(m.train().parameters(), lr=1e-4, **fused)
+                for m in (ours, theirs)]
+        if args.compile:
+            ours.compile()
+            theirs.compile()
+
+        def step(model, opt, logits, targets):
+            with amp:
+                out = logits(model)
+            F.cross_entropy(out.float(), targets).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step_ours = lambda: step(ours, opts[0], lambda m: m(inp, att, predict=masked)[1],
+                                 ids[masked])
+        step_ltg = lambda: step(theirs, opts[1], lambda m: m(inp, att, masked),
+                                ids.t()[masked.t()])
+        a, b = alternate(step_ours, step_ltg, B * T, device, warmup, repeat)
+        case = f"mlm step {size} {B}x{T}" + (", compiled (both)" if args.compile else "")
+        yield row("ltg", case, "tokens/s", a, "LTG-BERT model code", b,
+                  max_abs_diff=diff.max().item())
+        if args.profile:
+            PROFILES[f"ltg: {case}"] = {name: profile_ops(fn, device) for name, fn in
+                                        (("ours", step_ours), ("LTG-BERT model code", step_ltg))}

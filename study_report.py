@@ -1,0 +1,262 @@
+"""A study's report from its results/ alone: each arm against the baseline by the Multi-Bootstrap
+over pretraining seeds and examples, REPORT.md with the exact commands, report.json, and the
+figures (matplotlib, when installed).
+
+    python study.py studies/better_together.toml --report
+"""
+import json
+import os
+import shlex
+from pathlib import Path
+
+import numpy as np
+
+from multibootstrap import examples_of, multibootstrap
+from results import read_result
+from run_folder import REPO
+from study_plan import metric_names, plan, shown
+
+
+def read_results(folder: Path, jobs_by_arm: dict) -> tuple[dict, list, list]:
+    """({arm: [result, ...] by seed}, stale files, failures). A result whose fingerprint is not
+    the plan's (the study file changed since) is stale: listed, never compared."""
+    results, stale, failed = {}, [], []
+    for path in sorted((folder / "results").glob("*/s*.json.gz")):
+        r = read_result(path)
+        if r.get("fingerprint") != jobs_by_arm.get((r.get("arm"), r.get("seed"))):
+            stale.append(str(path.relative_to(folder)))
+            continue
+        results.setdefault(r["arm"], []).append(r)
+    for path in sorted((folder / "results").glob("*/s*.failed")):
+        failed.append(json.loads(path.read_text()))
+    return {a: sorted(rs, key=lambda r: r["seed"]) for a, rs in results.items()}, stale, failed
+
+
+def subset(ex: dict, keep: np.ndarray) -> dict:
+    return {**ex, "id": [ex["id"][i] for i in keep], "label": ex["label"][keep],
+            "pred": ex["pred"][:, keep]}
+
+
+def compare_arms(spec, scale_name, results, nboot) -> dict:
+    """{metric: {arm: multibootstrap(baseline, arm)}} and per BLiMP phenomenon."""
+    base = spec["baseline"]
+    out, phen = {}, {}
+    if base not in results:
+        return {"metrics": out, "phenomena": phen}
+    names = spec.get("metrics") or metric_names(spec["scales"][scale_name])
+    for m in names:
+        A = [examples_of(r, m, f"{base} s{r['seed']}") for r in results[base] if m in r]
+        for arm, rs in results.items():
+            B = [examples_of(r, m, f"{arm} s{r['seed']}") for r in rs if m in r]
+            if A and B:
+                out.setdefault(m, {})[arm] = multibootstrap(A, B, nboot)
+            if A and B and "phenomenon" in results[base][0].get(m, {}):
+                labels = np.array(results[base][0][m]["phenomenon"])
+                for p in np.unique(labels):
+                    keep = np.flatnonzero(labels == p)
+                    phen.setdefault(m, {}).setdefault(str(p), {})[arm] = multibootstrap(
+                        [subset(a, keep) for a in A], [subset(b, keep) for b in B], nboot)
+    return {"metrics": out, "phenomena": phen}
+
+
+def fmt(x, better) -> str:
+    return f"{100 * x:.2f}" if better == "higher" else f"{x:.4f}"
+
+
+def signed(x, better) -> str:
+    return ("+" if x >= 0 else "-") + fmt(abs(x), better)
+
+
+def ran_in(results: dict) -> Path | None:
+    """The study folder the runs were made in, read from an arm's recorded train command (its
+    --out-dir is FOLDER/ARM/sSEED): a report may be built in another (--report --out)."""
+    for r in (r for rs in results.values() for r in rs):
+        argv = shlex.split(r["commands"][0])
+        if "--out-dir" in argv:
+            return Path(argv[argv.index("--out-dir") + 1]).parent.parent
+    return None
+
+
+def build_report(spec, scale_name, folder, jobs, nboot, figures=True) -> str:
+    scale = spec["scales"][scale_name]
+    arms = list(spec["arms"])
+    planned = {(j.arm, j.seed): j.fingerprint for j in jobs if j.arm}
+    results, stale, failed = read_results(folder, planned)
+    comp = compare_arms(spec, scale_name, results, nboot)
+    base = spec["baseline"]
+    held = sum(len(v) for v in results.values())
+    lines = [f"# Study `{spec['name']}`, scale `{scale_name}`", ""]
+    if spec.get("about"):
+        lines += [spec["about"].strip(), ""]
+    devices = sorted({r["compute"]["device"] for rs in results.values() for r in rs})
+    dates = sorted({r["compute"]["date"] for rs in results.values() for r in rs})
+    lines += [f"Holds {held} of the {len(planned)} runs planned ({len(arms)} arms x "
+              f"{len(scale['seeds'])} seeds {scale['seeds']}); made on {', '.join(devices) or '-'}"
+              f", {', '.join(dates) or '-'}. Baseline: `{base}`. Built by `python study.py "
+              f"{spec['path']} --scale {scale_name} --report"
+              + ("" if folder == REPO / "runs" / spec["name"] / scale_name else
+                 f" --out {os.path.relpath(folder.resolve(), REPO)}") + "` from "
+              "`results/` alone.", ""]
+    if scale.get("notes"):
+        lines += [scale["notes"].strip(), ""]
+    lines += ["B - A is each arm minus the baseline, with its 95% Multi-Bootstrap interval "
+              "(pretraining seeds and examples resampled jointly, `evaluate.py compare`) and p = "
+              "P(B is not better than A). val_loss is lower-better (nats); the other metrics are "
+              "percentages. One seed is a demo, not a verdict.", ""]
+    for m, by_arm in comp["metrics"].items():
+        better = next(iter(by_arm.values()))["better"]
+        lines += [f"## {m}" + (" (lower is better)" if better == "lower" else ""), "",
+                  "| arm | seeds | mean | B - A | 95% interval | p |", "|---|---|---|---|---|---|"]
+        for arm in arms:
+            if arm not in by_arm:
+                continue
+            r = by_arm[arm]
+            if arm == base:
+                lines.append(f"| **{arm}** (baseline) | {len(r['seeds_b'])} | "
+                             f"{fmt(r['mean_b'], better)} | | | |")
+            else:
+                lo, hi = r["ci95"]
+                p = f"{'< ' if r.get('p_floored') else ''}{r['p']:.3f}"  # below 1/nboot: floored
+                lines.append(f"| {arm} | {len(r['seeds_b'])} | {fmt(r['mean_b'], better)} | "
+                             f"{signed(r['diff'], better)} | {signed(lo, better)} .. "
+                             f"{signed(hi, better)} | {p} |")
+        lines.append("")
+    for m, by_phen in comp["phenomena"].items():
+        shown_arms = [a for a in arms if a in next(iter(by_phen.values()))]
+        lines += [f"## {m} per phenomenon", "",
+                  f"Accuracy (%) on the reporting half; for each arm B - A [95% interval] "
+                  f"against `{base}`.", "",
+                  "| phenomenon | pairs | " + " | ".join(shown_arms) + " |",
+                  "|---|---|" + "---|" * len(shown_arms)]
+        for p, by_arm in by_phen.items():
+            n = sum(x == p for x in results[base][0][m]["phenomenon"])
+            cells = []
+            for a in shown_arms:
+                r = by_arm[a]
+                cells.append(f"{100 * r['mean_b']:.1f}" if a == base else
+                             f"{100 * r['mean_b']:.1f} ({100 * r['diff']:+.1f} "
+                             f"[{100 * r['ci95'][0]:+.1f}, {100 * r['ci95'][1]:+.1f}])")
+            lines.append(f"| {p} | {n} | " + " | ".join(cells) + " |")
+        lines.append("")
+    tasks = {t for rs in results.values() for r in rs for t in r.get("finetune", {})}
+    if tasks:
+        lines += ["## Fine-tuning, per task (mean +- std over pretraining x fine-tuning seeds)",
+                  "", "| arm | " + " | ".join(sorted(tasks)) + " |",
+                  "|---|" + "---|" * len(tasks)]
+        for arm in arms:
+            cells = []
+            for t in sorted(tasks):
+                v = [x for r in results.get(arm, []) for m in list(r.get("finetune", {}).get(
+                    t, {}).values())[:1] for x in m["values"]]
+                cells.append(f"{100 * np.mean(v):.2f} +- {100 * np.std(v):.2f}" if v else "-")
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## Compute", "", "| arm | runs | steps | tokens | train min (mean) | "
+              "eval min (mean) | tokens/s (median) | device |", "|---|---|---|---|---|---|---|---|"]
+    for arm in arms:
+        rs = results.get(arm, [])
+        if rs:
+            c = [r["compute"] for r in rs]
+            rate = [x["tok_per_s"] for x in c if x["tok_per_s"]]
+            lines.append(f"| {arm} | {len(rs)} | {c[0]['steps']} | {c[0]['tokens']:,} | "
+                         f"{np.mean([x['train_s'] for x in c]) / 60:.1f} | "
+                         f"{np.mean([x['eval_s'] for x in c]) / 60:.1f} | "
+                         f"{np.median(rate):,.0f} | {c[0]['device']} |")
+    lines.append("")
+    lines += ["Train time is study.py's clock around train.py (set-up, phase-1 teacher, "
+              "dictionary and validation included); tokens/s is the training loop's own figure.",
+              ""]
+    if failed or stale:
+        lines += ["## Not in the comparison", ""]
+        lines += [f"- `{f['arm']}` seed {f['seed']} failed: {f['error']} (log: {f['log']})"
+                  for f in failed]
+        lines += [f"- `{s}`: made with other settings than the study file's now (stale)"
+                  for s in stale]
+        lines.append("")
+    lines += ["## Commands", "", "Each run, as study.py ran it (seed "
+              f"{scale['seeds'][0]}; the other seeds change `--seed` and the folders):", ""]
+    # corpus and source runs keep no result file: plan them again where the arms ran
+    root = ran_in(results)
+    as_ran = {j.name: j for j in plan(spec, scale_name, root)} if root else {}
+    for j in jobs:
+        if j.seed == scale["seeds"][0] or (j.arm is None and j.name.endswith(
+                f"s{scale['seeds'][0]}")) or j.name.startswith("corpus"):
+            ran = [r for r in results.get(j.arm, []) if r["seed"] == j.seed]  # as it was run
+            commands = ran[0]["commands"] if ran else [
+                shown(s.argv) for s in as_ran.get(j.name, j).steps]
+            lines += [f"`{j.name}`:", "```bash", *commands, "```"]
+    if figures:
+        lines += ["", *draw_figures(folder, spec, results, comp)]
+    (folder / "report.json").write_text(json.dumps(
+        {"study": spec["name"], "scale": scale_name, "runs": held, "planned": len(planned),
+         "stale": stale, "failed": failed, **comp}, indent=1, default=float))
+    text = "\n".join(lines) + "\n"
+    (folder / "REPORT.md").write_text(text)
+    return text
+
+
+def mlm_curve(records) -> tuple[list, list]:
+    """(steps, validation MLM losses) of a run's log: val_mlm where the objective logs it (boot,
+    kd, kd+mlm, mlsm+mlm), val_loss where the loss is MLM itself (records with no other figure:
+    mlm, and every phase 1); mlsm's phase 2 logs no MLM loss and is left out."""
+    xs, ys = [], []
+    for r in records:
+        y = r.get("val_mlm", r.get("val_loss") if set(r) <= {"step", "val_loss", "val_acc"}
+                  else None)
+        if y is not None:
+            xs.append(r["step"])
+            ys.append(y)
+    return xs, ys
+
+
+def draw_figures(folder, spec, results, comp) -> list[str]:
+    """curves.png and blimp.png when matplotlib is there; the report's lines about them."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["Figures: `pip install matplotlib`, then run study.py again with `--report`."]
+    out = ["## Figures", ""]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for arm in spec["arms"]:
+        curves = [mlm_curve(r["curve"]) for r in results.get(arm, [])]
+        curves = [c for c in curves if len(c[0]) > 1]  # mlsm: phase 1's last point alone
+        if not curves:
+            continue
+        steps = sorted(set.intersection(*(set(c[0]) for c in curves)))
+        ys = np.array([[dict(zip(*c))[s] for s in steps] for c in curves])   # (seeds, steps)
+        line, = ax.plot(steps, ys.mean(0), label=f"{arm} ({len(curves)} seeds)")
+        ax.fill_between(steps, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+    ax.set(xlabel="step", ylabel="validation MLM loss (nats)",
+           title="Validation MLM loss as each run logged it (band: min-max over seeds)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "curves.png", dpi=110)
+    plt.close(fig)
+    out += ["![validation curves](curves.png)", "", "The curves are train.py's own validation "
+            "(each arm's masking); the table's val_loss is `evaluate.py mlm`'s, the same hidden "
+            "tokens for every arm.", ""]
+    for m, by_phen in comp["phenomena"].items():
+        phens = list(by_phen)
+        arms = [a for a in spec["arms"] if a != spec["baseline"] and a in by_phen[phens[0]]]
+        if not arms:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 0.35 * len(phens) * max(1, len(arms)) / 2 + 1.5))
+        height = 0.8 / len(arms)
+        for i, a in enumerate(arms):
+            d = np.array([100 * by_phen[p][a]["diff"] for p in phens])
+            lo = np.array([100 * by_phen[p][a]["ci95"][0] for p in phens])
+            hi = np.array([100 * by_phen[p][a]["ci95"][1] for p in phens])
+            y = np.arange(len(phens)) + i * height
+            ax.errorbar(d, y, xerr=[d - lo, hi - d], fmt="o", ms=3, capsize=2, label=a)
+        ax.axvline(0, color="k", lw=0.8)
+        ax.set_yticks(np.arange(len(phens)) + 0.4 - height / 2, phens, fontsize=7)
+        ax.set(xlabel=f"accuracy B - {spec['baseline']} (points), 95% interval",
+               title=f"{m} per phenomenon")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(folder / f"{m}.png", dpi=110)
+        plt.close(fig)
+        out += [f"![{m} per phenomenon]({m}.png)", ""]
+    return out
