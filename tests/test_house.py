@@ -83,3 +83,19 @@ def test_the_training_loop_names_no_objective():
 def test_lines_are_at_most_100_characters(path):
     long = [n for n, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 100]
     assert not long, f"{path.name}: lines {long}"
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(REPO)))
+def test_files_are_at_most_600_lines(path):
+    """A file a reader can hold in mind (hf/'s modeling file ships to users and is left out)."""
+    if unit(path) != "hf":
+        assert len(path.read_text().splitlines()) <= 600
+
+
+def test_the_model_file_is_the_model_and_the_loop_fits_a_screen_or_two():
+    """model.py holds the model alone (no run machinery: no files, devices or processes), in at
+    most 500 lines; train.main, the loop, in at most 90."""
+    assert len((REPO / "model.py").read_text().splitlines()) <= 500
+    assert imported(REPO / "model.py") <= {"dataclasses", "math", "sentencepiece", "torch",
+                                            "kernels", "storage"}
+    assert len(inspect.getsource(train.main).splitlines()) <= 90
