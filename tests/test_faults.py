@@ -290,7 +290,7 @@ def test_a_signal_while_the_data_is_prepared_leaves_nothing(small_raw, tmp_path,
 def test_a_file_without_a_checksum_is_refused_in_one_line(tmp_path):
     """Every file nanoMLM writes carries a checksum; a torch file without one (another program's,
     or a state dict saved by hand) is refused rather than loaded unverified."""
-    state = {"model": {"w": torch.ones(2)}, "config": {}, "tokenizer": b""}
+    state = {"model": {"w": torch.ones(2)}, "config": {}, "tokenizer": b"spm"}
     torch.save(state, tmp_path / "plain.pt")
     with pytest.raises(SystemExit, match="has no checksum: it was not written by nanoMLM"):
         read_checkpoint(tmp_path / "plain.pt")
