@@ -18,7 +18,7 @@ function if it trains extra modules or needs a teacher) + one OBJECTIVES entry; 
 objective. Two-phase objectives (kd, kd+mlm, mlsm, mlsm+mlm) train plain MLM for
 --phase1-steps, keep that model as phase1.pt, then continue with the objective against it as a
 frozen teacher: one command, one schedule per phase. mlsm learns its dictionary between the
-phases (sparse.learn_from_checkpoint, into RUN/dict.pt). mlm --two-phase runs the same schedule
+phases (sparse.dictionary_for_run, into RUN/dict.pt). mlm --two-phase runs the same schedule
 with MLM in phase 2: the baseline they are compared with. Each objective defaults to its paper's
 recipe (OBJECTIVES[...].defaults; docs/objectives/ has the recipe cards).
 
@@ -516,7 +516,7 @@ def main(argv=None):
     marks = word_marks(run)  # {step: (name, words)} of --save-words
     net = SafetyNet(run.folder, run.device, run.ddp, args.spike, args.log_every,
                     last_saved=step if run.ckpt is not None else None)
-    sums, since_log = {}, 0  # each figure summed over the steps since the last log line
+    sums, since_log = {}, 0  # each stat summed over the steps since the last log line
     t_log, t0, step0 = time.time(), time.time(), step
     progress = bar(total=args.max_steps, initial=step, disable=None if run.rank == 0 else True,
                    unit="step", desc="train")
