@@ -1,7 +1,7 @@
 """Side-by-side timings, one table, measured on the machine that runs them; writes bench.json.
 
     python bench.py                   # everything on the CPU, tiny model (~3 minutes on 2 cores)
-    python bench.py --sizes tiny,small --sparse-all    # docs/bench.md's table (37 min, 2 cores)
+    python bench.py --sizes tiny,small --sparse-all    # docs/bench.md's table (24 min, 2 cores)
     python bench.py --device cuda     # on a GPU: adds MFU against the GPU's bf16 peak
     python bench.py --quick           # seconds: tiny shapes, few repetitions (the tests run this)
     python bench.py --only step,bert  # some of: step, bert, ltg, attn, ema, ...
