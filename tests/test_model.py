@@ -331,6 +331,9 @@ def test_corrupt_or_foreign_checkpoints(saved, tmp_path):
         with pytest.raises(SystemExit, match=corrupt):
             read_checkpoint(tmp_path / name)
     torch.save({"weights": torch.zeros(3)}, tmp_path / "other.pt")
+    with pytest.raises(SystemExit, match="has no checksum: it was not written by nanoMLM"):
+        read_checkpoint(tmp_path / "other.pt")
+    save_checkpoint({"weights": torch.zeros(3)}, tmp_path / "other.pt")  # ours, not a model
     with pytest.raises(SystemExit, match="not a nanoMLM checkpoint"):
         read_checkpoint(tmp_path / "other.pt")
     with pytest.raises(SystemExit, match="^error: no checkpoint at"):
