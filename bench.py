@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 import evaluate
+import flags
 import sparse
 from bench_models import bench_bert, bench_ltg, mfu
 from bench_ops import bench_attn, bench_compile, bench_ema, bench_sparse
@@ -255,7 +256,7 @@ def cpu_name() -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = flags.Parser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("--device", default="auto", choices=("auto", "cpu", "cuda"),

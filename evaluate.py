@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import flags
 from data.masking import uniform_mask
 from data.prepare import CLS, MASK, SEP, Segments, prepare
 from data.tasks import TASKS, pad, read_jsonl
@@ -411,7 +412,7 @@ def weights(args):
 # Command line
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = flags.Parser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     floats = lambda s: [float(x) for x in s.split(",")]

@@ -27,10 +27,12 @@ from pathlib import Path
 
 import torch
 
+import flags
 from data.prepare import CLS, MASK, PAD, SEP, SPECIALS, UNK
 from model import boot_shape
 from run_folder import REPO
 from storage import read_checkpoint
+
 
 MODELING = REPO / "hf" / "modeling_nanomlm.py"
 NEEDS = "pip install -r requirements-export.txt"
@@ -132,7 +134,7 @@ def export(ckpt_path: Path, out: Path) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = flags.Parser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", type=Path, required=True,
                    help="a checkpoint (ckpt.pt, chck_10M.pt...), or a run folder: its ckpt.pt "

@@ -1,15 +1,25 @@
-"""The command line as every script builds it: help that shows each flag's default, flags made
-from a config dataclass's fields (their help is the field's comment, so the two never drift
-apart), lower bounds checked in one place, and which flags a user typed.
+"""The command line as every script builds it: errors in one line, help that shows each flag's
+default, flags made from a config dataclass's fields (their help is the field's comment, so the
+two never drift apart), the range of every numeric flag checked in one place, and which flags a
+user typed.
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=flags.Help)
+    p = flags.Parser(description=__doc__, formatter_class=flags.Help)
     flags.add_fields(p.add_argument, ModelConfig, preset=True)    # --n-layer, --d-model, ...
+    flags.check_ranges(p, p.parse_args(), {"lr": flags.Range(0, low_open=True)})
 """
 import argparse
 import inspect
 import re
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, fields
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but an error is one line naming what is wrong and pointing at --help
+    (argparse prints its whole usage block first, 35 lines for train.py)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 class Help(argparse.RawDescriptionHelpFormatter):
@@ -45,11 +55,33 @@ def add_fields(add, cls, dests: dict[str, str] | None = None, preset: bool = Fal
         add(flag, default=None if preset else default, help=prefix + helps[name], **kind)
 
 
-def check_at_least(parser, args, least: dict[str, int]) -> None:
-    """Refuse a value below its bound ({destination: least value}; None passes: not given)."""
-    for name, bound in least.items():
-        if getattr(args, name) is not None and getattr(args, name) < bound:
-            parser.error(f"--{name.replace('_', '-')} must be at least {bound}")
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric flag may take: low and high bounds (None: none), each closed unless
+    said open."""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, v) -> bool:
+        return ((self.low is None or v > self.low or (v == self.low and not self.low_open))
+                and (self.high is None or v < self.high or (v == self.high and not self.high_open)))
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+                f"{')' if self.high_open else ']'}")
+
+
+def check_ranges(parser, args, ranges: dict[str, Range]) -> None:
+    """Refuse a value outside its range ({destination: Range}; None passes: not given), in one
+    line that names the flag, its range and the value."""
+    for name, allowed in ranges.items():
+        value = getattr(args, name)
+        if value is not None and value not in allowed:
+            parser.error(f"--{name.replace('_', '-')} must be {allowed}, not {value:g}")
 
 
 def typed(parser, argv) -> list[str]:

@@ -79,7 +79,7 @@ def protocol_defaults(args) -> None:
 
 def main(argv=None):
     line_buffered()
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = flags.Parser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("--task", choices=("two_moons", "glue"), default="two_moons",

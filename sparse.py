@@ -31,7 +31,6 @@ of non-zeros per code and the fraction of all-zero codes, and what each target c
 exact) makes of 1000 of the vectors. As the MLSM code's July 2023 version (its first averaged
 sub-word pieces into words), each piece is one vector, as each masked piece is one target.
 """
-import argparse
 import math
 import shutil
 import time
@@ -538,7 +537,7 @@ def load_dictionary(path, d_model: int, n_layer: int) -> tuple[torch.Tensor, int
 
 def main(argv=None):
     line_buffered()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=flags.Help)
+    p = flags.Parser(description=__doc__, formatter_class=flags.Help)
     p.add_argument("--ckpt", required=True, help="checkpoint whose hidden states are coded (a "
                    "train.py ckpt.pt or phase1.pt)")
     p.add_argument("--data", default=None,

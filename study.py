@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 import evaluate
+import flags
 from data.prepare import prepare, prepared_copies, resolve
 from data.tasks import TASKS
 from results import read_result
@@ -69,8 +70,13 @@ def quiet_exit_line(fn) -> str | None:
             fn()
     except SystemExit as e:
         lines = err.getvalue().strip().splitlines() or [str(e)]
-        return lines[-1].split("error: ", 1)[-1]
+        return error_of(lines[-1])
     return None
+
+
+def error_of(line: str) -> str:
+    """What a script's one-line error says, without its name or its pointer to --help."""
+    return line.split("error: ", 1)[-1].split("; see ", 1)[0]
 
 
 def preflight(spec, scale_name, jobs, path) -> dict:
@@ -132,7 +138,7 @@ def preflight(spec, scale_name, jobs, path) -> dict:
             continue
         rc, out, err = checked[job.name]
         if rc != 0:
-            raise fail(where(job), err.split("error: ", 1)[-1])
+            raise fail(where(job), error_of(err))
         settings = json.loads(out)
         rawdir, prepared = resolve(settings["data"])
         if (settings["data"] not in generated and not rawdir.is_dir()
@@ -298,7 +304,7 @@ def has_cuda() -> bool:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = flags.Parser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("study", help="the study file, e.g. studies/better_together.toml")

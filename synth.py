@@ -37,7 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
+import flags
 from data.prepare import raw_root
+
 
 TREEBANKS = ["UD_French-GSD", "UD_French-Sequoia", "UD_French-ParTUT"]
 OTHER = "other"
@@ -299,7 +301,7 @@ def same_sentence_pmi(tokens, rels, sids) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = flags.Parser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("--ud", default=None, help="folder holding the UD treebanks (default $NANOMLM_RAW/ud)")

@@ -332,7 +332,8 @@ def phase_at(run: Run, step: int) -> Phase:
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False, formatter_class=flags.Help)
+    p = flags.Parser(prog="train.py", description=__doc__, allow_abbrev=False,
+                     formatter_class=flags.Help)
     add = p.add_argument
     add("--objective", default="mlm", choices=sorted(OBJECTIVES), help="pretraining objective")
     add("--data", default="babylm_10m", help="corpus name under $NANOMLM_RAW, a folder of text "
@@ -443,20 +444,25 @@ def build_parser():
     return p
 
 
-# the least value of each integer flag
-AT_LEAST = {"seq_len": 3, "batch_size": 1, "grad_accum": 1, "max_steps": 1, "log_every": 1,
-            "eval_every": 1, "eval_batches": 1, "save_every": 1, "stop_at": 1,
-            "decoder_layers": 1}
+# the values every numeric flag may take (the dictionary's are DictConfig.check's); a vocabulary
+# holds the 5 specials and 256 byte pieces at least (sentencepiece may need more for a corpus)
+R, OPEN = flags.Range, dict(low_open=True)
+RANGES = {"vocab_size": R(262), "seq_len": R(3), "batch_size": R(1), "grad_accum": R(1),
+          "lr": R(0, **OPEN), "warmup": R(0), "min_lr": R(0, 1), "weight_decay": R(0),
+          "weight_decay_end": R(0), "clip": R(0), "spike": R(0), "mask_p": R(0, 1, True, True),
+          "max_steps": R(1), "epochs": R(0, **OPEN), "seed": R(0), "log_every": R(1),
+          "eval_every": R(1), "eval_batches": R(1), "save_every": R(1), "stop_at": R(1),
+          "lb_weight": R(0), "mlm_weight": R(0), "ema_start": R(0, 1), "ema_end": R(0, 1),
+          "decoder_layers": R(1), "phase1_steps": R(0, **OPEN), "kd_temperature": R(0, **OPEN),
+          "mlsm_iters": R(1), "mlsm_tol": R(0, **OPEN), "n_layer": R(1), "n_head": R(1),
+          "d_model": R(1), "d_ff": R(1), "dropout": R(0, 1, high_open=True),
+          "position_buckets": R(2), "max_position": R(3), "layer_norm_eps": R(0, **OPEN)}
 
 
 def get_args(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
-    flags.check_at_least(parser, args, AT_LEAST)
-    if not 0 < args.mask_p < 1:
-        parser.error("--mask-p must be between 0 and 1")
-    if args.epochs <= 0:
-        parser.error("--epochs must be positive")
+    flags.check_ranges(parser, args, RANGES)
     mlsm_family = OBJECTIVES[args.objective].setup is setup_mlsm
     for flag, applies, to in (("teacher", args.objective in TWO_PHASE, ", ".join(TWO_PHASE)),
                               ("dict", mlsm_family, "mlsm and mlsm+mlm"),

@@ -18,6 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run as `python data/breton.py`: the package is data/
+import flags  # noqa: E402
 from data.prepare import raw_root  # noqa: E402
 
 
@@ -52,7 +53,7 @@ def split(sents: list[str], dev_share: int = 10) -> tuple[list[str], list[str]]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = flags.Parser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--raw", default=str(raw_root()),
                     help="shared data folder (default $NANOMLM_RAW, else data/raw)")

@@ -48,6 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python data/prepare.py`
 from progress import bar, heartbeat  # noqa: E402
+import flags  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -442,7 +443,7 @@ def download(name: str) -> Path:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = flags.Parser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", help="corpus name under $NANOMLM_RAW (babylm_10m, babylm_100m, ...) "
                     "or a folder path")

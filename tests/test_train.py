@@ -894,3 +894,30 @@ def test_kd_from_a_boot_teacher_compiles_whole():
         loss, _ = step(fresh_batch(args, i), extras)
         loss.backward()
     assert len(graphs) == 1 and not symbolic_shapes(graphs[0])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--lr", "-1"], "--lr must be > 0, not -1"),
+    (["--mask-p", "1.5"], "--mask-p must be in (0, 1), not 1.5"),
+    (["--warmup", "-0.1"], "--warmup must be >= 0, not -0.1"),
+    (["--dropout", "1"], "--dropout must be in [0, 1), not 1"),
+    (["--kd-temperature", "0"], "--kd-temperature must be > 0, not 0"),
+    (["--ema-start", "1.5"], "--ema-start must be in [0, 1], not 1.5"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, not 0"),
+    (["--lrr", "3"], "unrecognized arguments: --lrr 3"),
+])
+def test_bad_flags_are_one_line_before_anything_runs(argv, says, capsys):
+    """Issue 43: `--lr -1` trained to loss 1292 and exited 0; argparse's errors came after its
+    35-line usage block."""
+    with pytest.raises(SystemExit) as stopped:
+        T.get_args(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1, err
+    assert says in err and err.rstrip().endswith("see train.py --help")
+
+
+def test_every_numeric_flag_has_a_range():
+    """A new numeric flag cannot slip past the range checks (the dictionary's flags are checked
+    by sparse.DictConfig.check)."""
+    numeric = {a.dest for a in T.build_parser()._actions if a.type in (int, float)}
+    assert numeric - set(T.DICT_FLAGS) == set(T.RANGES)
