@@ -52,7 +52,7 @@ from progress import bar, line_buffered
 from run_folder import REPO
 from stopping import SafetyNet, exit_now, on_stop_signals
 from training_run import (ObjectiveParts, Phase, Run, describe, log_line, open_run, save,
-                          start_phase, train_batch, validate, word_marks)
+                          start_phase, summary, train_batch, validate, word_marks)
 
 
 # what decides a run's results: copied into its code/, hashed into every checkpoint
@@ -587,8 +587,7 @@ def main(argv=None):
             break
     progress.close()
     net.release()
-    run.say(f"done: step {step}, {(time.time() - t0) / 60:.1f} min; "
-            f"checkpoint {run.folder.path / 'ckpt.pt'}")
+    run.say(summary(run, step, step - step0, time.time() - t0))
     if run.ddp:
         dist.destroy_process_group()
 

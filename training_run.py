@@ -10,6 +10,7 @@ code version, tokenizer, checksum), code/ (train.CODE: the source that decides i
 lock (held by the one process training there).
 """
 import argparse
+import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -22,7 +23,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from data.masking import make_batch
-from data.prepare import Segments, load_meta, prepare
+from data.prepare import Segments, load_meta, prepare, raw_root
 from device import autocast, peak_memory_gb, pick_device, seed_of, use_compile
 from model import PRESETS, Encoder, ModelConfig, check_config, load_weights
 from optim import make_optimizer
@@ -357,6 +358,29 @@ def validate(run: Run, phase: Phase, step: int) -> dict:
     run.say(f"step {step}/{args.max_steps} | {phase.objective} | " +
             " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
     return record
+
+
+def summary(run: Run, step: int, steps_now: int, seconds: float) -> str:
+    """The lines a finished run ends with: what it trained (over all its sittings, and in this
+    one), its first and last validation figures (log.jsonl), the checkpoint, and the commands
+    that evaluate and export it."""
+    args, path = run.args, run.folder.path
+    tokens = step * run.global_batch * args.seq_len
+    rate = steps_now * run.global_batch * args.seq_len / max(seconds, 1e-9)
+    records = [json.loads(line) for line in run.folder.log_path.read_text().splitlines()
+               if line.strip()] if run.folder.log_path.exists() else []
+    val = [r for r in records if "val_loss" in r]
+    shown = lambda r: " ".join(f"{k[4:]} {r[k]:.4f}" for k in ("val_loss", "val_acc") if k in r)
+    evals = (f"\nvalidation: {shown(val[0])} at step {val[0]['step']} -> {shown(val[-1])} at step "
+             f"{val[-1]['step']}" if val else "")
+    blimp = raw_root() / "babylm_eval" / "fast_eval"
+    return (f"done: {step} steps ({steps_now} in this sitting), {tokens:,} tokens, "
+            f"{duration(seconds)}, {rate / 1e3:.1f}k tok/s{evals}\n"
+            f"checkpoint: {path / 'ckpt.pt'}\n"
+            f"next: python evaluate.py blimp --ckpt {path / 'ckpt.pt'} --blimp-dir "
+            f"{blimp / 'blimp_fast'} {blimp / 'supplement_fast'}\n"
+            f"      python evaluate.py mlm --ckpt {path / 'ckpt.pt'}\n"
+            f"      python export.py --ckpt {path} --out hf/{path.name}")
 
 
 def log_line(record: dict, stats: dict, max_steps: int, eta: float) -> str:

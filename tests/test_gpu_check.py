@@ -62,7 +62,7 @@ def test_smoke_runs_every_part_and_bundles_the_results(carried, tmp_path):
     assert {row["case"].split(",")[0] for row in summary["bench_kernels"]}  # rows came back
     for run in ("mlm10", "dictionary"):
         assert summary[f"{run}_last_val"]["val_loss"] > 0 and not summary[f"{run}_errors"]
-        assert any(line.startswith("done: step 10") for line in summary[f"{run}_said"])
+        assert any(line.startswith("done: 10 steps") for line in summary[f"{run}_said"])
         assert (back / run / "log.jsonl").is_file() and not list((back / run).glob("*.pt"))
     assert any(line.startswith("dictionary: 48 atoms") for line in summary["dictionary_said"])
     assert len(summary["blimp"]) == 4  # filtered and supplement: over paradigms, phenomena

@@ -921,3 +921,22 @@ def test_every_numeric_flag_has_a_range():
     by sparse.DictConfig.check)."""
     numeric = {a.dest for a in T.build_parser()._actions if a.type in (int, float)}
     assert numeric - set(T.DICT_FLAGS) == set(T.RANGES)
+
+
+def test_a_run_ends_with_a_summary_and_the_next_commands(prepared, tmp_path):
+    """Issue 43: a run ends saying what it trained, how its validation figures moved (first and
+    last, as log.jsonl has them) and what to run next."""
+    out = tmp_path / "run"
+    r = run_train("--data", prepared, "--out-dir", out, "--max-steps", 10, *TINY,
+                  "--eval-every", 5)
+    assert r.returncode == 0, r.stderr
+    tail = r.stdout[r.stdout.index("done: "):].splitlines()
+    assert tail[0].startswith(f"done: 10 steps (10 in this sitting), {10 * 8 * 32:,} tokens, ")
+    val = [rec for rec in read_log(out) if "val_loss" in rec]
+    assert [rec["step"] for rec in val] == [5, 10]
+    assert tail[1] == (f"validation: loss {val[0]['val_loss']:.4f} acc {val[0]['val_acc']:.4f} "
+                       f"at step 5 -> loss {val[1]['val_loss']:.4f} acc {val[1]['val_acc']:.4f} "
+                       f"at step 10")
+    assert tail[2] == f"checkpoint: {out / 'ckpt.pt'}"
+    assert tail[3].startswith(f"next: python evaluate.py blimp --ckpt {out / 'ckpt.pt'} ")
+    assert tail[5] == f"      python export.py --ckpt {out} --out hf/run"
