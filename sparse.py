@@ -331,9 +331,11 @@ def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1
         row = dict(epoch=epoch, objective=objective(sample, D, A, lam).mean().item(),
                    nnz=nnz.float().mean().item(), zero_rate=(nnz == 0).float().mean().item(),
                    resampled=resampled)
-        if progress:
+        if progress:  # numbered as the bar numbers them: the start, then epoch 1/4 ... 4/4
             show = lambda k, v: f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-            tqdm.write("dictionary: " + " | ".join(show(k, v) for k, v in row.items()))
+            when = f"epoch {epoch}/{epochs}" if epoch else "at the start"
+            tqdm.write(f"dictionary: {when} | " + " | ".join(show(k, v) for k, v in row.items()
+                                                           if k != "epoch"))
         return row
 
     history = [measure(0, 0)]

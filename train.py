@@ -523,14 +523,14 @@ def main(argv=None):
     net = SafetyNet(run.folder, run.device, run.ddp, args.spike, args.log_every,
                     last_saved=step if run.ckpt is not None else None)
     sums, since_log = {}, 0  # each stat summed over the steps since the last log line
-    t_log, t0, step0 = time.time(), time.time(), step
+    t_log, t_phase, t0, step0 = time.time(), time.time(), time.time(), step
     progress = bar(total=args.max_steps, initial=step, disable=None if run.rank == 0 else True,
                    unit="step", desc="train")
     while step < args.max_steps:
         if step == phase.end:  # phase 2 begins; phase1.pt was written as phase 1 ended
             phase = phase_at(run, step)
             net.new_phase()
-            t_log = time.time()  # its set-up (a teacher, a dictionary...) is no training time
+            t_log = t_phase = time.time()  # its set-up (teacher, dictionary) is not a step's
         lr = set_schedule(phase.optimizer, step, args, phase.start, phase.end)
         step_loss = 0.0
         for micro in range(args.grad_accum):
@@ -565,8 +565,9 @@ def main(argv=None):
         if is_log:  # means over the steps since the last log line, across all processes
             record = run.log_stats(step, sums, since_log, time.time() - t_log, lr)
             net.judge(record, stop, args.lr)
-            eta = (time.time() - t0) / (step - step0) * (args.max_steps - step)
-            run.say(log_line(record, stats, args.max_steps, eta))
+            # at this phase's rate: the set-up between the phases is behind, not spread
+            rate = (step - max(step0, phase.start)) / max(time.time() - t_phase, 1e-9)
+            run.say(log_line(record, stats, args.max_steps, (args.max_steps - step) / rate))
             sums, since_log, t_log = {}, 0, time.time()
         if step % args.eval_every == 0 or step == phase.end:
             validate(run, phase, step)

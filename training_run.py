@@ -362,14 +362,15 @@ def validate(run: Run, phase: Phase, step: int) -> dict:
 
 def summary(run: Run, step: int, steps_now: int, seconds: float) -> str:
     """The lines a finished run ends with: what it trained (over all its sittings, and in this
-    one), its first and last validation figures (log.jsonl), the checkpoint, and the commands
-    that evaluate and export it."""
+    one), its first and last validation figures of the objective it ended with (log.jsonl), the
+    checkpoint, and the commands that evaluate and export it."""
     args, path = run.args, run.folder.path
     tokens = step * run.global_batch * args.seq_len
     rate = steps_now * run.global_batch * args.seq_len / max(seconds, 1e-9)
     records = [json.loads(line) for line in run.folder.log_path.read_text().splitlines()
                if line.strip()] if run.folder.log_path.exists() else []
     val = [r for r in records if "val_loss" in r]
+    val = [r for r in val if r.keys() == val[-1].keys()]  # the last phase's objective's
     shown = lambda r: " ".join(f"{k[4:]} {r[k]:.4f}" for k in ("val_loss", "val_acc") if k in r)
     evals = (f"\nvalidation: {shown(val[0])} at step {val[0]['step']} -> {shown(val[-1])} at step "
              f"{val[-1]['step']}" if val else "")

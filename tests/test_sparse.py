@@ -324,3 +324,16 @@ def test_gram_of_sparse_codes(b):
     P = torch.rand(k, k, generator=g, dtype=torch.float64)
     torch.testing.assert_close(S.add_gram(P.clone(), A, weights, atoms), P + A.T @ A)
     assert (b * w * w < k * k) == (b == 16)
+
+
+def test_dictionary_lines_are_numbered_as_the_bar(capsys):
+    """Issue 43: the log counted epochs 0-4 while its bar said 1/4; now the start, then 1/2, 2/2,
+    and each line's objective is the history's."""
+    gen = torch.Generator().manual_seed(0)
+    H = torch.nn.functional.normalize(torch.randn(300, 8, generator=gen), dim=1)
+    _, history = S.learn_dictionary(H, 6, 0.05, epochs=2, batch_size=100)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("dictionary:")]
+    assert [line.split(" | ")[0] for line in said] == [
+        "dictionary: at the start", "dictionary: epoch 1/2", "dictionary: epoch 2/2"]
+    for h, line in zip(history, said, strict=True):
+        assert f"objective {h['objective']:.4g}" in line
