@@ -216,7 +216,8 @@ def draw_figures(folder, spec, results, comp) -> list[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return ["Figures: `pip install matplotlib`, then run study.py again with `--report`."]
+        return ["Figures: `pip install -r requirements-figures.txt`, then run study.py again with "
+                "`--report`."]
     out = ["## Figures", ""]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for arm in spec["arms"]:

@@ -20,7 +20,7 @@ FLOOR = {"storage": 0, "device": 0, "optim": 0, "progress": 0, "stopping": 0, "k
          "study_plan": 2,
          "evaluate": 3, "meta_moons": 3, "meta_glue": 3, "study_report": 3, "bench_models": 3,
          "bench_ops": 3,
-         "train": 4, "meta": 4, "bench": 4, "synth": 4, "study": 4, "export": 4,
+         "train": 4, "meta": 4, "bench": 4, "synth": 4, "study": 4, "export": 4, "plot": 4,
          "hf": 0}  # hf/: the modeling file export.py ships, transformers' code only
 
 

@@ -1,0 +1,39 @@
+"""plot.py: the curves it reads from a log, and a picture of two real tiny runs."""
+import sys
+
+import pytest
+
+import plot
+from conftest import TINY, run_trains
+
+
+def test_curves_split_training_and_validation_records():
+    records = [{"step": 5, "loss": 7.0, "acc": 0.1, "lr": 1e-3, "tok_per_s": 9e3},
+               {"step": 5, "val_loss": 6.5, "val_acc": 0.2},
+               {"step": 10, "loss": 6.0, "kd": 0.4, "grad_norm": 1.5},
+               {"step": 7, "error": "non-finite loss or gradient"}]
+    assert plot.curves(records) == {
+        "loss": {"train": [(5, 7.0), (10, 6.0)], "val": [(5, 6.5)]},
+        "acc": {"train": [(5, 0.1)], "val": [(5, 0.2)]},
+        "kd": {"train": [(10, 0.4)], "val": []},
+        "grad_norm": {"train": [(10, 1.5)], "val": []}}
+
+
+def test_two_runs_make_one_png(prepared, tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = [tmp_path / "mlm", tmp_path / "boot"]
+    done = run_trains(*[("--objective", r.name, "--data", prepared, "--out-dir", r,
+                         "--max-steps", 10, *TINY, "--eval-every", 5) for r in runs])
+    assert all(p.returncode == 0 for p in done), [p.stderr for p in done]
+    out = tmp_path / "figures" / "curves.png"
+    plot.main([*map(str, runs), "--x", "tokens", "--out", str(out)])
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+def test_without_matplotlib_it_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    with pytest.raises(SystemExit, match="pip install -r requirements-figures.txt"):
+        plot.plot([tmp_path], tmp_path / "x.png")
+    with pytest.raises(SystemExit, match="is not a run folder"):
+        plot.read_run(tmp_path)
