@@ -285,24 +285,28 @@ def blimp(args):
                for g, rows in paradigms.items()}
     w = max(len(k) for k in [*(k for t in (paradigms, phenomena) for rows in t.values()
                                 for k in rows), *(f"{g}: over phenomena" for g in summary)])
-    best_head = f"T*={temps[best]:g} rep"
-    w3 = max(8, len(best_head))
-    line = lambda name, r: (f"  {name:<{w}} {100 * r[0]:6.1f} {100 * r[1]:8.1f} "
+    best_head = f"half T={temps[best]:g}*"
+    w3 = max(9, len(best_head))
+    line = lambda name, r: (f"  {name:<{w}} {100 * r[0]:8.1f} {100 * r[1]:9.1f} "
                             f"{100 * r[2]:{w3}.1f}" + (f" {r[3]:6d}" if len(r) > 3 else ""))
-    head = f"  {'':<{w}} {'T=1':>6} {'T=1 rep':>8} {best_head:>{w3}}"
+    head = f"  {'':<{w}} {'all T=1':>8} {'half T=1':>9} {best_head:>{w3}}"
+    # the headline first: each folder's means over paradigms and over phenomena
+    print(f"\nBLiMP accuracy %: all pairs at T=1; the reporting half of the pairs at T=1, and at "
+          f"T={temps[best]:g} (*: chosen on the other half)\n{head}")
+    for g, s in summary.items():
+        print(line(f"{g}: over paradigms", s["macro_paradigms"]))
+        print(line(f"{g}: over phenomena", s["macro_phenomena"]))
+    ties = int((good[:, t1] == bad[:, t1]).sum())
+    print(f"ties: {ties} of {len(pairs):,} pairs score both sentences the same at T=1, counted "
+          f"wrong here (the BabyLM pipeline picks with torch.max: a tie counts as right)")
     for name, tab in (("paradigm", paradigms), ("phenomenon", phenomena)):
         for g, rows in tab.items():
             if name == "phenomenon" and rows.keys() == paradigms[g].keys():
                 continue  # one paradigm per phenomenon (the supplement): the table above again
             what = "accuracy %" if name == "paradigm" else "mean of its paradigms' accuracies %"
-            print(f"\n{g}, per {name} ({what}; 'rep' = the reporting half of the pairs)\n"
-                  f"{head}  pairs")
+            print(f"\n{g}, per {name} ({what})\n{head}  pairs")
             for k, r in rows.items():
                 print(line(k, r))
-    print(f"\nmacro averages (T*={temps[best]:g} chosen on the other half of the pairs)\n{head}")
-    for g, s in summary.items():
-        print(line(f"{g}: over paradigms", s["macro_paradigms"]))
-        print(line(f"{g}: over phenomena", s["macro_phenomena"]))
     print(f"\n{scored} sentences scored in {seconds:.1f}s: {scored / seconds:.0f} sentences/s "
           f"on {device}" + (f" ({len(seqs) - scored} kept from {partial})" if done else ""))
 
@@ -310,7 +314,7 @@ def blimp(args):
         "kind": "blimp", "ckpt": str(args.ckpt), "pretrain_seed": model.train_args.get("seed"),
         "scorer": args.scorer, "bf16": args.bf16, "dirs": [str(d) for d in args.blimp_dir],
         "temperatures": temps,
-        "best_temperature": temps[best], "sentences_per_s": scored / seconds,
+        "best_temperature": temps[best], "sentences_per_s": scored / seconds, "ties": ties,
         "summary": summary, "paradigms": paradigms, "phenomena": phenomena,
         "pairs": [{"id": p["id"], "uid": p["uid"], "group": p["group"],
                    "phenomenon": p["phenomenon"], "half": int(h), "good": g.tolist(),

@@ -171,8 +171,14 @@ def finetune_once(args, encoder, task, train: Examples, valid: Examples, dev: Ex
         else:
             waited += 1
             if args.patience is not None and waited >= args.patience:
+                stopped = (f"stopped after epoch {epoch} of {args.epochs}: no better "
+                           f"{'held-out ' if dev is not None else ''}{metrics[0]} for "
+                           f"{waited} epochs (--patience {args.patience})")
                 break
-    return {**best, "epochs_run": epoch, "seconds": time.time() - t0}
+    else:
+        stopped = f"ran all {args.epochs} epochs"
+    print(f"  seed {seed}: {stopped}; kept epoch {best['epoch']}")
+    return {**best, "epochs_run": epoch, "stopped": stopped, "seconds": time.time() - t0}
 
 
 def finetune(args):

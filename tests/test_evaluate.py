@@ -366,7 +366,18 @@ def test_finetune_learns_and_reports_every_seed(ckpt, tmp_path, capsys):
     for run in r["runs"].values():  # the reported metrics are those of the reported predictions
         cm = results.confusion(r["examples"]["label"], run["pred"], 2)
         assert run["metrics"]["mcc"] == pytest.approx(results.mcc(cm))
-    assert "mcc" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "mcc" in said
+    # issue 43: each seed says when and why it stopped, as its per-epoch lines show it
+    for seed, run in r["runs"].items():
+        mcc = [float(line.split("mcc ")[1].split(",")[0]) for line in said.splitlines()
+               if line.startswith(f"  seed {seed} epoch ")]
+        best = 1 + mcc.index(max(mcc))  # the first best epoch (chosen on validation here)
+        waited = len(mcc) - best
+        why = (f"stopped after epoch {len(mcc)} of 4: no better mcc for {waited} epochs "
+               f"(--patience 3)" if waited >= 3 else "ran all 4 epochs")
+        assert (run["stopped"], run["epoch"], run["epochs_run"]) == (why, best, len(mcc))
+        assert f"  seed {seed}: {why}; kept epoch {best}" in said
 
 
 def test_finetune_can_choose_epochs_without_seeing_validation(ckpt, tmp_path, monkeypatch):
@@ -416,6 +427,11 @@ def test_blimp_then_compare(ckpt, tmp_path, capsys):
     assert r["examples_best_t"]["id"] == [p["id"] for p in report]
     out = capsys.readouterr().out
     assert "sentences/s" in out and "anaphor_agreement" in out
+    # issue 43: the headline before the tables, and the ties counted (wrong here, as the JSON says)
+    last = out[out.rindex("BLiMP accuracy %"):]
+    assert last.index("mini: over paradigms") < last.index("mini, per paradigm")
+    assert r["ties"] == sum(p["good"][t1] == p["bad"][t1] for p in r["pairs"])
+    assert f"ties: {r['ties']} of 40 pairs" in last
     (tmp_path / "A").mkdir()
     (tmp_path / "B").mkdir()
     for s in (1, 2):
