@@ -4,7 +4,8 @@ input): config.json, the weights, hf/modeling_nanomlm.py, and a fast tokenizer.
     pip install -r requirements-export.txt          # transformers, tokenizers, safetensors...
     python export.py --ckpt runs/mlm/ckpt.pt --out hf_models/mlm
     python export.py --ckpt runs/mlm --out hf_models/mlm      # a run folder: its ckpt.pt, and
-                        # each chck_*.pt that train.py --save-words kept, as hf_models/mlm/chck_*
+                        # each chck_*.pt that train.py --save-words kept, as
+                        # hf_models/mlm/chck_*/mlm (the pipeline files them in results/mlm/chck_*)
 
 Then, with transformers alone:
 
@@ -151,8 +152,12 @@ def main(argv=None):
         raise SystemExit(f"error: {args.out} exists and is not empty; pass --force to write "
                          f"into it")
     if args.ckpt.is_dir():
-        jobs = sorted(args.ckpt.glob("chck_*.pt"), key=lambda p: float(p.stem[5:-1]))
-        jobs = [(p, args.out / p.stem) for p in jobs]
+        # the BabyLM pipeline files a model's results under results/<its folder's stem>/<the
+        # revision>/: OUT (revision main) and OUT/chck_1M/NAME (--revision_name chck_1M), NAME
+        # being OUT's name, land side by side as results/NAME/main, results/NAME/chck_1M, ...
+        words = lambda p: float(p.stem[5:-1]) * {"K": 1e3, "M": 1e6}[p.stem[-1]]
+        jobs = sorted(args.ckpt.glob("chck_*.pt"), key=words)
+        jobs = [(p, args.out / p.stem / args.out.name) for p in jobs]
         if (args.ckpt / "ckpt.pt").exists():
             jobs.append((args.ckpt / "ckpt.pt", args.out))
         if not jobs:

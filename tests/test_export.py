@@ -3,6 +3,7 @@ computes (logits, tokens, PLL), fine-tunes, and train.py --save-words keeps the 
 pipeline's intermediate checkpoints. Needs requirements-export.txt; skipped without it."""
 import gzip
 import json
+from pathlib import Path
 from dataclasses import asdict
 
 import numpy as np
@@ -186,10 +187,17 @@ def test_save_words_keeps_checkpoints_at_the_word_counts(prepared, tmp_path):
     assert kept["step"] == final["step"] == last and "optimizer" not in kept  # weights only
     for k, v in final["model"].items():
         torch.testing.assert_close(kept["model"][k], v, rtol=0, atol=0)
-    export.main(["--ckpt", str(out), "--out", str(tmp_path / "hf")])
-    assert {p.name for p in (tmp_path / "hf").iterdir() if p.is_dir()} == {"chck_1K", "chck_2K"}
-    words = json.loads((tmp_path / "hf" / "chck_1K" / "config.json").read_text())["words_seen"]
+    hf = tmp_path / "hf" / "mlm"
+    export.main(["--ckpt", str(out), "--out", str(hf)])
+    assert {p.name for p in hf.iterdir() if p.is_dir()} == {"chck_1K", "chck_2K"}
+    words = json.loads((hf / "chck_1K" / "mlm" / "config.json").read_text())["words_seen"]
     assert words == 1000
+    # the pipeline's rule (babylm/evaluation-pipeline-2025, its zero-shot main()): results go to
+    # output_dir / Path(model_path_or_name).stem / (revision_name or "main") / ...
+    filed = lambda model, revision=None: Path("results") / Path(model).stem / (revision or "main")
+    assert filed(hf) == Path("results/mlm/main")
+    for revision in ("chck_1K", "chck_2K"):  # as collate_preds.py looks for them: one name
+        assert filed(hf / revision / "mlm", revision) == Path("results/mlm") / revision
 
 
 def test_export_errors_are_one_line(tokenizer_bytes, tmp_path):
