@@ -16,6 +16,7 @@ import optim
 import sparse
 import stopping
 import train as T
+import training_run
 from training_run import Trainee
 from conftest import TINY, run_train, run_trains
 from data.masking import make_batch
@@ -940,3 +941,19 @@ def test_a_run_ends_with_a_summary_and_the_next_commands(prepared, tmp_path):
     assert tail[2] == f"checkpoint: {out / 'ckpt.pt'}"
     assert tail[3].startswith(f"next: python evaluate.py blimp --ckpt {out / 'ckpt.pt'} ")
     assert tail[5] == f"      python export.py --ckpt {out} --out hf/run"
+
+
+def test_save_words_babylm_gives_the_19_revisions_of_the_strict_small_collation():
+    """BabyLM 2025's collation reads chck_1M ... chck_10M, then chck_20M ... chck_100M (every 1M
+    words to 10M, then every 10M): 19 revisions, each the first step by which that many words
+    were seen."""
+    from types import SimpleNamespace
+    args = SimpleNamespace(save_words="babylm", seq_len=128, max_steps=10 ** 6)
+    meta = {"train_words": 7_900_000, "train_tokens": 11_687_464}
+    run = SimpleNamespace(args=args, meta=meta, global_batch=128, say=print)
+    marks = training_run.word_marks(run)
+    want = [f"chck_{m}M" for m in [*range(1, 11), *range(20, 101, 10)]]
+    assert [name for name, _ in marks.values()] == want and len(want) == 19
+    per_step = 128 * 126 * meta["train_words"] / meta["train_tokens"]
+    for step, (name, words) in marks.items():
+        assert (step - 1) * per_step < words <= step * per_step
