@@ -448,7 +448,7 @@ def build_parser():
 # holds the 5 specials and 256 byte pieces at least (sentencepiece may need more for a corpus)
 R, OPEN = flags.Range, dict(low_open=True)
 RANGES = {"vocab_size": R(262), "seq_len": R(3), "batch_size": R(1), "grad_accum": R(1),
-          "lr": R(0, **OPEN), "warmup": R(0), "min_lr": R(0, 1), "weight_decay": R(0),
+          "lr": R(0), "warmup": R(0), "min_lr": R(0, 1), "weight_decay": R(0),
           "weight_decay_end": R(0), "clip": R(0), "spike": R(0), "mask_p": R(0, 1, True, True),
           "max_steps": R(1), "epochs": R(0, **OPEN), "seed": R(0), "log_every": R(1),
           "eval_every": R(1), "eval_batches": R(1), "save_every": R(1), "stop_at": R(1),
