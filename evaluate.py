@@ -512,9 +512,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# the values each numeric flag of the subcommands may take
+R = flags.Range
+RANGES = {"temperatures": R(0, low_open=True), "batch_tokens": R(1), "segments": R(1),
+          "seq_len": R(3), "mask_p": R(0, 1, True, True), "batch_size": R(1), "seed": R(0),
+          "seeds": R(0), "lr": R(0), "weight_decay": R(0), "epochs": R(1), "patience": R(0),
+          "holdout": R(0, 1, high_open=True), "max_len": R(3), "nboot": R(1)}
+
+
 def main(argv=None):
     line_buffered()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    flags.check_ranges(parser, args, RANGES)
     args.func(args)
 
 

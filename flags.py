@@ -76,12 +76,14 @@ class Range:
 
 
 def check_ranges(parser, args, ranges: dict[str, Range]) -> None:
-    """Refuse a value outside its range ({destination: Range}; None passes: not given), in one
-    line that names the flag, its range and the value."""
+    """Refuse a value outside its range ({destination: Range}; None passes: not given; a flag
+    the parser lacks passes too, for subcommands), in one line that names the flag, its range
+    and the value."""
     for name, allowed in ranges.items():
-        value = getattr(args, name)
-        if value is not None and value not in allowed:
-            parser.error(f"--{name.replace('_', '-')} must be {allowed}, not {value:g}")
+        for value in getattr(args, name, None) if isinstance(getattr(args, name, None), list) \
+                else [getattr(args, name, None)]:  # a list flag: each of its values
+            if value is not None and value not in allowed:
+                parser.error(f"--{name.replace('_', '-')} must be {allowed}, not {value:g}")
 
 
 def typed(parser, argv) -> list[str]:
