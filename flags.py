@@ -80,8 +80,8 @@ def check_ranges(parser, args, ranges: dict[str, Range]) -> None:
     the parser lacks passes too, for subcommands), in one line that names the flag, its range
     and the value."""
     for name, allowed in ranges.items():
-        for value in getattr(args, name, None) if isinstance(getattr(args, name, None), list) \
-                else [getattr(args, name, None)]:  # a list flag: each of its values
+        given = getattr(args, name, None)
+        for value in given if isinstance(given, list) else [given]:  # a list: each of its values
             if value is not None and value not in allowed:
                 parser.error(f"--{name.replace('_', '-')} must be {allowed}, not {value:g}")
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import flags
+from run_folder import RunFolder
 
 
 NOT_FIGURES = {"step", "lr", "tok_per_s", "peak_mem_gb", "error"}  # logged, but not curves
@@ -20,16 +21,11 @@ NOT_FIGURES = {"step", "lr", "tok_per_s", "peak_mem_gb", "error"}  # logged, but
 
 def read_run(folder: Path) -> tuple[list[dict], dict]:
     """(the run's log records, its settings), or one line saying what is missing."""
-    log, settings = folder / "log.jsonl", folder / "args.json"
-    if not log.is_file() or not settings.is_file():
+    run = RunFolder(folder, master=False)  # read only
+    settings = folder / "args.json"
+    if not run.log_path.is_file() or not settings.is_file():
         raise SystemExit(f"error: {folder} is not a run folder (no log.jsonl or args.json)")
-    records = []
-    for line in log.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:  # a line torn by a kill
-            continue
-    return records, json.loads(settings.read_text())
+    return run.records(), json.loads(settings.read_text())
 
 
 def curves(records: list[dict]) -> dict[str, dict[str, list]]:

@@ -96,16 +96,22 @@ class RunFolder:
             with one_line_os_errors(self.path / f"{name}.json"):
                 (self.path / f"{name}.json").write_text(json.dumps(content, indent=1))
 
+    def records(self) -> list[dict]:
+        """The records of log.jsonl (none if there is no log), a line torn by a kill or a full
+        disk left out."""
+        records = []
+        for line in self.log_path.read_text().splitlines() if self.log_path.exists() else []:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+        return records
+
     def resume(self, step: int) -> None:
         """Continuing from a checkpoint at `step`: drop the log lines that the run which was cut
         off wrote after it, so that the log reads as one uninterrupted run."""
         if self.master and self.log_path.exists():
-            records = []
-            for line in self.log_path.read_text().splitlines():
-                try:
-                    records.append(json.loads(line))
-                except ValueError:  # a line torn by a kill or a full disk
-                    continue
+            records = self.records()
             with one_line_os_errors(self.log_path):
                 self.log_path.write_text("".join(json.dumps(r) + "\n" for r in records
                                                  if r["step"] <= step))

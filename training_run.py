@@ -10,7 +10,6 @@ code version, tokenizer, checksum), code/ (train.CODE: the source that decides i
 lock (held by the one process training there).
 """
 import argparse
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -367,9 +366,9 @@ def summary(run: Run, step: int, steps_now: int, seconds: float) -> str:
     args, path = run.args, run.folder.path
     tokens = step * run.global_batch * args.seq_len
     rate = steps_now * run.global_batch * args.seq_len / max(seconds, 1e-9)
-    records = [json.loads(line) for line in run.folder.log_path.read_text().splitlines()
-               if line.strip()] if run.folder.log_path.exists() else []
-    val = [r for r in records if "val_loss" in r]
+    if run.rank != 0:  # only rank 0 says it (Run.say), and only it reads the log
+        return ""
+    val = [r for r in run.folder.records() if "val_loss" in r]
     val = [r for r in val if r.keys() == val[-1].keys()]  # the last phase's objective's
     shown = lambda r: " ".join(f"{k[4:]} {r[k]:.4f}" for k in ("val_loss", "val_acc") if k in r)
     evals = (f"\nvalidation: {shown(val[0])} at step {val[0]['step']} -> {shown(val[-1])} at step "
