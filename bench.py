@@ -255,9 +255,9 @@ def cpu_name() -> str:
     return f"{model}, {os.cpu_count()} cores" + (f" ({', '.join(have)})" if have else "")
 
 
-def main(argv=None):
-    ap = flags.Parser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> flags.Parser:
+    ap = flags.Parser(prog="bench.py", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("--device", default="auto", choices=("auto", "cpu", "cuda"),
         help="auto = cuda if available (default auto)")
@@ -295,7 +295,17 @@ def main(argv=None):
         "adds a bf16 row on the CPU)")
     add("--out", default="bench.json", help="where to write the rows (default bench.json)")
     add("--table", default=None, help="print the table of this bench.json and stop")
+    return ap
+
+
+R = flags.Range
+RANGES = {"steps": R(1), "batch_size": R(1), "seq_len": R(3), "mlsm_k": R(1)}
+
+
+def main(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
+    flags.check_ranges(ap, args, RANGES)
     if args.table:
         if not Path(args.table).is_file():
             raise SystemExit(f"error: --table {args.table}: no such file")

@@ -416,7 +416,7 @@ def weights(args):
 # Command line
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = flags.Parser(description=__doc__,
+    ap = flags.Parser(prog="evaluate.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     floats = lambda s: [float(x) for x in s.split(",")]

@@ -135,7 +135,7 @@ def export(ckpt_path: Path, out: Path) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = flags.Parser(description=__doc__.split("\n\n")[0],
+    p = flags.Parser(prog="export.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", type=Path, required=True,
                    help="a checkpoint (ckpt.pt, chck_10M.pt...), or a run folder: its ckpt.pt "

@@ -73,14 +73,9 @@ def protocol_defaults(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # Command line
 
-
-
-
-
-def main(argv=None):
-    line_buffered()
-    ap = flags.Parser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> flags.Parser:
+    ap = flags.Parser(prog="meta.py", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("--task", choices=("two_moons", "glue"), default="two_moons",
         help="the toy task, or text + (Super)GLUE")
@@ -156,23 +151,44 @@ def main(argv=None):
     add("--resume", action="store_true",
         help="continue the run in --out-dir (two_moons: skip finished cells)")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to train")
+    return ap
+
+
+# the values each numeric flag may take (--clip 0 would zero every gradient: no "off" here)
+R = flags.Range
+RANGES = {"steps": R(1), "batch_size": R(1), "task_batch": R(1), "lr": R(0), "teacher_lr": R(0),
+          "inner_lr": R(0), "mlm_task_p": R(0, 1), "meta_weight": R(0), "weight_decay": R(0),
+          "clip": R(0, low_open=True), "seed": R(0), "seeds": R(0), "data_seed": R(0),
+          "workers": R(1), "ft_steps": R(0), "ft_epochs": R(1), "ft_lr": R(0),
+          "vocab_size": R(262), "seq_len": R(3), **{f: R(1) for f in MODEL_FLAGS[:-1]},
+          "dropout": R(0, 1, high_open=True), "log_every": R(1), "save_every": R(1)}
+
+
+def integers(parser, flag: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"--{flag} {text}: give comma-separated integers")
+
+
+def main(argv=None):
+    line_buffered()
+    ap = build_parser()
     args = ap.parse_args(argv)
+    args.seeds, args.sizes = integers(ap, "seeds", args.seeds), integers(ap, "sizes", args.sizes)
+    flags.check_ranges(ap, args, RANGES)
     protocol_defaults(args)
     args.labels_list = args.labels.split(",")
     bad = [x for x in args.labels_list if x not in ("hard", "soft", "denoise", "mlm", "none")]
     if bad:
-        raise SystemExit(f"error: --labels {','.join(bad)}: each must be hard, soft, denoise, "
-                         f"mlm or none")
-    args.seeds = [int(s) for s in args.seeds.split(",")]
-    args.sizes = [int(s) for s in args.sizes.split(",")]
+        ap.error(f"--labels {','.join(bad)}: each must be hard, soft, denoise, mlm or none")
     if args.task == "two_moons":
         if any(s < 2 or s > 160 or s % 2 for s in args.sizes):
-            raise SystemExit("error: --sizes must be even numbers from 2 to 160")
+            ap.error("--sizes must be even numbers from 2 to 160")
         args.seq_len = 34  # [U], 16 points, [SEP]
     else:
         if len(args.labels_list) != 1 or args.labels == "none":
-            raise SystemExit("error: --task glue pretrains one student: give one of --labels "
-                             "hard, soft or mlm")
+            ap.error("--task glue pretrains one student: give one of --labels hard, soft or mlm")
         args.glue_tasks = args.glue_tasks.split(",")
         if args.glue_dir is None:
             args.glue_dir = str(raw_root() / "babylm_eval" / "full_eval" / "glue_filtered")

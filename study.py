@@ -303,9 +303,9 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def main(argv=None):
-    ap = flags.Parser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> flags.Parser:
+    ap = flags.Parser(prog="study.py", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("study", help="the study file, e.g. studies/better_together.toml")
     add("--scale", default="cpu", help="which of the file's scales (default cpu)")
@@ -319,7 +319,16 @@ def main(argv=None):
     add("--nboot", type=int, default=1000, help="bootstrap resamples per comparison "
         "(default 1000)")
     add("--no-figures", action="store_true", help="no PNGs even when matplotlib is installed")
+    return ap
+
+
+RANGES = {"parallel": flags.Range(1), "nboot": flags.Range(1)}
+
+
+def main(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
+    flags.check_ranges(ap, args, RANGES)
     path = Path(args.study)
     spec = load_study(path)
     if args.scale not in spec["scales"]:

@@ -300,9 +300,9 @@ def same_sentence_pmi(tokens, rels, sids) -> float:
     return float(math.log(within / chance))
 
 
-def main(argv=None):
-    ap = flags.Parser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> flags.Parser:
+    ap = flags.Parser(prog="synth.py", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("--ud", default=None, help="folder holding the UD treebanks (default $NANOMLM_RAW/ud)")
     add("--treebanks", nargs="+", default=TREEBANKS, help=f"(default {' '.join(TREEBANKS)})")
@@ -325,7 +325,18 @@ def main(argv=None):
     add("--seed", type=int, default=0, help="(default 0)")
     add("--out", required=True, help="corpus folder to write: synth.train, synth.dev (every 20th "
         "sentence), grammar.json, stats.json")
+    return ap
+
+
+R = flags.Range
+RANGES = {"n_rels": R(1), "vocab": R(1), "sentences": R(1), "max_depth": R(1), "max_len": R(1),
+          "seed": R(0)}
+
+
+def main(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
+    flags.check_ranges(ap, args, RANGES)
     ud = Path(args.ud or raw_root() / "ud")
     t0 = time.time()
     sentences = [s for f in treebank_files(ud, args.treebanks) for s in read_conllu(f)]

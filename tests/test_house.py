@@ -1,6 +1,7 @@
 """The house rules, checked on the source: layers with arrows pointing down only, no stage that
 runs another as a subprocess, a training loop that names no objective, lines of at most 100
 characters."""
+import argparse
 import ast
 import inspect
 import re
@@ -99,3 +100,35 @@ def test_the_model_file_is_the_model_and_the_loop_fits_a_screen_or_two():
     assert imported(REPO / "model.py") <= {"dataclasses", "math", "sentencepiece", "torch",
                                             "kernels", "storage"}
     assert len(inspect.getsource(train.main).splitlines()) <= 90
+
+
+@pytest.mark.parametrize("script", ["train", "evaluate", "meta", "synth", "study", "bench"])
+def test_every_numeric_flag_has_a_range(script):
+    """Issue 43: a numeric flag cannot slip past the range checks (train.py's dictionary flags are
+    checked by sparse.DictConfig.check)."""
+    module = __import__(script)
+    parser = module.build_parser()
+    parsers = [parser] + [p for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+                          for p in a.choices.values()]
+    numeric = {a.dest for p in parsers for a in p._actions if a.type in (int, float)}
+    assert numeric - set(getattr(module, "DICT_FLAGS", ())) <= set(module.RANGES)
+
+
+@pytest.mark.parametrize("script, argv, says", [
+    ("meta", ["--inner-lr", "-1"], "--inner-lr must be >= 0, not -1"),
+    ("meta", ["--clip", "0"], "--clip must be > 0, not 0"),
+    ("meta", ["--seeds", "0,-1"], "--seeds must be >= 0, not -1"),
+    ("meta", ["--seeds", "0,x"], "--seeds 0,x: give comma-separated integers"),
+    ("meta", ["--labels", "hardd"], "--labels hardd: each must be hard, soft"),
+    ("synth", ["--out", "x", "--sentences", "0"], "--sentences must be >= 1, not 0"),
+    ("study", ["x.toml", "--nboot", "0"], "--nboot must be >= 1, not 0"),
+    ("bench", ["--seq-len", "2"], "--seq-len must be >= 3, not 2"),
+])
+def test_bad_flags_are_one_line_before_anything_runs(script, argv, says, capsys):
+    """Issue 43: bad input stops in one line naming the flag, before any data is read
+    (train.py's and evaluate.py's own tests check theirs)."""
+    with pytest.raises(SystemExit) as stopped:
+        __import__(script).main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and says in err, err
+    assert err.rstrip().endswith(f"see {script}.py --help")

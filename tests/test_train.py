@@ -917,13 +917,6 @@ def test_bad_flags_are_one_line_before_anything_runs(argv, says, capsys):
     assert says in err and err.rstrip().endswith("see train.py --help")
 
 
-def test_every_numeric_flag_has_a_range():
-    """A new numeric flag cannot slip past the range checks (the dictionary's flags are checked
-    by sparse.DictConfig.check)."""
-    numeric = {a.dest for a in T.build_parser()._actions if a.type in (int, float)}
-    assert numeric - set(T.DICT_FLAGS) == set(T.RANGES)
-
-
 def test_a_run_ends_with_a_summary_and_the_next_commands(prepared, tmp_path):
     """Issue 43: a run ends saying what it trained, how its validation figures moved (first and
     last, as log.jsonl has them) and what to run next."""
