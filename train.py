@@ -569,18 +569,18 @@ def main(argv=None):
             rate = (step - max(step0, phase.start)) / max(time.time() - t_phase, 1e-9)
             run.say(log_line(record, stats, args.max_steps, (args.max_steps - step) / rate))
             sums, since_log, t_log = {}, 0, time.time()
+        paused = time.time()  # throughput counts training time only: evals and saves are not
         if step % args.eval_every == 0 or step == phase.end:
             validate(run, phase, step)
-            t_log = time.time()  # throughput counts training time only
         if step == phase.end < args.max_steps:  # phase 1 is over: its model teaches phase 2
             save(run, phase, step, "phase1.pt")
             if run.ddp:
                 dist.barrier()  # every process loads it as the teacher next
         if is_save and net.may_save(must=step in (phase.end, args.stop_at) or stop):
             net.last_saved = save(run, phase, step)
-            t_log = time.time()
         if step in marks:
             save(run, phase, step, f"{marks[step][0]}.pt", words=marks[step][1])
+        t_log += time.time() - paused  # (not reset: the steps since the last log line still count)
         if stop:
             progress.close()
             net.stop(step, run.rank, run.folder.path)
