@@ -417,7 +417,7 @@ def weights(args):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = flags.Parser(prog="evaluate.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     floats = lambda s: [float(x) for x in s.split(",")]
     ints = lambda s: [int(x) for x in s.split(",")]

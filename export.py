@@ -136,10 +136,11 @@ def export(ckpt_path: Path, out: Path) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = flags.Parser(prog="export.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", type=Path, required=True,
                    help="a checkpoint (ckpt.pt, chck_10M.pt...), or a run folder: its ckpt.pt "
-                        "into --out and each chck_*.pt into --out/chck_*")
+                        "into --out and each chck_*.pt into --out/chck_*/NAME, NAME being "
+                        "--out's own name (where the BabyLM pipeline files it as a revision)")
     p.add_argument("--out", type=Path, required=True, help="the folder to write")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
     return p

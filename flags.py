@@ -86,6 +86,14 @@ def check_ranges(parser, args, ranges: dict[str, Range]) -> None:
                 parser.error(f"--{name.replace('_', '-')} must be {allowed}, not {value:g}")
 
 
+def integers(parser, flag: str, text: str) -> list[int]:
+    """A comma-separated list flag's integers, or one line naming the flag."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"--{flag} {text}: give comma-separated integers")
+
+
 def typed(parser, argv) -> list[str]:
     """The destinations of the flags typed on the command line (argv, or sys.argv's): a resumed
     run keeps its saved settings and refuses new ones. argparse has no public map from option

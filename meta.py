@@ -123,7 +123,8 @@ def build_parser() -> flags.Parser:
     add("--ft-steps", type=int, default=None,
         help="two_moons, nanomlm: full-batch fine-tuning steps (default 200)")
     add("--ft-epochs", type=int, default=None,
-        help="two_moons, shen: fine-tuning epochs, the best on validation kept (default 100)")
+        help="two_moons, shen: fine-tuning epochs, the best on validation kept; 0: full-batch "
+        "--ft-steps instead (default 100)")
     add("--ft-lr", type=float, default=None,
         help="two_moons: fine-tuning AdamW learning rate (default 1e-2; shen 0.04 x n^-1/2)")
     add("--data", default="babylm_10m",
@@ -159,23 +160,17 @@ R = flags.Range
 RANGES = {"steps": R(1), "batch_size": R(1), "task_batch": R(1), "lr": R(0), "teacher_lr": R(0),
           "inner_lr": R(0), "mlm_task_p": R(0, 1), "meta_weight": R(0), "weight_decay": R(0),
           "clip": R(0, low_open=True), "seed": R(0), "seeds": R(0), "data_seed": R(0),
-          "workers": R(1), "ft_steps": R(0), "ft_epochs": R(1), "ft_lr": R(0),
+          "workers": R(1), "ft_steps": R(0), "ft_epochs": R(0), "ft_lr": R(0),
           "vocab_size": R(262), "seq_len": R(3), **{f: R(1) for f in MODEL_FLAGS[:-1]},
           "dropout": R(0, 1, high_open=True), "log_every": R(1), "save_every": R(1)}
-
-
-def integers(parser, flag: str, text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        parser.error(f"--{flag} {text}: give comma-separated integers")
 
 
 def main(argv=None):
     line_buffered()
     ap = build_parser()
     args = ap.parse_args(argv)
-    args.seeds, args.sizes = integers(ap, "seeds", args.seeds), integers(ap, "sizes", args.sizes)
+    args.seeds = flags.integers(ap, "seeds", args.seeds)
+    args.sizes = flags.integers(ap, "sizes", args.sizes)
     flags.check_ranges(ap, args, RANGES)
     protocol_defaults(args)
     args.labels_list = args.labels.split(",")
@@ -186,6 +181,8 @@ def main(argv=None):
         if any(s < 2 or s > 160 or s % 2 for s in args.sizes):
             ap.error("--sizes must be even numbers from 2 to 160")
         args.seq_len = 34  # [U], 16 points, [SEP]
+        if not args.ft_epochs and args.ft_steps is None:
+            ap.error("--ft-epochs 0 fine-tunes full-batch for --ft-steps steps: give --ft-steps")
     else:
         if len(args.labels_list) != 1 or args.labels == "none":
             ap.error("--task glue pretrains one student: give one of --labels hard, soft or mlm")

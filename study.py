@@ -322,12 +322,13 @@ def build_parser() -> flags.Parser:
     return ap
 
 
-RANGES = {"parallel": flags.Range(1), "nboot": flags.Range(1)}
+RANGES = {"parallel": flags.Range(1), "nboot": flags.Range(1), "seeds": flags.Range(0)}
 
 
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.seeds = flags.integers(ap, "seeds", args.seeds) if args.seeds else None
     flags.check_ranges(ap, args, RANGES)
     path = Path(args.study)
     spec = load_study(path)
@@ -339,12 +340,8 @@ def main(argv=None):
         if a not in spec["arms"]:
             raise StudyError(f"error: --only {a}: {path} has no such arm "
                              f"({', '.join(spec['arms'])})")
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
-    except ValueError:
-        raise StudyError(f"error: --seeds {args.seeds}: give comma-separated integers")
     folder = Path(args.out) if args.out else REPO / "runs" / spec["name"] / args.scale
-    jobs = plan(spec, args.scale, folder, only, seeds)
+    jobs = plan(spec, args.scale, folder, only, args.seeds)
     if args.report:
         print(build_report(spec, args.scale, folder, plan(spec, args.scale, folder), args.nboot,
                            not args.no_figures))

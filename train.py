@@ -560,8 +560,9 @@ def main(argv=None):
         is_save = (step % args.save_every == 0 or step in (phase.end, args.stop_at) or stop
                    or net.save_pending(step))
         is_log = step % args.log_every == 0 or step == phase.end or is_save  # saves are checked
-        if is_log or is_save:  # the only places the loop waits for the device
-            net.check_finite()
+        is_eval = step % args.eval_every == 0 or step == phase.end
+        if is_log or is_eval or step in marks:  # the only places the loop waits for the device
+            net.check_finite()  # (so the queued step is not timed as the pause that follows)
         if is_log:  # means over the steps since the last log line, across all processes
             record = run.log_stats(step, sums, since_log, time.time() - t_log, lr)
             net.judge(record, stop, args.lr)
@@ -570,7 +571,7 @@ def main(argv=None):
             run.say(log_line(record, stats, args.max_steps, (args.max_steps - step) / rate))
             sums, since_log, t_log = {}, 0, time.time()
         paused = time.time()  # throughput counts training time only: evals and saves are not
-        if step % args.eval_every == 0 or step == phase.end:
+        if is_eval:
             validate(run, phase, step)
         if step == phase.end < args.max_steps:  # phase 1 is over: its model teaches phase 2
             save(run, phase, step, "phase1.pt")

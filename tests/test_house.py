@@ -110,8 +110,10 @@ def test_every_numeric_flag_has_a_range(script):
     parser = module.build_parser()
     parsers = [parser] + [p for a in parser._actions if isinstance(a, argparse._SubParsersAction)
                           for p in a.choices.values()]
+    dests = {a.dest for p in parsers for a in p._actions}
     numeric = {a.dest for p in parsers for a in p._actions if a.type in (int, float)}
     assert numeric - set(getattr(module, "DICT_FLAGS", ())) <= set(module.RANGES)
+    assert set(module.RANGES) <= dests  # a misspelt name: checked by no one
 
 
 @pytest.mark.parametrize("script, argv, says", [
@@ -121,7 +123,10 @@ def test_every_numeric_flag_has_a_range(script):
     ("meta", ["--seeds", "0,x"], "--seeds 0,x: give comma-separated integers"),
     ("meta", ["--labels", "hardd"], "--labels hardd: each must be hard, soft"),
     ("synth", ["--out", "x", "--sentences", "0"], "--sentences must be >= 1, not 0"),
+    ("meta", ["--protocol", "shen", "--ft-epochs", "0"], "--ft-epochs 0 fine-tunes full-batch"),
     ("study", ["x.toml", "--nboot", "0"], "--nboot must be >= 1, not 0"),
+    ("study", ["x.toml", "--seeds", "0,-1"], "--seeds must be >= 0, not -1"),
+    ("study", ["x.toml", "--seeds", "x"], "--seeds x: give comma-separated integers"),
     ("bench", ["--seq-len", "2"], "--seq-len must be >= 3, not 2"),
 ])
 def test_bad_flags_are_one_line_before_anything_runs(script, argv, says, capsys):

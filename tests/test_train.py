@@ -919,9 +919,10 @@ def test_bad_flags_are_one_line_before_anything_runs(argv, says, capsys):
 
 def test_throughput_counts_the_steps_of_the_interval_and_nothing_else(prepared, tmp_path,
                                                                        monkeypatch):
-    """tok/s of a log line whose interval holds an evaluation: on a clock where a step takes 1 s
-    and an evaluation 100 s, 6 steps of B x T tokens are 6 s, B x T tokens/s exactly. Until
-    2026-11-25 the evaluation restarted the interval's clock but not its step count: 2 B x T."""
+    """tok/s of log lines whose intervals hold evaluations and saves: on a clock where a step
+    takes 1 s, an evaluation 100 s and a save 1000 s, every line says B x T tokens/s exactly.
+    Until 2026-11-25 an evaluation or a save restarted the interval's clock but not its step
+    count (the first line said 4 B x T), and no save was taken out."""
     now = [0.0]
     monkeypatch.setattr(T, "time", type("Clock", (), {"time": staticmethod(lambda: now[0])}))
 
@@ -932,12 +933,14 @@ def test_throughput_counts_the_steps_of_the_interval_and_nothing_else(prepared, 
         return timed
     monkeypatch.setattr(T, "train_batch", ticking(T.train_batch, 1.0))
     monkeypatch.setattr(T, "validate", ticking(T.validate, 100.0))
+    monkeypatch.setattr(T, "save", ticking(T.save, 1000.0))
     out = tmp_path / "run"
     T.main(["--data", str(prepared), "--out-dir", str(out), "--max-steps", "12", *TINY,
             "--log-every", "6", "--eval-every", "3", "--save-every", "4", "--device", "cpu"])
     # log lines at steps 4 (a save), 6, 8 (a save), 12; evaluations at 3 and 9 fall inside
     rates = [rec["tok_per_s"] for rec in read_log(out) if "tok_per_s" in rec]
     assert rates == [8 * 32] * 4  # TINY: 8 sequences of 32 tokens
+    assert now[0] == 12 + 4 * 100 + 3 * 1000  # each step; evaluations 3, 6, 9, 12; saves 4, 8, 12
 
 
 def test_a_run_ends_with_a_summary_and_the_next_commands(prepared, tmp_path):
