@@ -374,8 +374,8 @@ def summary(run: Run, step: int, steps_now: int, seconds: float) -> str:
     evals = (f"\nvalidation: {shown(val[0])} at step {val[0]['step']} -> {shown(val[-1])} at step "
              f"{val[-1]['step']}" if val else "")
     blimp = raw_root() / "babylm_eval" / "fast_eval"
-    return (f"done: {step} steps ({steps_now} in this sitting), {tokens:,} tokens, "
-            f"{duration(seconds)}, {rate / 1e3:.1f}k tok/s{evals}\n"
+    return (f"done: {step} steps, {tokens:,} tokens; this sitting {steps_now} steps in "
+            f"{duration(seconds)}, {rate / 1e3:.1f}k tok/s with its evaluations and saves{evals}\n"
             f"checkpoint: {path / 'ckpt.pt'}\n"
             f"next: python evaluate.py blimp --ckpt {path / 'ckpt.pt'} --blimp-dir "
             f"{blimp / 'blimp_fast'} {blimp / 'supplement_fast'}\n"

@@ -951,7 +951,7 @@ def test_a_run_ends_with_a_summary_and_the_next_commands(prepared, tmp_path):
                   "--eval-every", 5)
     assert r.returncode == 0, r.stderr
     tail = r.stdout[r.stdout.index("done: "):].splitlines()
-    assert tail[0].startswith(f"done: 10 steps (10 in this sitting), {10 * 8 * 32:,} tokens, ")
+    assert tail[0].startswith(f"done: 10 steps, {10 * 8 * 32:,} tokens; this sitting 10 steps in ")
     val = [rec for rec in read_log(out) if "val_loss" in rec]
     assert [rec["step"] for rec in val] == [5, 10]
     assert tail[1] == (f"validation: loss {val[0]['val_loss']:.4f} acc {val[0]['val_acc']:.4f} "
