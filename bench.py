@@ -256,8 +256,7 @@ def cpu_name() -> str:
 
 
 def build_parser() -> flags.Parser:
-    ap = flags.Parser(prog="bench.py", description=__doc__,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.Parser(prog="bench.py", description=__doc__, formatter_class=flags.Help)
     add = ap.add_argument
     add("--device", default="auto", choices=("auto", "cpu", "cuda"),
         help="auto = cuda if available (default auto)")

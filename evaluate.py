@@ -280,8 +280,12 @@ def blimp(args):
     phenomena = {g: {ph: [*np.nanmean([r[:3] for r in rows], 0).tolist(),
                           sum(r[3] for r in rows)] for ph, rows in tab.items()}
                  for g, tab in phenomena.items()}
+    # the BabyLM pipeline's average: over paradigms, T=1, a tie counted right (torch.max)
+    won_or_tied = good[:, t1] >= bad[:, t1]
     summary = {g: {"macro_paradigms": np.mean([r[:3] for r in rows.values()], 0).tolist(),
-                   "macro_phenomena": np.mean([r[:3] for r in phenomena[g].values()], 0).tolist()}
+                   "macro_phenomena": np.mean([r[:3] for r in phenomena[g].values()], 0).tolist(),
+                   "pipeline_average": float(np.mean([won_or_tied[(groups == g) & (uid_of == u)]
+                                                      .mean() for u in rows]))}
                for g, rows in paradigms.items()}
     w = max(len(k) for k in [*(k for t in (paradigms, phenomena) for rows in t.values()
                                 for k in rows), *(f"{g}: over phenomena" for g in summary)])
@@ -299,6 +303,10 @@ def blimp(args):
     ties = int((good[:, t1] == bad[:, t1]).sum())
     print(f"ties: {ties} of {len(pairs):,} pairs score both sentences the same at T=1, counted "
           f"wrong here (the BabyLM pipeline picks with torch.max: a tie counts as right)")
+    print("to quote (over paradigms, all pairs, T=1): " + ", ".join(
+        f"{g} {100 * s['macro_paradigms'][0]:.2f}" for g, s in summary.items())
+        + "; the BabyLM pipeline's average, ties counted right: " + ", ".join(
+        f"{g} {100 * s['pipeline_average']:.2f}" for g, s in summary.items()))
     for name, tab in (("paradigm", paradigms), ("phenomenon", phenomena)):
         for g, rows in tab.items():
             if name == "phenomenon" and rows.keys() == paradigms[g].keys():
@@ -422,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     floats = lambda s: [float(x) for x in s.split(",")]
     ints = lambda s: [int(x) for x in s.split(",")]
     common = lambda p, out: (
-        p.add_argument("--ckpt", required=True, help="checkpoint written by train.py"),
+        p.add_argument("--ckpt", required=True,
+                       help="checkpoint written by train.py, or its run folder (its ckpt.pt)"),
         p.add_argument("--out", default=None, help=f"result JSON (default RUN/eval/{out}.json)"))
     device = lambda p: p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                                       help="(default auto)")
@@ -525,6 +534,8 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     flags.check_ranges(parser, args, RANGES)
+    if getattr(args, "ckpt", None) and (Path(args.ckpt) / "ckpt.pt").is_file():
+        args.ckpt = str(Path(args.ckpt) / "ckpt.pt")  # a run folder: its checkpoint
     args.func(args)
 
 

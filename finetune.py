@@ -211,8 +211,9 @@ def finetune(args):
         v = [r["metrics"][m] for r in runs.values()]
         std = float(np.std(v, ddof=1)) if len(v) > 1 else 0.0
         aggregate[m] = {"mean": float(np.mean(v)), "std": std, "values": v}
-    print(f"{args.task} validation over {len(runs)} seeds: " + ", ".join(
-        f"{m} {100 * a['mean']:.2f} ± {100 * a['std']:.2f}" for m, a in aggregate.items()))
+    spread = lambda a: f" ± {100 * a['std']:.2f}" if len(runs) > 1 else ""  # no spread of one
+    print(f"{args.task} validation over {len(runs)} seed{'s' * (len(runs) > 1)}: " + ", ".join(
+        f"{m} {100 * a['mean']:.2f}{spread(a)}" for m, a in aggregate.items()))
     result = {"kind": "finetune", "task": args.task, "ckpt": str(args.ckpt),
               "pretrain_seed": encoder.train_args.get("seed"),
               "settings": {k_: v for k_, v in vars(args).items() if k_ not in ("func",)},

@@ -16,7 +16,13 @@ from dataclasses import dataclass, fields
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser, but an error is one line naming what is wrong and pointing at --help
-    (argparse prints its whole usage block first, 35 lines for train.py)."""
+    (argparse prints its whole usage block first, 35 lines for train.py), and `--lr -1e-3` is a
+    negative number (argparse's own pattern knows -1 and -.5 but takes -1e-3 for a flag, and
+    says "expected one argument" where the range check would say why)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$", re.I)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")

@@ -42,7 +42,6 @@ x_u, as MetaLMO's in-place relabel makes it); given x_m, perform it (x^ -> x_m, 
 --labels mlm pretrains the same student with plain MLM on the same unlabelled batches; --labels
 none does not pretrain at all.
 """
-import argparse
 import sys
 
 import flags
@@ -74,8 +73,7 @@ def protocol_defaults(args) -> None:
 # Command line
 
 def build_parser() -> flags.Parser:
-    ap = flags.Parser(prog="meta.py", description=__doc__,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.Parser(prog="meta.py", description=__doc__, formatter_class=flags.Help)
     add = ap.add_argument
     add("--task", choices=("two_moons", "glue"), default="two_moons",
         help="the toy task, or text + (Super)GLUE")
@@ -105,7 +103,8 @@ def build_parser() -> flags.Parser:
         help="probability that a step's labelled task is MLM on other unlabelled text (default: "
         "0.5 for soft, as MetaLMO's soft runs; 0 otherwise)")
     add("--meta-weight", type=float, default=None,
-        help="weight of the meta term against the teacher's two MLM losses")
+        help="weight of the meta term against the teacher's two MLM losses (default 100 for "
+        "soft and denoise labels, as MetaLMO's soft runs; 1 otherwise)")
     add("--weight-decay", type=float, default=0.01, help="AdamW weight decay, all optimisers")
     add("--clip", type=float, default=None,
         help="gradient-norm clip of every outer step (default 1; shen 5)")

@@ -67,7 +67,9 @@ def plot(folders: list[Path], out: Path, x: str = "step") -> Path:
                 points = c.get(name, {}).get(split, [])
                 if points:
                     steps, values = zip(*points)
-                    ax.plot([s * scale for s in steps], values, color=color, **style,
+                    # a line through one point draws nothing: mark it
+                    one = dict(marker="x") if len(points) == 1 and split == "train" else {}
+                    ax.plot([s * scale for s in steps], values, color=color, **style, **one,
                             label=f"{run} ({split})")
         ax.set_title(name)
         ax.set_xlabel("tokens" if x == "tokens" else "step")

@@ -25,7 +25,6 @@ A result is written once all of its run's steps succeed; a run with a result is 
 interrupted one goes on from its last checkpoint and its evaluations not yet written. Results
 from other machines merge by copying them into results/ and running --report.
 """
-import argparse
 import contextlib
 import gzip
 import io
@@ -304,8 +303,7 @@ def has_cuda() -> bool:
 
 
 def build_parser() -> flags.Parser:
-    ap = flags.Parser(prog="study.py", description=__doc__,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.Parser(prog="study.py", description=__doc__, formatter_class=flags.Help)
     add = ap.add_argument
     add("study", help="the study file, e.g. studies/better_together.toml")
     add("--scale", default="cpu", help="which of the file's scales (default cpu)")

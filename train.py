@@ -511,9 +511,10 @@ def main(argv=None):
         return
     run = open_run(args, CODE, vars(build_parser().parse_args([])), check_phases)
     args, step = run.args, run.step
-    if args.stop_at is not None and args.stop_at <= step:
-        run.say(f"nothing to do: {run.folder.path / 'ckpt.pt'} is at step {step}, at or past "
-                f"--stop-at {args.stop_at}")
+    end = min(args.max_steps, args.stop_at or args.max_steps)
+    if step >= end:  # a finished run resumed, or --stop-at already passed
+        why = f"--stop-at {end}" if end == args.stop_at else f"--max-steps {end}, the run's end"
+        run.say(f"nothing to do: {run.folder.path / 'ckpt.pt'} is at step {step}, at or past {why}")
         return
     phase = phase_at(run, step)
     run.say(describe(run, phase1_steps(args)))

@@ -327,6 +327,8 @@ def describe(run: Run, p1: int) -> str:
     """Two lines on what is about to train (after p1 steps of MLM), on what and where."""
     args, cfg, meta = run.args, run.encoder.config, run.meta
     phases = f"mlm for {p1} steps, then " if p1 else ""
+    epochs = args.max_steps * run.global_batch / run.train.n
+    epochs = f"{epochs:.1f}" if epochs >= 0.1 else f"{epochs:.2g}"  # a short run: not "0.0"
     return (f"model: {run.encoder.num_params() / 1e6:.2f}M parameters ({args.size}: "
             f"{cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.position} positions) | data: "
             f"{meta['train_tokens']:,} train tokens, vocab {meta['vocab_size']}, unigram entropy "
@@ -334,7 +336,7 @@ def describe(run: Run, p1: int) -> str:
             f"train: {phases}{args.objective} on {run.device} x{run.world} | "
             f"{run.global_batch} seqs x {args.seq_len} tokens per step ({args.batch_size} x "
             f"{args.grad_accum} accum x {run.world} procs) | {args.max_steps} steps = "
-            f"{args.max_steps * run.global_batch / run.train.n:.1f} epochs | {run.folder.path}")
+            f"{epochs} epochs | {run.folder.path}")
 
 
 @torch.no_grad()

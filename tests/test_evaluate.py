@@ -432,6 +432,11 @@ def test_blimp_then_compare(ckpt, tmp_path, capsys):
     assert last.index("mini: over paradigms") < last.index("mini, per paradigm")
     assert r["ties"] == sum(p["good"][t1] == p["bad"][t1] for p in r["pairs"])
     assert f"ties: {r['ties']} of 40 pairs" in last
+    won_or_tied = [int(p["good"][t1] >= p["bad"][t1]) for p in r["pairs"]]
+    pipeline = np.mean([np.mean(won_or_tied[:20]), np.mean(won_or_tied[20:])])  # its mean of UIDs
+    assert r["summary"]["mini"]["pipeline_average"] == pytest.approx(pipeline)
+    assert (f"to quote (over paradigms, all pairs, T=1): mini {100 * macro:.2f}; the BabyLM "
+            f"pipeline's average, ties counted right: mini {100 * pipeline:.2f}") in last
     (tmp_path / "A").mkdir()
     (tmp_path / "B").mkdir()
     for s in (1, 2):
@@ -453,6 +458,13 @@ def test_ties_count_as_wrong(ckpt, tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert all(p["good"] == p["bad"] for p in r["pairs"])
     assert r["summary"]["same"]["macro_paradigms"][0] == 0
+
+
+def test_a_run_folder_stands_for_its_checkpoint(ckpt, tmp_path):
+    """As export.py's --ckpt does: `--ckpt runs/NAME` said "no checkpoint at runs/NAME"."""
+    out = tmp_path / "w.json"
+    E.main(["weights", "--ckpt", str(ckpt.parent), "--out", str(out)])
+    assert json.loads(out.read_text())["ckpt"] == str(ckpt)
 
 
 def test_cli_errors_are_one_line(ckpt, tmp_path):

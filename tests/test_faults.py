@@ -84,7 +84,10 @@ def test_sigterm_saves_and_resumes_bit_identically_and_one_run_per_folder(prepar
     assert read_checkpoint(run / "ckpt.pt")["step"] == step
     resumed = run_train("--out-dir", run, "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()
+    finished = run_train("--out-dir", run, "--resume")  # a finished run resumed
+    assert finished.returncode == 0 and (f"nothing to do: {run / 'ckpt.pt'} is at step 600, at or "
+                                         f"past --max-steps 600, the run's end"
+                                         ) in finished.stdout.splitlines(), finished.stdout
     uninterrupted.stdout.close(), uninterrupted.stderr.close()
     states_equal(run / "ckpt.pt", ref / "ckpt.pt")
     # the log reads as one run's: the uninterrupted run's lines, and one more where it stopped

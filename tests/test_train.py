@@ -899,6 +899,7 @@ def test_kd_from_a_boot_teacher_compiles_whole():
 
 @pytest.mark.parametrize("argv, says", [
     (["--lr", "-1"], "--lr must be >= 0, not -1"),
+    (["--lr", "-1e-3"], "--lr must be >= 0, not -0.001"),
     (["--mask-p", "1.5"], "--mask-p must be in (0, 1), not 1.5"),
     (["--warmup", "-0.1"], "--warmup must be >= 0, not -0.1"),
     (["--dropout", "1"], "--dropout must be in [0, 1), not 1"),
