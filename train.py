@@ -51,8 +51,8 @@ from optim import ema_decay_at, ema_update, set_schedule
 from progress import bar, line_buffered
 from run_folder import REPO
 from stopping import SafetyNet, exit_now, on_stop_signals
-from training_run import (ObjectiveParts, Phase, Run, describe, log_line, open_run, save,
-                          start_phase, summary, train_batch, validate, word_marks)
+from training_run import (ObjectiveParts, Phase, Run, describe, log_line, nothing_to_do, open_run,
+                          save, start_phase, summary, train_batch, validate, word_marks)
 
 
 # what decides a run's results: copied into its code/, hashed into every checkpoint
@@ -511,10 +511,7 @@ def main(argv=None):
         return
     run = open_run(args, CODE, vars(build_parser().parse_args([])), check_phases)
     args, step = run.args, run.step
-    end = min(args.max_steps, args.stop_at or args.max_steps)
-    if step >= end:  # a finished run resumed, or --stop-at already passed
-        why = f"--stop-at {end}" if end == args.stop_at else f"--max-steps {end}, the run's end"
-        run.say(f"nothing to do: {run.folder.path / 'ckpt.pt'} is at step {step}, at or past {why}")
+    if nothing_to_do(run):  # a finished run resumed, or --stop-at already passed
         return
     phase = phase_at(run, step)
     run.say(describe(run, phase1_steps(args)))

@@ -295,6 +295,16 @@ def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | 
 BABYLM_WORDS = [*range(1, 10), *range(10, 101, 10)]  # millions: chck_1M ... chck_100M
 
 
+def nothing_to_do(run: Run) -> bool:
+    """Whether the run's checkpoint is at or past its last step or --stop-at; if so, says so."""
+    args, step = run.args, run.step
+    end = min(args.max_steps, args.stop_at or args.max_steps)
+    if step >= end:
+        why = f"--stop-at {end}" if end == args.stop_at else f"--max-steps {end}, the run's end"
+        run.say(f"nothing to do: {run.folder.path / 'ckpt.pt'} is at step {step}, at or past {why}")
+    return step >= end
+
+
 def word_marks(run: Run) -> dict[int, tuple[str, int]]:
     """{step: (checkpoint name, words seen)} for --save-words: the first step by which that
     many training words have been seen. A step reads global_batch segments of seq_len - 2
