@@ -424,8 +424,7 @@ def weights(args):
 # Command line
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = flags.Parser(prog="evaluate.py", description=__doc__,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.Parser(prog="evaluate.py", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     floats = lambda s: [float(x) for x in s.split(",")]
     ints = lambda s: [int(x) for x in s.split(",")]

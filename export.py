@@ -135,8 +135,7 @@ def export(ckpt_path: Path, out: Path) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = flags.Parser(prog="export.py", description=__doc__.split("\n\n")[0],
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = flags.Parser(prog="export.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", type=Path, required=True,
                    help="a checkpoint (ckpt.pt, chck_10M.pt...), or a run folder: its ckpt.pt "
                         "into --out and each chck_*.pt into --out/chck_*/NAME, NAME being "

@@ -21,6 +21,7 @@ class Parser(argparse.ArgumentParser):
     says "expected one argument" where the range check would say why)."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", Help)  # subcommands' parsers too
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$", re.I)
 
