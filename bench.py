@@ -256,7 +256,7 @@ def cpu_name() -> str:
 
 
 def build_parser() -> flags.Parser:
-    ap = flags.Parser(prog="bench.py", description=__doc__, formatter_class=flags.Help)
+    ap = flags.Parser(prog="bench.py", description=__doc__)
     add = ap.add_argument
     add("--device", default="auto", choices=("auto", "cpu", "cuda"),
         help="auto = cuda if available (default auto)")

@@ -3,7 +3,7 @@ default, flags made from a config dataclass's fields (their help is the field's 
 two never drift apart), the range of every numeric flag checked in one place, and which flags a
 user typed.
 
-    p = flags.Parser(description=__doc__, formatter_class=flags.Help)
+    p = flags.Parser(description=__doc__)
     flags.add_fields(p.add_argument, ModelConfig, preset=True)    # --n-layer, --d-model, ...
     flags.check_ranges(p, p.parse_args(), {"lr": flags.Range(0, low_open=True)})
 """

@@ -73,7 +73,7 @@ def protocol_defaults(args) -> None:
 # Command line
 
 def build_parser() -> flags.Parser:
-    ap = flags.Parser(prog="meta.py", description=__doc__, formatter_class=flags.Help)
+    ap = flags.Parser(prog="meta.py", description=__doc__)
     add = ap.add_argument
     add("--task", choices=("two_moons", "glue"), default="two_moons",
         help="the toy task, or text + (Super)GLUE")

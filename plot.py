@@ -85,7 +85,7 @@ def plot(folders: list[Path], out: Path, x: str = "step") -> Path:
 
 
 def main(argv=None):
-    p = flags.Parser(prog="plot.py", description=__doc__, formatter_class=flags.Help)
+    p = flags.Parser(prog="plot.py", description=__doc__)
     p.add_argument("runs", nargs="+", type=Path, help="run folders (train.py's --out-dir)")
     p.add_argument("--x", default="step", choices=["step", "tokens"],
                    help="the horizontal axis: optimizer steps, or tokens seen (per process)")

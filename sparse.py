@@ -539,7 +539,7 @@ def load_dictionary(path, d_model: int, n_layer: int) -> tuple[torch.Tensor, int
 
 def main(argv=None):
     line_buffered()
-    p = flags.Parser(prog="sparse.py", description=__doc__, formatter_class=flags.Help)
+    p = flags.Parser(prog="sparse.py", description=__doc__)
     p.add_argument("--ckpt", required=True, help="checkpoint whose hidden states are coded (a "
                    "train.py ckpt.pt or phase1.pt)")
     p.add_argument("--data", default=None,

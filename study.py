@@ -303,7 +303,7 @@ def has_cuda() -> bool:
 
 
 def build_parser() -> flags.Parser:
-    ap = flags.Parser(prog="study.py", description=__doc__, formatter_class=flags.Help)
+    ap = flags.Parser(prog="study.py", description=__doc__)
     add = ap.add_argument
     add("study", help="the study file, e.g. studies/better_together.toml")
     add("--scale", default="cpu", help="which of the file's scales (default cpu)")

@@ -301,7 +301,7 @@ def same_sentence_pmi(tokens, rels, sids) -> float:
 
 
 def build_parser() -> flags.Parser:
-    ap = flags.Parser(prog="synth.py", description=__doc__, formatter_class=flags.Help)
+    ap = flags.Parser(prog="synth.py", description=__doc__)
     add = ap.add_argument
     add("--ud", default=None, help="folder holding the UD treebanks (default $NANOMLM_RAW/ud)")
     add("--treebanks", nargs="+", default=TREEBANKS, help=f"(default {' '.join(TREEBANKS)})")

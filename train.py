@@ -332,8 +332,7 @@ def phase_at(run: Run, step: int) -> Phase:
 
 
 def build_parser():
-    p = flags.Parser(prog="train.py", description=__doc__, allow_abbrev=False,
-                     formatter_class=flags.Help)
+    p = flags.Parser(prog="train.py", description=__doc__, allow_abbrev=False)
     add = p.add_argument
     add("--objective", default="mlm", choices=sorted(OBJECTIVES), help="pretraining objective")
     add("--data", default="babylm_10m", help="corpus name under $NANOMLM_RAW, a folder of text "

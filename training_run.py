@@ -375,11 +375,11 @@ def summary(run: Run, step: int, steps_now: int, seconds: float) -> str:
     """The lines a finished run ends with: what it trained (over all its sittings, and in this
     one), its first and last validation figures of the objective it ended with (log.jsonl), the
     checkpoint, and the commands that evaluate and export it."""
+    if run.rank != 0:  # only rank 0 says it (Run.say), and only it reads the log
+        return ""
     args, path = run.args, run.folder.path
     tokens = step * run.global_batch * args.seq_len
     rate = steps_now * run.global_batch * args.seq_len / max(seconds, 1e-9)
-    if run.rank != 0:  # only rank 0 says it (Run.say), and only it reads the log
-        return ""
     val = [r for r in run.folder.records() if "val_loss" in r]
     val = [r for r in val if r.keys() == val[-1].keys()]  # the last phase's objective's
     shown = lambda r: " ".join(f"{k[4:]} {r[k]:.4f}" for k in ("val_loss", "val_acc") if k in r)

@@ -54,7 +54,7 @@ def split(sents: list[str], dev_share: int = 10) -> tuple[list[str], list[str]]:
 
 def main(argv=None):
     ap = flags.Parser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--raw", default=str(raw_root()),
                     help="shared data folder (default $NANOMLM_RAW, else data/raw)")
     ap.add_argument("--out", default=str(HERE / "raw" / "breton"),

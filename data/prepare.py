@@ -444,7 +444,7 @@ def download(name: str) -> Path:
 
 if __name__ == "__main__":
     ap = flags.Parser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", help="corpus name under $NANOMLM_RAW (babylm_10m, babylm_100m, ...) "
                     "or a folder path")
     ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE,
