@@ -9,15 +9,20 @@
 
 Every row is ours against a reference measured in the same run, so the ratio holds on a noisy
 machine: rates (higher is better), median over repetitions after warm-up, with min and max.
+On a GPU, every model row (step, bert, ltg) has mfu, and ref_mfu for its reference: each
+model's own matrix FLOPs per token (bench_models.flops_per_token, bert_flops_per_token) at its
+rate, over the GPU's bf16 peak. A row that fails keeps the last lines of its error (`failed`),
+the other rows go on, and bench.py exits 1 at the end.
   step     train.py itself, one short run per objective and size: tokens/s of the log intervals
            after the first (start-up, allocator warm-up); reference: mlm at the same size
   bert     our MLM training step in-process against transformers' BertForMaskedLM at the same
-           shape (layers, hidden, heads, FFN width, vocabulary, sequence, batch), only if
-           transformers is installed (never a requirement); flops_ratio is ours / theirs in
-           matrix FLOPs per token (flops_per_token, bert_flops_per_token)
+           shape (layers, hidden, heads, FFN width, vocabulary, sequence, batch), each compiled
+           as train.py compiles its step (on with CUDA), ours reading the predicted positions as
+           fixed slots as train.py does; only if transformers is installed (never a
+           requirement); flops_ratio is ours / theirs in FLOPs per token
   ltg      our MLM training step against LTG-BERT's own model code, re-implemented from
-           ltgoslo/ltg-bert in ltg_bert.py, loaded with the same weights; max_abs_diff is
-           the largest difference of their logits in float32
+           ltgoslo/ltg-bert in ltg_bert.py, loaded with the same weights (eager unless
+           --compile); max_abs_diff is the largest difference of their logits in float32
   attn     one attention layer's relative-position core, forward and backward, dropout off:
            the model's gather path against other formulations (the relative shift, flex_attention
            as kernels.flex_relative (forward only on the CPU), on CUDA SDPA's efficient kernel with
@@ -44,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -52,14 +58,14 @@ import torch.nn.functional as F
 import evaluate
 import flags
 import sparse
-from bench_models import bench_bert, bench_ltg, mfu
+from bench_models import bench_bert, bench_ltg, flops_per_token, mfu
 from bench_ops import bench_attn, bench_compile, bench_ema, bench_sparse
 from data.masking import mask_capacity
 from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
 from device import pick_device, use_compile
 from model import PRESETS, Encoder, ModelConfig, use_flex
-from run_folder import REPO
-from timing import PROFILES, alternate, print_profiles, rates, row
+from run_folder import REPO, RunFolder
+from timing import PROFILES, alternate, failed_row, print_profiles, rates, row
 
 
 V = VOCAB_SIZE
@@ -72,26 +78,28 @@ def bench_step(args, device, tmp):
     """One train.py run per (size, objective); mlm first, whose checkpoint the two-phase
     objectives distil from (mlsm: a dictionary of random unit atoms; fista100 takes 100 steps
     whatever the atoms). Beside tokens/s: the recompilations torch.compile logged (dynamo's
-    TORCH_LOGS=recompiles) and, for mlsm, a batch's coding time alone (coder_ms) and its share
-    of a step's time (code_share; coder_seconds)."""
+    TORCH_LOGS=recompiles), mfu (the encoder's own MLM training FLOPs per token: a teacher's
+    forward or mlsm's coder is work it does not count) and, for mlsm, a batch's coding time
+    alone (coder_ms) and its share of a step's time (code_share; coder_seconds). A run that
+    fails, or outlasts --row-timeout, is a row with its error's last lines, and the next
+    objective goes on."""
     k = max(1, args.steps // 5)  # steps per log interval: 5 intervals, the first not timed
+    B, T = args.batch_size, args.seq_len
+    reference = {}  # size -> mlm's tokens/s: the other objectives' reference
     for size in args.sizes:
-        base = None
+        cfg = ModelConfig(**PRESETS[size], vocab_size=V)
         for objective in args.objectives:
             run = Path(tmp) / f"{objective}_{size}"
+            case = f"{objective} {size} {B}x{T}"
             flags = ["--objective", objective, "--data", args.data, "--size", size,
-                     "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+                     "--batch-size", str(B), "--seq-len", str(T),
                      "--max-steps", str(5 * k), "--log-every", str(k),
                      "--eval-every", "100000", "--save-every", "100000",
                      "--device", device.type, "--out-dir", str(run)]
-            if objective != "mlm":
-                if base is None:
-                    raise SystemExit("error: bench step needs mlm first in --objectives (it is "
-                                     "the reference and the teacher)")
-                if objective not in ("mlm", "boot"):  # a two-phase objective: phase 2 alone
-                    flags += ["--teacher", str(Path(tmp) / f"mlm_{size}" / "ckpt.pt")]
+            two_phase = objective not in ("mlm", "boot")
+            if two_phase:  # phase 2 alone
+                flags += ["--teacher", str(Path(tmp) / f"mlm_{size}" / "ckpt.pt")]
             if objective.startswith("mlsm"):
-                cfg = ModelConfig(**PRESETS[size])
                 g = torch.Generator().manual_seed(0)
                 D = torch.randn(cfg.d_model, args.mlsm_k, generator=g)
                 path = Path(tmp) / f"dict_{size}.pt"
@@ -100,29 +108,43 @@ def bench_step(args, device, tmp):
             for flag in ("compile", "bf16"):
                 if getattr(args, flag) is not None:
                     flags.append(f"--{flag}" if getattr(args, flag) else f"--no-{flag}")
-            r = subprocess.run([sys.executable, str(REPO / "train.py"), *flags],
-                               capture_output=True, text=True,
-                               env={**os.environ, "TORCH_LOGS": ",".join(filter(None, (
-                                   os.environ.get("TORCH_LOGS"), "recompiles")))})
+            env = {**os.environ, "TORCH_LOGS": ",".join(filter(None, (
+                os.environ.get("TORCH_LOGS"), "recompiles")))}
+            try:
+                r = subprocess.run([sys.executable, str(REPO / "train.py"), *flags],
+                                   capture_output=True, text=True, env=env,
+                                   timeout=args.row_timeout)
+            except subprocess.TimeoutExpired as e:
+                said = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else ""
+                yield failed_row("step", case, f"timed out after {args.row_timeout:g} s "
+                                 f"(--row-timeout)\n{tail(said)}")
+                continue
             if r.returncode:
-                raise SystemExit(f"error: train.py --objective {objective} --size {size} "
-                                 f"failed:\n{r.stderr[-2000:]}")
-            log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+                yield failed_row("step", case, f"train.py exited with {r.returncode}\n"
+                                 f"{tail(r.stderr)}")
+                continue
+            log = RunFolder(run, master=False).records()
             tps = [e["tok_per_s"] for e in log if "tok_per_s" in e][1:]  # the first warms up
+            # the head reads C slots: the two-phase objectives' uniform masking, else spans
+            slots = mask_capacity(B, T, 0.15, None if two_phase else 3.0)
+            flops = flops_per_token(cfg, T, slots / (B * T), B * T)
             extra = {"peak_mem_gb": max((e.get("peak_mem_gb", 0) for e in log), default=0),
-                     "recompiles": r.stderr.count("Recompiling function")}
+                     "recompiles": r.stderr.count("Recompiling function"),
+                     "mfu": mfu(flops, statistics.median(tps), device)}
             if objective.startswith("mlsm"):  # the coder timed alone, not inside the step
                 coder = coder_seconds(args, device, D)
-                step_s = args.batch_size * args.seq_len / statistics.median(tps)
+                step_s = B * T / statistics.median(tps)
                 extra.update(coder_ms=1e3 * coder, code_share=coder / step_s)
-            if device.type == "cuda" and objective == "mlm":
-                cfg = ModelConfig(**PRESETS[size], vocab_size=V)
-                extra["mfu"] = mfu(cfg, args.seq_len, statistics.median(tps), device)
-            reference = ("mlm", base) if objective != "mlm" else ("-", None)
-            case = f"{objective} {size} {args.batch_size}x{args.seq_len}"
-            yield row("step", case, "tokens/s", tps, *reference, **extra)
+            base = reference.get(size) if objective != "mlm" else None
+            yield row("step", case, "tokens/s", tps, *(("mlm", base) if base else ("-", None)),
+                      **extra)
             if objective == "mlm":
-                base = tps
+                reference[size] = tps
+
+
+def tail(text: str, lines=25) -> str:
+    """The last lines of a failed command's output: what a failed row keeps of it."""
+    return "\n".join(text.strip().splitlines()[-lines:])
 
 
 def coder_seconds(args, device, D) -> float:
@@ -207,7 +229,7 @@ def bench_sampler(args, device, tmp):
                             str(n), "--seed", str(rep), "--out", str(out)],
                            capture_output=True, text=True)
         if r.returncode:
-            raise SystemExit(f"error: synth.py failed:\n{r.stderr[-2000:]}")
+            raise RuntimeError(f"synth.py exited with {r.returncode}\n{tail(r.stderr)}")
         speeds.append(json.loads((out / "stats.json").read_text())["sentences_per_s"])
     yield row("sampler", f"PCFG from French UD, {n} sentences, zipf", "sentences/s", speeds)
 
@@ -234,6 +256,10 @@ def table(saved: dict) -> str:
              "| bench | case | ours | unit | reference | reference's | ours / ref | other |",
              "|---|---|---|---|---|---|---|---|"]
     for r in saved["rows"]:
+        if r.get("failed"):
+            lines.append(f"| {r['bench']} | {r['case']} | failed | - | - | - | - | "
+                         f"{r['failed'].splitlines()[0].replace('|', '/')} |")
+            continue
         other = ", ".join(f"{k} {fmt(v) if isinstance(v, float) else v}" for k, v in r.items()
                           if k not in MAIN and v is not None)
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
@@ -274,6 +300,9 @@ def build_parser() -> flags.Parser:
         "multiple of 5, at least 5); the first warms up, 4 are timed (default 10; a few hundred "
         "on a GPU, past torch.compile's warm-up)")
     add("--data", default="babylm_10m", help="step: train.py --data (default babylm_10m)")
+    add("--row-timeout", type=float, default=None, help="step: seconds each train.py run may "
+        "take; one that takes longer is a failed row and the next objective goes on (default: "
+        "no limit)")
     add("--batch-size", type=int, default=None,
         help="step, bert: sequences per step (default 32 on CPU, 128 on CUDA; --quick 4)")
     add("--seq-len", type=int, default=128,
@@ -287,8 +316,9 @@ def build_parser() -> flags.Parser:
     add("--sparse-all", action="store_true",
         help="sparse: also scikit-learn's lasso_lars and our plain FISTA (slow)")
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
-        help="step: train.py --compile / --no-compile (default: train.py's own, on with CUDA); "
-        "bert: --compile compiles both models")
+        help="step: train.py --compile / --no-compile; bert: both models' steps as train.py "
+        "compiles its own (default for both: on with CUDA, off on the CPU); ltg: --compile "
+        "compiles both models")
     add("--bf16", action=argparse.BooleanOptionalAction, default=None,
         help="step, bert: bfloat16 autocast (default on with CUDA, off on the CPU; --variants "
         "adds a bf16 row on the CPU)")
@@ -298,7 +328,8 @@ def build_parser() -> flags.Parser:
 
 
 R = flags.Range
-RANGES = {"steps": R(1), "batch_size": R(1), "seq_len": R(3), "mlsm_k": R(1)}
+RANGES = {"steps": R(1), "batch_size": R(1), "seq_len": R(3), "mlsm_k": R(1),
+          "row_timeout": R(0, low_open=True)}
 
 
 def main(argv=None):
@@ -315,6 +346,9 @@ def main(argv=None):
     cpu = device.type == "cpu"
     args.sizes = (args.sizes or ("tiny" if args.quick or cpu else "tiny,small,base")).split(",")
     args.objectives = args.objectives.split(",")
+    if "step" in args.only.split(",") and args.objectives[0] != "mlm":
+        raise SystemExit("error: --objectives must start with mlm: it is the step rows' "
+                         "reference and the two-phase objectives' teacher")
     args.batch_size = args.batch_size or (4 if args.quick else 32 if cpu else 128)
     if args.quick:
         args.seq_len, args.steps = min(args.seq_len, 32), min(args.steps, 5)
@@ -335,19 +369,38 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only.split(","):
             t = time.time()
-            for r in BENCHES[name](args, device, tmp):
-                rows.append(r)
+            rows_before = len(rows)
+            try:
+                for r in BENCHES[name](args, device, tmp):
+                    rows.append(r)
+                    write()
+                    said(r)
+            except Exception as e:  # a failing bench is a row; the next bench goes on
+                rows.append(failed_row(name, f"after {len(rows) - rows_before} rows",
+                                       f"{type(e).__name__}: {e}\n"
+                                       + tail(traceback.format_exc())))
                 write()
-                print(f"{name}: {r['case']}: {fmt(r['ours'])} {r['unit']}"
-                      + (f", {r['ratio']:.2f}x {r['reference']}" if r["ratio"] else ""),
-                      file=sys.stderr)
+                said(rows[-1])
             print(f"{name}: {time.time() - t:.0f}s", file=sys.stderr)
     write()
     if PROFILES:
         print_profiles()
     print("\n" + table(saved))
     print(f"wrote {args.out}")
+    failed = [r for r in rows if r.get("failed")]
+    if failed:
+        raise SystemExit(f"error: {len(failed)} of {len(rows)} rows failed: "
+                         + "; ".join(f"{r['bench']} {r['case']}" for r in failed))
     return rows
+
+
+def said(r):
+    """A row as it is measured, on stderr."""
+    if r.get("failed"):
+        print(f"{r['bench']}: {r['case']}: FAILED: {r['failed'].splitlines()[0]}", file=sys.stderr)
+    else:
+        print(f"{r['bench']}: {r['case']}: {fmt(r['ours'])} {r['unit']}"
+              + (f", {r['ratio']:.2f}x {r['reference']}" if r["ratio"] else ""), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@ and the matrix-FLOP count behind MFU.
     python bench.py --only bert,ltg
 """
 
+import statistics
+
 import torch
 import torch.nn.functional as F
 
+from data.masking import mask_capacity, predicted_slots
 from data.prepare import MASK, SPECIALS, VOCAB_SIZE
-from device import autocast, use_bf16
+from device import autocast, use_bf16, use_compile
 from ltg_bert import LtgBert
 from model import PRESETS, Encoder, ModelConfig
 from timing import PROFILES, alternate, profile_ops, row
@@ -22,15 +25,18 @@ V = VOCAB_SIZE
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, masked=0.15) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int, masked=0.15, batch_tokens=None) -> float:
     """Training FLOPs per token (3x forward, 2 per multiply-add): the layers' matrices, attention
-    scores and values (2 T D each), the relative-position scores (2 R D each way), and the MLM
-    head on the masked share of tokens only."""
+    scores and values (2 T D each), the relative-position scores (2 R D each way), the MLM head
+    on the `masked` share of tokens only, and, given the step's batch_tokens, each layer's
+    projection of the R relative embeddings (once per step, R x D -> 2D), spread over them.
+    tests/test_bench.py checks it against torch's FlopCounterMode on one step."""
     D, L, Ff = cfg.d_model, cfg.n_layer, cfg.d_ff
     R = 2 * cfg.position_buckets - 1 if cfg.position == "relative" else 0
     layer = 2 * (3 * D * D + D * D + 2 * D * Ff + Ff * D) + 2 * 2 * seq_len * D + 2 * 2 * R * D
     head = masked * 2 * (D * D + D * cfg.vocab_size)
-    return 3 * (L * layer + head)
+    positions = 2 * R * D * 2 * D / batch_tokens if batch_tokens else 0.0
+    return 3 * (L * (layer + positions) + head)
 
 
 def bert_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -41,10 +47,14 @@ def bert_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3 * (L * layer + 2 * (D * D + D * cfg.vocab_size))
 
 
-def mfu(cfg, seq_len, tokens_per_s, device):
+def mfu(flops_per_token: float, tokens_per_s: float, device) -> float | None:
+    """Model FLOPs utilisation: the FLOP/s a rate of tokens_per_s means, over the GPU's dense
+    bf16 peak (None on a CPU, or a GPU not in PEAK_BF16)."""
+    if device.type != "cuda":
+        return None
     name = torch.cuda.get_device_name(device)
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    return None if peak is None else flops_per_token(cfg, seq_len) * tokens_per_s / peak
+    return None if peak is None else flops_per_token * tokens_per_s / peak
 
 
 def mlm_batch(B, T, device):
@@ -60,8 +70,12 @@ def mlm_batch(B, T, device):
 
 def bench_bert(args, device, tmp):
     """Our MLM step against BertForMaskedLM's at the same shape, the two timed alternately (so a
-    slow spell of the machine hits both). --variants adds, per size, ours with absolute positions
-    and both models without dropout: what the relative positions and dropout cost."""
+    slow spell of the machine hits both), each compiled as train.py compiles its step (the
+    forward and the loss in one torch.compile; on with CUDA, --compile/--no-compile to choose).
+    Ours reads the predicted positions as train.py does, a fixed number of slots (no boolean
+    indexing, so no host sync); BERT computes logits everywhere and ignores the -100 labels.
+    mfu and ref_mfu: each model's own FLOPs per token over the GPU's peak. --variants adds, per
+    size, ours with absolute positions and both models without dropout."""
     try:
         from transformers import BertConfig, BertForMaskedLM
     except ImportError:
@@ -70,10 +84,12 @@ def bench_bert(args, device, tmp):
         return
     B, T = args.batch_size, args.seq_len
     warmup, repeat = (1, 3) if args.quick else (3, 10)
-    bf16 = use_bf16(device, args.bf16)
+    bf16, compiled = use_bf16(device, args.bf16), use_compile(device, args.compile)
     fused = {"fused": True} if device.type == "cuda" else {}
     ids, masked, inp, att = mlm_batch(B, T, device)
-    targets, labels = ids[masked], torch.where(masked, ids, -100)
+    labels = torch.where(masked, ids, -100)
+    slots = predicted_slots(labels, mask_capacity(B, T, 0.15, mean_span=1.0))     # (C,)
+    targets = labels.flatten()[slots]                                           # -100: padding
     variants = [("", {}, bf16)]
     if args.variants:
         variants += [(", absolute positions", {"position": "absolute"}, bf16),
@@ -92,33 +108,39 @@ def bench_bert(args, device, tmp):
                               attention_probs_dropout_prob=p)
             theirs = BertForMaskedLM(bert).to(device).train()
             opts = [torch.optim.AdamW(m.parameters(), lr=1e-4, **fused) for m in (ours, theirs)]
-            if args.compile:  # both or neither; compiling happens in the warm-up steps
-                ours.compile()
-                theirs.compile()
 
-            def step_ours():
+            def loss_ours():  # train.py's mlm loss: the head on the C slots, padding weighed out
                 with amp:
-                    _, logits = ours(inp, att, predict=masked)  # the MLM head on masked positions
-                F.cross_entropy(logits.float(), targets).backward()
-                opts[0].step()
-                opts[0].zero_grad(set_to_none=True)
+                    _, logits = ours(inp, att, predict=slots)                     # (C, V)
+                return F.cross_entropy(logits.float(), targets, ignore_index=-100)
 
-            def step_theirs():
+            def loss_theirs():
                 with amp:
-                    loss = theirs(input_ids=inp, attention_mask=att, labels=labels).loss
-                loss.backward()
-                opts[1].step()
-                opts[1].zero_grad(set_to_none=True)
+                    return theirs(input_ids=inp, attention_mask=att, labels=labels).loss
 
-            a, b = alternate(step_ours, step_theirs, B * T, device, warmup, repeat)
-            name += ", compiled (both)" if args.compile else ""
+            losses = [loss_ours, loss_theirs]
+            if compiled:  # both or neither; compiling happens in the warm-up steps
+                losses = [torch.compile(fn) for fn in losses]
+
+            def step(i):
+                losses[i]().backward()
+                opts[i].step()
+                opts[i].zero_grad(set_to_none=True)
+
+            a, b = alternate(lambda: step(0), lambda: step(1), B * T, device, warmup, repeat)
+            name += ", compiled (both)" if compiled else ""
             params = f"{ours.num_params() / 1e6:.1f}M vs {theirs.num_parameters() / 1e6:.1f}M"
             case = f"mlm step {size} {B}x{T}{name} ({params} params)"
+            ours_flops = flops_per_token(cfg, T, len(slots) / (B * T), B * T)
+            theirs_flops = bert_flops_per_token(cfg, T)
             yield row("bert", case, "tokens/s", a, "BertForMaskedLM", b,
-                      flops_ratio=flops_per_token(cfg, T) / bert_flops_per_token(cfg, T))
+                      flops_ratio=ours_flops / theirs_flops,
+                      mfu=mfu(ours_flops, statistics.median(a), device),
+                      ref_mfu=mfu(theirs_flops, statistics.median(b), device))
             if args.profile:
-                PROFILES[f"bert: {case}"] = {"ours": profile_ops(step_ours, device),
-                                             "BertForMaskedLM": profile_ops(step_theirs, device)}
+                PROFILES[f"bert: {case}"] = {"ours": profile_ops(lambda: step(0), device),
+                                             "BertForMaskedLM": profile_ops(lambda: step(1),
+                                                                            device)}
 
 
 def bench_ltg(args, device, tmp):
@@ -157,8 +179,10 @@ def bench_ltg(args, device, tmp):
                                 ids.t()[masked.t()])
         a, b = alternate(step_ours, step_ltg, B * T, device, warmup, repeat)
         case = f"mlm step {size} {B}x{T}" + (", compiled (both)" if args.compile else "")
+        flops = flops_per_token(cfg, T, masked.float().mean().item(), B * T)
         yield row("ltg", case, "tokens/s", a, "LTG-BERT model code", b,
-                  max_abs_diff=diff.max().item())
+                  max_abs_diff=diff.max().item(), mfu=mfu(flops, statistics.median(a), device),
+                  ref_mfu=mfu(flops, statistics.median(b), device))
         if args.profile:
             PROFILES[f"ltg: {case}"] = {name: profile_ops(fn, device) for name, fn in
                                         (("ours", step_ours), ("LTG-BERT model code", step_ltg))}

@@ -1,7 +1,9 @@
 """Where and how a process computes: the device (--device auto|cpu|cuda), bf16 autocast and
-torch.compile (on with CUDA, off on the CPU unless asked), its peak memory, and the seeds it
-draws with (seed_of: a function of integers, so a resumed run draws what the first would have).
+torch.compile (on with CUDA, off on the CPU unless asked), deterministic kernels, its peak
+memory, and the seeds it draws with (seed_of: a function of integers, so a resumed run draws
+what the first would have).
 """
+import os
 import resource
 
 import numpy as np
@@ -33,6 +35,15 @@ def autocast(device: torch.device, bf16: bool | None = None):
     """bfloat16 autocast of the forward pass as use_bf16 decides (a disabled one otherwise);
     weights, optimizer and losses stay float32."""
     return torch.autocast(device.type, torch.bfloat16, enabled=use_bf16(device, bf16))
+
+
+def use_deterministic():
+    """Deterministic kernels only, from here on: a GPU's backward passes that add with atomics
+    (in an order that varies from run to run) take their deterministic versions, at some cost
+    in speed, and an operation that has none raises rather than vary. cuBLAS needs its
+    workspace fixed before its first call (CUDA's reproducibility notes)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def peak_memory_gb(device) -> float:

@@ -1,147 +1,248 @@
 #!/usr/bin/env bash
-# The GPU check: what only shows at scale, bundled for the trip back. One part per device call.
+# The GPU check in tiers, each one device command of at most 8 minutes on an H100, every result
+# written into $OUT the moment it exists: a command cut at any moment returns what it measured.
 #
-#     bash ../shared/gpu/carry.sh          # here, first: .gpu_data/ (see ../shared/GPU.md)
-#     bash gpu_check.sh tests              # there: one device call per part, in this order
-#     bash gpu_check.sh objectives
-#     bash gpu_check.sh mlm10
-#     bash gpu_check.sh dictionary
-#     bash gpu_check.sh kernels
-#     bash gpu_check.sh --smoke tests objectives kernels mlm10 dictionary   # here, on the CPU
+#     bash gpu_check.sh carry [STUDY.toml]     # here, first: .gpu_data/ (the prepared corpus,
+#                                              # BLiMP, the study's evaluation data, the commit)
+#     bash gpu_check.sh verify                 # there, one device command each, .gpu_data carried
+#     bash gpu_check.sh headline
+#     bash gpu_check.sh rest
+#     bash gpu_check.sh study studies/bootbert.toml boot 0 [SCALE]
+#     bash gpu_check.sh --smoke TIER [ARGS]    # here, the same on the CPU at tiny sizes
 #
-# Parts (default: tests):
-#   tests       tests/test_cuda.py: every objective compiled in bf16 (six train.py processes side
-#               by side), no host sync in a compiled step, PLL against the CPU, resume
-#   objectives  bench.py's step rows at small: mlm, boot, kd+mlm, mlsm+mlm for 200 steps each,
-#               tokens/s against mlm, recompilations, mlsm's coder time; and ours against BERT
-#   mlm10       train.py mlm at small for 10 epochs of babylm_10m (7,246 steps of 128 x 128),
-#               then evaluate.py blimp on the filtered BLiMP and its supplement
-#   dictionary  train.py mlsm+mlm at small, 300 + 300 steps: the dictionary phase between them
-#               at the recipe's size (3000 atoms from 100,000 states) and phase 2's speed
-#   kernels     bench.py's ltg, attn and pll rows at small and base, with --profile: ours
-#               against LTG-BERT's model code, the attention variants, flex scoring
-# --smoke runs every part on the CPU at tiny sizes and a few steps (tests/test_gpu_check.py
-# does, in the suite), so that a GPU session starts on a script that has run end to end.
+# Run the first tier not yet recorded in docs/bench.md for today's code, then study jobs. Times
+# are estimates from the H100 figures of 2026-11-22 (../shared/GPU.md: about 40 s of
+# torch.compile per process, small MLM at 410k tokens/s, kd+mlm 260k, mlsm+mlm 45k, BLiMP's
+# 130k sentences in 28 s), not yet measured for today's code:
+#   verify    ~8 min: the CUDA sync and PLL tests (~1.5 min); bench.py's step rows at small,
+#             mlm, mlsm+mlm, boot, kd+mlm compiled for 100 steps each (~1, 1.5, 1, 1 min;
+#             tokens/s against mlm, recompilations, mfu); ours against BertForMaskedLM at small
+#             and base, both compiled as train.py compiles its step (~2 min)
+#   headline  ~7.5 min: train.py mlm with the defaults (small, 10 epochs of babylm_10m, 7,246
+#             steps: ~6.5 min), then BLiMP filtered and supplement (~0.7 min). Training that
+#             cannot end in time is stopped (SIGTERM: it saves its step), BLiMP scores that
+#             checkpoint, and summary.json gives the step time and the projected total
+#   rest      ~8 min: mlsm+mlm at small, 300 + 300 steps, the recipe's dictionary (3000 atoms
+#             from 100,000 states) learned between its phases, phase 2's speed (~4 min); the six
+#             objectives compiled side by side and resume on CUDA (~2 min); bench.py's ltg,
+#             attn and pll rows at small and base (~1.5 min)
+#   study     one job of a study (FILE ARM SEED) at its gpu scale, or SCALE: its portable
+#             result results/ARM/sSEED.json.gz, to commit and merge with study.py --report.
+#             The job must fit the budget: its run folder does not outlive the machine
+# Each tier works within $BUDGET seconds (default 470, under a device command's 8 minutes);
+# each part within its own limit and what is left of the budget, under `timeout -k`; a part
+# that no longer fits is skipped and says so. Back in $OUT (at most 8 files, two folders deep):
+# env.txt, progress.txt (each part: exit status, seconds), and each tier's logs and JSON.
 #
-# The corpus is the one prepared copy of babylm_10m under $NANOMLM_DATA (default
-# .gpu_data/prep), found by data/prepare.py as train.py finds it; $VOCAB_SIZE (default 16384)
-# is its vocabulary, $GPU_EVAL (default .gpu_data/eval) the BLiMP folders, $PYTHON (default
-# python) the interpreter. Each part has its own time limit inside a budget of $BUDGET seconds
-# (default 540: a device call is cut at 600); a part that no longer fits is skipped and says so.
-# Every result is written as it is measured (logs, bench.json row by row, the runs' log.jsonl),
-# and everything lands in $OUT/gpu_check.tgz: the logs, the bench JSON, the runs'
-# args/config/log.jsonl, summary.json.
+# Environment: OUT (default gpu_out/), GPU_DATA (default .gpu_data/), BUDGET, PYTHON (default
+# python3, else python), VOCAB_SIZE (the corpus' vocabulary, default 16384), SCALE; carry reads
+# the raw data under NANOMLM_RAW. tests/test_gpu_check.py runs every tier with --smoke.
 set -uo pipefail
+cd "$(dirname "$0")"
 smoke=0
 if [ "${1:-}" = "--smoke" ]; then
     smoke=1
     shift
 fi
-export NANOMLM_DATA=${NANOMLM_DATA:-$PWD/.gpu_data/prep}
-export NANOMLM_RAW=${NANOMLM_RAW:-$PWD/.gpu_data/noraw}
+tier=${1:-}
+shift
+case $tier in
+    carry|verify|headline|rest|study) ;;
+    *) echo "error: no tier '${tier}' (carry, verify, headline, rest, study FILE ARM SEED" \
+            "[SCALE]); see the top of gpu_check.sh" >&2; exit 2 ;;
+esac
+G=$(mkdir -p "${GPU_DATA:-.gpu_data}" && cd "${GPU_DATA:-.gpu_data}" && pwd)
+py=${PYTHON:-$(command -v python3 || command -v python)}
+vocab=${VOCAB_SIZE:-16384}
 export PYTHONUNBUFFERED=1
-E=${GPU_EVAL:-$PWD/.gpu_data/eval}
-W=$(mktemp -d)/gpu_check
-mkdir -p "$W"
-budget=${BUDGET:-540}
-python=${PYTHON:-python}
-parts=${*:-tests}
-left() { echo $(( budget - SECONDS - 20 )); }  # 20 s kept for the summary and the tar
 
-data=$("$python" -c "import sys; from data.prepare import prepare; print(prepare('babylm_10m', \
-int(sys.argv[1]), quiet=True))" "${VOCAB_SIZE:-16384}" 2> "$W/data.err")
-if [ -z "$data" ]; then
-    echo "error: no prepared babylm_10m under NANOMLM_DATA=$NANOMLM_DATA" \
-         "($(tail -1 "$W/data.err")). Run bash ../shared/gpu/carry.sh in the checkout first" \
-         "and carry .gpu_data" >&2
-    exit 1
+# carry: what the GPU machine needs, made here (it has no network and no ../shared): babylm_10m
+# prepared, BLiMP filtered and its supplement, a study's evaluation data, the commit id
+if [ "$tier" = carry ]; then
+    raw=${NANOMLM_RAW:-data/raw}
+    eval_dir=$raw/babylm_eval/full_eval
+    [ -d "$eval_dir" ] || { echo "error: no $eval_dir (set NANOMLM_RAW to the folder that" \
+                                 "holds babylm_10m/ and babylm_eval/)" >&2; exit 1; }
+    data=$(NANOMLM_RAW=$raw NANOMLM_DATA=$G/prep "$py" -c "import sys
+from data.prepare import prepare
+print(prepare('babylm_10m', int(sys.argv[1])))" "$vocab" | tee /dev/stderr | tail -1) || exit 1
+    for old in "$G"/prep/babylm_10m-*; do  # one prepared copy, so that it is found by name
+        [ "$old" = "$data" ] || rm -rf "$old"
+    done
+    # the evaluation folders, at their paths under NANOMLM_RAW: blimp, supplement, a study's
+    "$py" - "$raw" "$G/raw" "${1:-}" "${SCALE:-gpu}" <<'EOF' || exit 1
+import shutil, sys
+from pathlib import Path
+from study_plan import StudyError, load_study
+raw, to, study, scale = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+shutil.rmtree(to, ignore_errors=True)
+need = {"babylm_eval/full_eval/blimp_filtered": None,
+        "babylm_eval/full_eval/supplement_filtered": None}
+if study:
+    try:
+        spec = load_study(Path(study))
+    except StudyError as e:
+        raise SystemExit(str(e))
+    if scale not in spec["scales"]:
+        raise SystemExit(f"error: {study} has no scale {scale!r}")
+    ev = spec["scales"][scale].get("evaluate", {})
+    need.update({d: None for d in ev.get("blimp", [])})
+    if "finetune" in ev:  # only the files of the tasks it names
+        need[ev["finetune"]["data_dir"]] = ev["finetune"]["tasks"]
+for d, tasks in need.items():
+    if Path(d).is_absolute():
+        raise SystemExit(f"error: {d}: a study carried to a GPU names folders under NANOMLM_RAW")
+    if not (raw / d).is_dir():
+        raise SystemExit(f"error: no folder {raw / d}")
+    files = [f for f in sorted((raw / d).iterdir()) if f.is_file() and (
+        tasks is None or any(f.name.startswith((t + ".", t + "-")) for t in tasks))]
+    (to / d).mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copyfile(f, to / d / f.name)
+EOF
+    commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+    [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] &&
+        commit="$commit with uncommitted changes"
+    echo "$commit" > "$G/commit"
+    mib=$(( $(du -sk "$G" | cut -f1) / 1024 ))
+    tree=$(git ls-files -z 2>/dev/null | xargs -0 du -ck 2>/dev/null | tail -1 | cut -f1)
+    tree=$(( ${tree:-0} / 1024 ))
+    echo "carry: $G, $mib MiB, and the checkout's $tree MiB (commit $commit)"
+    (( mib + tree < 64 )) || { echo "error: a device call carries 64 MiB in all, with the" \
+                                    "checkout; carry a study whose scale needs less" >&2; exit 1; }
+    exit 0
 fi
-echo "data: $data" | tee "$W/parts.txt"
 
-if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few steps, the CPU
-    device=(--device cpu)
-    tiny=(--size tiny --n-layer 1 --d-model 64 --n-head 2 --d-ff 128 --seq-len 32 --batch-size 8)
-    objectives=(--quick --sizes tiny --objectives mlm,mlsm+mlm --steps 5)
-    kernels=(--quick --sizes tiny)
-    mlm10=("${tiny[@]}" --max-steps 10 --log-every 5)
-    dictionary=("${tiny[@]}" --max-steps 10 --phase1-steps 5 --log-every 5 --mlsm-k 48
-                --dict-vectors 300 --dict-epochs 1)
-else
-    device=(--device cuda)
-    objectives=(--sizes small --steps 200)
-    kernels=(--sizes small,base --profile)
-    mlm10=(--size small --max-steps 7246)
-    dictionary=(--size small --max-steps 600 --phase1-steps 300 --log-every 50)
-fi
-
-# part NAME MIN MAX CMD...: run CMD with a limit of MAX seconds (less if the budget is short),
-# or skip it when fewer than MIN seconds are left; its output goes to $W/NAME.log
+# on the GPU machine (or here with --smoke): the carried data, found as train.py finds it
+export NANOMLM_DATA=$G/prep NANOMLM_RAW=$G/raw
+E=$G/raw/babylm_eval/full_eval
+W=$(mktemp -d)  # run folders: checkpoints never travel back
+trap 'rm -rf "$W"' EXIT
+END=$(( SECONDS + ${BUDGET:-470} ))
+say() { echo "[${SECONDS}s] $*" | tee -a "$O/progress.txt"; }
+# part NAME LOG LIMIT CMD...: CMD, its output appended to LOG, stopped after LIMIT seconds or
+# at the end of the budget, whichever comes first (SIGTERM, then SIGKILL 30 s later)
 part() {
-    local name=$1 min=$2 max=$3 limit
+    local name=$1 log=$2 limit=$3 left=$(( END - SECONDS )) t0=$SECONDS rc
     shift 3
-    limit=$(( $(left) < max ? $(left) : max ))
-    if (( limit < min )); then
-        echo "$name: skipped, ${limit}s left of the budget" | tee -a "$W/parts.txt"
-        return
+    (( limit > left )) && limit=$left
+    if (( limit < (smoke ? 1 : 30) )); then
+        say "$name: skipped, ${left}s of the budget left"
+        return 99
     fi
-    local t0=$SECONDS
-    timeout "$limit" "$@" > "$W/$name.log" 2>&1
-    echo "$name: exit $?, $(( SECONDS - t0 ))s (limit ${limit}s)" | tee -a "$W/parts.txt"
+    timeout -k 30 "$limit" "$@" >> "$log" 2>&1
+    rc=$?
+    say "$name: exit $rc in $(( SECONDS - t0 ))s (limit ${limit}s)"
+    return $rc
 }
 
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || echo "no nvidia-smi"
-  "$python" -c "import torch; print('torch', torch.__version__)"; } > "$W/gpu.txt" 2>&1
-git log -1 --format='%H %s' > "$W/commit.txt" 2>&1
-for p in $parts; do
-    case $p in
-        tests) part tests 60 500 "$python" -m pytest -q -rs tests/test_cuda.py ;;
-        objectives) part objectives 120 500 "$python" bench.py "${device[@]}" "${objectives[@]}" \
-                        --only step,bert --data "$data" --out "$W/bench.json" ;;
-        kernels) part kernels 60 500 "$python" bench.py "${device[@]}" "${kernels[@]}" \
-                     --only ltg,attn,pll --out "$W/bench_kernels.json" ;;
-        mlm10)  # SIGTERM at the limit: train.py saves the step it is at, which BLiMP then reads
-            part mlm10 120 $(( $(left) - 60 )) "$python" train.py --objective mlm --data "$data" \
-                "${device[@]}" "${mlm10[@]}" --out-dir "$W/mlm10"
-            if [ -f "$W/mlm10/ckpt.pt" ]; then
-                part blimp 20 90 "$python" evaluate.py blimp --ckpt "$W/mlm10/ckpt.pt" \
-                    "${device[@]}" --blimp-dir "$E/blimp_filtered" "$E/supplement_filtered"
-            else
-                echo "blimp: skipped, mlm10 left no checkpoint" | tee -a "$W/parts.txt"
-            fi ;;
-        dictionary) part dictionary 120 500 "$python" train.py --objective mlsm+mlm --data "$data" \
-                        "${device[@]}" "${dictionary[@]}" --out-dir "$W/dictionary" ;;
-        *) echo "error: no part '$p' (tests, objectives, mlm10, dictionary, kernels)" >&2; exit 2 ;;
-    esac
-done
+O=$(mkdir -p "${OUT:-gpu_out}" && cd "${OUT:-gpu_out}" && pwd)
+data=$("$py" -c "import sys; from data.prepare import prepare
+print(prepare('babylm_10m', int(sys.argv[1]), quiet=True))" "$vocab" 2> "$W/data.err")
+if [ -z "$data" ]; then
+    echo "error: no prepared babylm_10m under $G/prep ($(tail -1 "$W/data.err")); run bash" \
+         "gpu_check.sh carry here first and carry .gpu_data" >&2
+    exit 1
+fi
+{ echo "tier: $tier${*:+ $*}$( ((smoke)) && echo ' (smoke)')"
+  echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "commit: $(cat "$G/commit" 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 ||
+      echo "no nvidia-smi"
+  "$py" -c "import importlib.metadata as m, torch
+print('torch', torch.__version__, 'cuda', torch.version.cuda)
+try:
+    print('transformers', m.version('transformers'))
+except m.PackageNotFoundError:
+    print('no transformers')"
+  echo "data: $data"; } > "$O/env.txt" 2>&1
+say "$tier: budget ${BUDGET:-470}s"
 
-# the summary: what each part measured, in one JSON
-"$python" - "$W" <<'EOF' > "$W/summary.json"
-import json, pathlib, re, sys
-w = pathlib.Path(sys.argv[1])
-read = lambda name: (w / name).read_text() if (w / name).exists() else ""
-out = {"gpu": read("gpu.txt").strip(), "commit": read("commit.txt").strip(),
-       "parts": read("parts.txt").splitlines()}
-tests = read("tests.log").strip().splitlines()
-out["tests"] = tests[-1] if tests else None
-keep = ("case", "ours", "unit", "reference", "ratio", "recompiles", "coder_ms", "code_share",
-        "mfu", "max_abs_diff", "failed")
-for name in ("bench", "bench_kernels"):
-    if (w / f"{name}.json").exists():
-        out[name] = [{k: r.get(k) for k in keep if k in r}
-                     for r in json.loads(read(f"{name}.json"))["rows"]]
-for run in ("mlm10", "dictionary"):
-    if (w / run / "log.jsonl").exists():
-        log = [json.loads(line) for line in read(f"{run}/log.jsonl").splitlines()]
-        out[f"{run}_last_train"] = next((e for e in reversed(log) if "tok_per_s" in e), None)
-        out[f"{run}_last_val"] = next((e for e in reversed(log) if "val_loss" in e), None)
-        out[f"{run}_errors"] = [e for e in log if "error" in e]
-        out[f"{run}_said"] = re.findall(r"^(?:done|dictionary|step \d+: phase 2)[^\n]*",
-                                        read(f"{run}.log"), flags=re.M)
-out["blimp"] = re.findall(r"^  \S+: over .*$", read("blimp.log"), flags=re.M)
+if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few steps, the CPU
+    dev=(--device cpu)
+    tiny=(--size tiny --n-layer 1 --d-model 64 --n-head 2 --d-ff 128 --seq-len 32 --batch-size 8)
+    steps=(--quick --sizes tiny --objectives mlm --steps 5)
+    bert=(--quick --sizes tiny)
+    kernels=(--quick --sizes tiny)
+    # stopped at step 10 of 1000, as a run too long for the budget is stopped by SIGTERM
+    headline=("${tiny[@]}" --max-steps 1000 --stop-at 10 --log-every 5 --eval-every 10)
+    dictionary=("${tiny[@]}" --max-steps 10 --phase1-steps 5 --log-every 5 --mlsm-k 48
+                --dict-vectors 300 --dict-epochs 1)
+    scale=${SCALE:-cpu}
+else
+    dev=(--device cuda)
+    steps=(--sizes small --objectives mlm,mlsm+mlm,boot,kd+mlm --steps 100 --row-timeout 120)
+    bert=(--sizes small,base)
+    kernels=(--sizes small,base --profile)
+    headline=()
+    dictionary=(--size small --max-steps 600 --phase1-steps 300 --log-every 50)
+    scale=${SCALE:-gpu}
+fi
+tests=("$py" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py)
+
+case $tier in
+    verify)
+        part tests "$O/tests.log" 150 "${tests[@]}" -k "never_waits or pll"
+        TORCH_LOGS=recompiles part steps "$O/bench.log" 330 "$py" bench.py "${dev[@]}" \
+            --only step "${steps[@]}" --data "$data" --out "$O/steps.json"
+        part bert "$O/bench.log" 200 "$py" bench.py "${dev[@]}" --only bert "${bert[@]}" \
+            --out "$O/bert.json" ;;
+    headline)  # what is left of the budget, less BLiMP's share
+        part train "$O/train.log" $(( END - SECONDS - (smoke ? 5 : 75) )) "$py" train.py \
+            --objective mlm --data "$data" "${dev[@]}" "${headline[@]}" --out-dir "$W/headline"
+        cp "$W/headline/log.jsonl" "$O/log.jsonl" 2>/dev/null
+        if [ -f "$W/headline/ckpt.pt" ]; then
+            part blimp "$O/blimp.log" 120 "$py" evaluate.py blimp --ckpt "$W/headline/ckpt.pt" \
+                "${dev[@]}" --blimp-dir "$E/blimp_filtered" "$E/supplement_filtered"
+            gzip -c "$W/headline/eval/blimp.json" > "$O/blimp.json.gz" 2>/dev/null ||
+                rm -f "$O/blimp.json.gz"
+        else
+            say "blimp: skipped, training left no checkpoint"
+        fi
+        "$py" - "$W/headline" "$O/progress.txt" > "$O/summary.json" <<'EOF'
+import json, re, statistics, sys
+from pathlib import Path
+run, progress = Path(sys.argv[1]), Path(sys.argv[2]).read_text()
+log = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines() if x.strip()]
+args = json.loads((run / "args.json").read_text())
+train = [r for r in log if "tok_per_s" in r]
+tokens = args["batch_size"] * args["seq_len"] * args["grad_accum"]
+wall = lambda part: float(re.findall(rf"^\[\d+s\] {part}: exit \d+ in (\d+)s", progress,
+                                     flags=re.M)[-1]) if f"] {part}: exit" in progress else None
+# the first log interval holds torch.compile's warm-up: the step time is the others' median
+step_s = tokens / statistics.median([r["tok_per_s"] for r in train[1:] or train])
+steps = train[-1]["step"] if train else 0
+out = {"steps": steps, "max_steps": args["max_steps"], "finished": steps == args["max_steps"],
+       "step_s": step_s, "train_wall_s": wall("train"),
+       "projected_train_s": (wall("train") or 0) + (args["max_steps"] - steps) * step_s,
+       "val": next((r for r in reversed(log) if "val_loss" in r), None), "blimp_wall_s": None}
+if (run / "eval" / "blimp.json").exists():
+    b = json.loads((run / "eval" / "blimp.json").read_text())
+    out.update(blimp_wall_s=wall("blimp"), blimp_sentences_per_s=b["sentences_per_s"],
+               blimp={g: {"over_paradigms": 100 * s["macro_paradigms"][0],
+                          "pipeline_average": 100 * s["pipeline_average"]}
+                      for g, s in b["summary"].items()})
 print(json.dumps(out, indent=1))
 EOF
-cat "$W/summary.json"
-# checkpoints (and a half-written one) do not travel, nor BLiMP's per-sentence results
-tar czf "${OUT:-.}/gpu_check.tgz" --exclude='*.pt' --exclude='*.pt.tmp' --exclude='eval' \
-    --exclude='code' -C "$(dirname "$W")" gpu_check &&
-    echo "wrote ${OUT:-.}/gpu_check.tgz"
+        say "summary: exit $?" ;;
+    rest)
+        part dictionary "$O/dictionary.log" 270 "$py" train.py --objective mlsm+mlm --data "$data" \
+            "${dev[@]}" "${dictionary[@]}" --out-dir "$W/dictionary"
+        cp "$W/dictionary/log.jsonl" "$O/dictionary.jsonl" 2>/dev/null
+        part tests "$O/tests.log" 180 "${tests[@]}" -k "compiled_in_bf16 or resume"
+        part kernels "$O/bench.log" 150 "$py" bench.py "${dev[@]}" --only ltg,attn,pll \
+            "${kernels[@]}" --out "$O/kernels.json" ;;
+    study)
+        [ $# -ge 3 ] || { echo "error: study needs FILE ARM SEED [SCALE]" >&2; exit 2; }
+        file=$1 arm=$2 seed=$3
+        scale=${4:-$scale}
+        part study "$O/study.log" $(( END - SECONDS )) "$py" study.py "$file" --scale "$scale" \
+            --only "$arm" --seeds "$seed" --out "$W/study" --no-figures
+        result=$W/study/results/$arm/s$seed
+        mkdir -p "$O/results/$arm"
+        cp "$result.json.gz" "$O/results/$arm/" 2>/dev/null ||
+            cp "$result.failed" "$O/results/$arm/" 2>/dev/null
+        cp "$W/study/$arm/s$seed/study.log" "$O/run.log" 2>/dev/null
+        say "result: $(ls "$O/results/$arm" | tr '\n' ' ')" ;;
+esac
+say "done"

@@ -1,6 +1,6 @@
 """How bench.py measures: rates after warm-up calls (CUDA synchronised around each call), two
-functions timed in turn so that a slow spell of the machine hits both, a table row, and
-torch.profiler's top operators of one step (--profile).
+functions timed in turn so that a slow spell of the machine hits both, a table row (or a failed
+one, with its error), and torch.profiler's top operators of one step (--profile).
 """
 import statistics
 import time
@@ -30,6 +30,12 @@ def row(bench, case, unit, ours, ref_name="-", ref=None, **extra):
          "ref": statistics.median(ref) if ref else None, **extra}
     r["ratio"] = r["ours"] / r["ref"] if r["ref"] else None
     return r
+
+
+def failed_row(bench, case, error: str):
+    """A row that measured nothing: `failed` holds the last lines of what went wrong."""
+    return {"bench": bench, "case": case, "unit": None, "ours": None, "min": None, "max": None,
+            "reference": "-", "ref": None, "ratio": None, "failed": error}
 
 
 def alternate(fn_a, fn_b, work, device, warmup, repeat):

@@ -379,6 +379,10 @@ def build_parser():
         help="bfloat16 autocast of the forward pass; weights, optimizer and losses stay float32 "
         "(default: on with CUDA, off on the CPU; measured 2x faster on a CPU with AMX: see "
         "docs/bench.md)")
+    add("--deterministic", action=argparse.BooleanOptionalAction, default=False,
+        help="deterministic kernels only (torch.use_deterministic_algorithms): a run and its "
+        "resumption agree bit for bit on a GPU too, at some cost in speed (on the CPU they "
+        "already do)")
     add("--out-dir", default=None, help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
     add("--resume", action="store_true",
         help="continue the run in --out-dir from its ckpt.pt, with its saved settings")

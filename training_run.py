@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from data.masking import make_batch
 from data.prepare import Segments, load_meta, prepare, raw_root
-from device import autocast, peak_memory_gb, pick_device, seed_of, use_compile
+from device import (autocast, peak_memory_gb, pick_device, seed_of, use_compile,
+                    use_deterministic)
 from model import PRESETS, Encoder, ModelConfig, check_config, load_weights
 from optim import make_optimizer
 from progress import duration
@@ -51,8 +52,9 @@ class ObjectiveParts:
     saved: dict = field(default_factory=dict)    # {name: module}: ckpt["extras_state"], restored
 
 
-RESUMABLE = {"resume", "out_dir", "device", "compile", "bf16", "log_every", "eval_every",
-             "save_every", "stop_at", "spike", "save_words"}  # the flags a resumed run may change
+# the flags a resumed run may change
+RESUMABLE = {"resume", "out_dir", "device", "compile", "bf16", "deterministic", "log_every",
+             "eval_every", "save_every", "stop_at", "spike", "save_words"}
 
 
 def model_config(args, vocab_size) -> ModelConfig:
@@ -186,6 +188,8 @@ def open_run(args, code: list[str], defaults: dict, check_steps: Callable) -> Ru
         args, ckpt = resumed_args(args, folder.path / "ckpt.pt", defaults)
     else:
         folder.check_new("ckpt.pt")  # now, before a long data preparation; again once locked
+    if args.deterministic:  # before any kernel runs (the run's saved setting, when resumed)
+        use_deterministic()
     if rank == 0:
         data_dir = prepare(args.data, args.vocab_size)
     if ddp:

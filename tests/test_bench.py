@@ -2,6 +2,10 @@
 bench.json agree. Speeds are measured by bench.py, never asserted here."""
 import json
 
+import pytest
+import torch
+import torch.nn.functional as F
+
 import bench
 from conftest import shared_data
 
@@ -67,3 +71,54 @@ def test_every_row_is_written_as_it_is_measured(tmp_path, monkeypatch):
         pass
     rows = json.loads(out.read_text())["rows"]
     assert [r["bench"] for r in rows] == ["ema", "broken"] and rows[1]["ours"] == 2.0
+
+
+def test_a_failing_row_is_recorded_and_the_other_rows_go_on(prepared, tmp_path, monkeypatch):
+    """A train.py run that fails is a row with its error's last lines, and the next objective
+    runs; a bench that raises is a row too, and the next bench runs; bench.py exits non-zero
+    only after writing them all."""
+    def breaks(args, device, tmp):
+        yield bench.row("broken", "first", "things/s", [1.0, 2.0, 3.0])
+        raise RuntimeError("the second row broke")
+    monkeypatch.setitem(bench.BENCHES, "broken", breaks)
+    out = tmp_path / "bench.json"
+    with pytest.raises(SystemExit, match="2 of 6 rows failed: step nonsense"):
+        bench.main(["--quick", "--device", "cpu", "--data", str(prepared), "--only",
+                    "step,broken,ema", "--objectives", "mlm,nonsense,kd+mlm", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["bench"], r["case"].split()[0]) for r in rows] == [
+        ("step", "mlm"), ("step", "nonsense"), ("step", "kd+mlm"), ("broken", "first"),
+        ("broken", "after"), ("ema", rows[-1]["case"].split()[0])]
+    assert "invalid choice: 'nonsense'" in rows[1]["failed"] and rows[1]["ours"] is None
+    assert rows[2]["ratio"] > 0 and "failed" not in rows[2]      # kd+mlm ran, against mlm
+    assert rows[4]["failed"].startswith("RuntimeError: the second row broke")
+    assert "| step | nonsense tiny 4x32 | failed |" in bench.table(json.loads(out.read_text()))
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_flops_per_token_counts_what_torch_counts(size):
+    """MFU's numerators against torch's own count of one training step's matrix FLOPs
+    (FlopCounterMode: matmuls, attention): ours with the head on C predicted slots, and
+    BertForMaskedLM, exactly (both count 2 per multiply-add and a backward of twice the
+    forward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from bench_models import bert_flops_per_token, flops_per_token, mlm_batch
+    from data.masking import predicted_slots
+    from model import PRESETS, Encoder, ModelConfig
+    B, T, V = 2, 64, 1000
+    cfg = ModelConfig(**PRESETS[size], vocab_size=V)
+    ids, masked, inp, att = mlm_batch(B, T, torch.device("cpu"))
+    ids, inp = ids % V, inp % V
+    labels = torch.where(masked, ids, -100)
+    slots = predicted_slots(labels, int(masked.sum()) + 7)                     # 7 padding slots
+    with FlopCounterMode(display=False) as counted:
+        _, logits = Encoder(cfg)(inp, att, predict=slots)
+        F.cross_entropy(logits, labels.flatten()[slots], ignore_index=-100).backward()
+    assert counted.get_total_flops() == flops_per_token(cfg, T, len(slots) / (B * T), B * T) * B * T
+    transformers = pytest.importorskip("transformers")
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=V, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head, intermediate_size=cfg.d_ff))
+    with FlopCounterMode(display=False) as counted:
+        bert(input_ids=inp, attention_mask=att, labels=labels).loss.backward()
+    assert counted.get_total_flops() == bert_flops_per_token(cfg, T) * B * T

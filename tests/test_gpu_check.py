@@ -1,75 +1,185 @@
-"""gpu_check.sh --smoke: the GPU check, run end to end on the CPU as a GPU machine would run it
-(../shared/GPU.md): a prepared babylm_10m under NANOMLM_DATA and no raw text, every part, the
-summary and the tarball. A lent GPU is rare; the script it runs has run here first."""
+"""gpu_check.sh --smoke: every tier of the GPU check, run on the CPU as a GPU machine would run it
+(../shared/GPU.md): `carry` builds the carried folder from a raw root, and each tier, reading
+only that, writes its results into $OUT as it measures them. A lent GPU is rare; the script it
+runs has run here first."""
+import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
-import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from conftest import REPO, shared_data
-from data.prepare import prepare
 
 
-def gpu_check(*parts, env, cwd=REPO, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "gpu_check.sh"), *parts], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+def gpu_check(*args, env, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "gpu_check.sh"), *map(str, args)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+STUDY = """
+name = "tiny"
+baseline = "mlm"
+[arms.mlm]
+objective = "mlm"
+[scales.cpu]
+data = "babylm_10m"
+seeds = [0]
+steps = 6
+flags = "--size tiny --n-layer 1 --d-model 64 --n-head 2 --d-ff 128 --seq-len 32 --batch-size 8 \
+--eval-every 3 --vocab-size 2000 --device cpu"
+[scales.cpu.evaluate]
+mlm = { segments = 8 }
+blimp = ["babylm_eval/full_eval/blimp_filtered"]
+"""
 
 
 @pytest.fixture(scope="module")
 def carried(small_raw, tmp_path_factory) -> dict:
-    """What carry.sh builds, at test size: babylm_10m prepared (a 2000-piece tokenizer on
-    small_raw's text) with no raw corpus beside it, and two paradigms each of BLiMP and its
-    supplement. Returns the environment gpu_check.sh runs in."""
-    root = tmp_path_factory.mktemp("gpu_data")
-    raw = root / "raw" / "babylm_10m"
-    raw.mkdir(parents=True)
+    """`gpu_check.sh carry STUDY` run on a raw root laid out as ../shared/data (babylm_10m: the
+    tests' small corpus, under a 2000-piece tokenizer; BLiMP and its supplement: two paradigms
+    each of the fast sets). Returns the environment the tiers run in."""
+    root = tmp_path_factory.mktemp("gpu")
+    raw = root / "raw"
+    (raw / "babylm_10m").mkdir(parents=True)
     for f in small_raw.iterdir():
-        (raw / f.name).symlink_to(f)
-    env = {**os.environ, "NANOMLM_DATA": str(root / "prep"), "NANOMLM_RAW": str(root / "noraw"),
-           "VOCAB_SIZE": "2000", "GPU_EVAL": str(root / "eval"), "OMP_NUM_THREADS": "1",
-           "PYTHON": sys.executable}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOMLM_DATA", env["NANOMLM_DATA"])
-        prepare(str(raw), vocab_size=2000, quiet=True)
-    fast = shared_data() / "babylm_eval" / "fast_eval"
-    for ours, theirs in (("blimp_filtered", "blimp_fast"),
-                         ("supplement_filtered", "supplement_fast")):
-        (root / "eval" / ours).mkdir(parents=True)
+        (raw / "babylm_10m" / f.name).symlink_to(f)
+    fast = shared_data().resolve() / "babylm_eval" / "fast_eval"
+    for ours, theirs in (("blimp_filtered", "blimp_fast"), ("supplement_filtered",
+                                                            "supplement_fast")):
+        folder = raw / "babylm_eval" / "full_eval" / ours
+        folder.mkdir(parents=True)
         for f in sorted((fast / theirs).glob("*.jsonl"))[:2]:
-            (root / "eval" / ours / f.name).symlink_to(f.resolve())
+            (folder / f.name).write_text("".join(f.read_text().splitlines(True)[:16]))
+    (root / "tiny.toml").write_text(STUDY)
+    env = {**os.environ, "NANOMLM_RAW": str(raw), "GPU_DATA": str(root / "carried"),
+           "VOCAB_SIZE": "2000", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    r = gpu_check("carry", root / "tiny.toml", env={**env, "SCALE": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    env["NANOMLM_RAW"] = str(root / "elsewhere")  # the tiers read the carried folder alone
     return env
 
 
-def test_smoke_runs_every_part_and_bundles_the_results(carried, tmp_path):
-    env = {**carried, "OUT": str(tmp_path)}
-    r = gpu_check("--smoke", "tests", "objectives", "kernels", "mlm10", "dictionary", env=env)
+@pytest.fixture(scope="module")
+def ran(carried, tmp_path_factory) -> dict:
+    """{tier: (its CompletedProcess, its $OUT)}: the four tiers with --smoke, two at a time
+    (each is mostly one single-threaded process after another; the tests' machine has 2 cores)."""
+    study = Path(carried["GPU_DATA"]).parent / "tiny.toml"  # carried with its evaluation data
+    tiers = {"verify": [], "study": [study, "mlm", 0], "rest": [], "headline": []}
+
+    def run(tier):
+        out = tmp_path_factory.mktemp(tier)
+        return gpu_check("--smoke", tier, *tiers[tier], env={**carried, "OUT": out}), out
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(tiers, pool.map(run, tiers)))
+
+
+def test_carry_makes_one_prepared_corpus_the_evaluation_folders_and_the_commit(carried):
+    g = carried["GPU_DATA"]
+    prepared = os.listdir(f"{g}/prep")
+    assert len(prepared) == 1 and prepared[0].startswith("babylm_10m-")
+    for name in ("blimp_filtered", "supplement_filtered"):
+        assert len(os.listdir(f"{g}/raw/babylm_eval/full_eval/{name}")) == 2
+    commit = open(f"{g}/commit").read().split()[0]
+    assert commit == subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                    text=True).stdout.strip()
+
+
+def back(out) -> dict:
+    """What $OUT holds: {name: text} of its files, as the device tool returns them."""
+    files = {p.relative_to(out).as_posix(): p for p in out.rglob("*") if p.is_file()}
+    assert len(files) <= 8 and all(name.count("/") <= 2 for name in files), sorted(files)
+    return files
+
+
+def parts(out) -> dict:
+    """{part: its progress line} from progress.txt."""
+    lines = (out / "progress.txt").read_text().splitlines()
+    return {line.split("] ")[1].split(":")[0]: line for line in lines}
+
+
+def test_verify(ran):
+    r, tmp_path = ran["verify"]
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    with tarfile.open(tmp_path / "gpu_check.tgz") as tar:
-        tar.extractall(tmp_path / "back", filter="data")
-    back = tmp_path / "back" / "gpu_check"
-    summary = json.loads((back / "summary.json").read_text())
-    data_line, *parts = summary["parts"]
-    assert data_line.startswith("data: ") and "babylm_10m-" in data_line
-    ran = {line.split(":")[0]: line for line in parts}
-    assert set(ran) == {"tests", "objectives", "kernels", "mlm10", "blimp", "dictionary"}
-    assert all(": exit 0, " in line for line in parts), parts
-    assert "skipped" in summary["tests"]  # no CUDA here: the file imports, and skips
-    steps = {row["case"].split()[0]: row for row in summary["bench"] if "tokens/s" == row["unit"]}
-    assert {"mlm", "mlsm+mlm"} <= set(steps) and steps["mlsm+mlm"]["coder_ms"] > 0
-    assert {row["case"].split(",")[0] for row in summary["bench_kernels"]}  # rows came back
-    for run in ("mlm10", "dictionary"):
-        assert summary[f"{run}_last_val"]["val_loss"] > 0 and not summary[f"{run}_errors"]
-        assert any(line.startswith("done: 10 steps") for line in summary[f"{run}_said"])
-        assert (back / run / "log.jsonl").is_file() and not list((back / run).glob("*.pt"))
-    assert any(line.startswith("dictionary: 48 atoms") for line in summary["dictionary_said"])
-    assert len(summary["blimp"]) == 4  # filtered and supplement: over paradigms, phenomena
+    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "tests.log", "bench.log",
+                                   "steps.json", "bert.json"}
+    done = parts(tmp_path)
+    assert all(": exit 0 in " in done[p] for p in ("tests", "steps", "bert")), done
+    assert "skipped" in (tmp_path / "tests.log").read_text()  # no CUDA here: it skips
+    steps = json.loads((tmp_path / "steps.json").read_text())["rows"]
+    assert [r["case"].split()[0] for r in steps] == ["mlm"] and steps[0]["recompiles"] == 0
+    bert = json.loads((tmp_path / "bert.json").read_text())["rows"]
+    assert bert and bert[0]["reference"] == "BertForMaskedLM"
+    env = (tmp_path / "env.txt").read_text()
+    assert "tier: verify (smoke)" in env and "torch " in env and "commit: " in env
 
 
-def test_without_the_carried_corpus_it_stops_at_once_with_one_line(carried, tmp_path):
-    env = {**carried, "NANOMLM_DATA": str(tmp_path / "empty"), "OUT": str(tmp_path)}
-    r = gpu_check("--smoke", env=env, timeout=60)
-    assert r.returncode == 1 and not (tmp_path / "gpu_check.tgz").exists()
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: no prepared babylm_10m")
+def test_headline(ran):
+    """The smoke run is stopped at step 10 of 1000, as a run too long for the command is
+    stopped at its limit: BLiMP scores the checkpoint it saved, and the summary projects the
+    whole run from the measured step time."""
+    r, tmp_path = ran["headline"]
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "train.log", "log.jsonl",
+                                   "blimp.log", "blimp.json.gz", "summary.json"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["max_steps"] == 1000 and not summary["finished"]
+    assert summary["projected_train_s"] == summary["train_wall_s"] + 990 * summary["step_s"]
+    assert summary["val"]["val_loss"] > 0 and summary["blimp_sentences_per_s"] > 0
+    assert set(summary["blimp"]) == {"blimp_filtered", "supplement_filtered"}
+    blimp = json.loads(gzip.decompress((tmp_path / "blimp.json.gz").read_bytes()))
+    assert len(blimp["pairs"]) == 2 * 2 * 16 and blimp["ckpt"].endswith("ckpt.pt")
+
+
+def test_rest(ran):
+    r, tmp_path = ran["rest"]
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "dictionary.log",
+                                   "dictionary.jsonl", "tests.log", "bench.log", "kernels.json"}
+    said = (tmp_path / "dictionary.log").read_text()
+    assert "dictionary: 48 atoms" in said and "done: 10 steps" in said
+    assert {r["bench"] for r in json.loads((tmp_path / "kernels.json").read_text())["rows"]} == {
+        "ltg", "attn", "pll"}
+
+
+def test_study_brings_back_the_jobs_result(ran):
+    r, tmp_path = ran["study"]
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "study.log", "run.log",
+                                   "results/mlm/s0.json.gz"}
+    result = json.loads(gzip.decompress((tmp_path / "results/mlm/s0.json.gz").read_bytes()))
+    assert result["arm"] == "mlm" and result["seed"] == 0 and result["compute"]["steps"] == 6
+    assert "blimp_filtered" in result and result["val_loss"]
+
+
+def test_a_cut_tier_leaves_what_it_measured_before_the_cut(carried, tmp_path):
+    """verify killed outright (as a device call past its limit is) once its first bench row is
+    written, about half way: the tests' log, the row and the progress lines are in $OUT."""
+    p = subprocess.Popen(["bash", str(REPO / "gpu_check.sh"), "--smoke", "verify"], cwd=REPO,
+                         env={**carried, "OUT": str(tmp_path)}, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    steps = tmp_path / "steps.json"
+    t0 = time.time()
+    while not (steps.exists() and json.loads(steps.read_text())["rows"]):
+        assert p.poll() is None and time.time() - t0 < 300, "verify ended before its first row"
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert json.loads(steps.read_text())["rows"][0]["case"].startswith("mlm")
+    assert "skipped" in (tmp_path / "tests.log").read_text()
+    assert "tests: exit 0" in (tmp_path / "progress.txt").read_text()
+    assert not (tmp_path / "bert.json").exists()
+
+
+def test_without_the_carried_corpus_a_tier_stops_at_once_with_one_line(carried, tmp_path):
+    env = {**carried, "GPU_DATA": str(tmp_path / "empty"), "OUT": str(tmp_path / "out")}
+    r = gpu_check("--smoke", "verify", env=env, timeout=60)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: no prepared babylm_10m") and "gpu_check.sh carry" in r.stderr
+    r = gpu_check("tests", env=env, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("error: no tier 'tests'")

@@ -4,6 +4,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -977,3 +978,21 @@ def test_save_words_babylm_gives_the_19_revisions_of_the_strict_small_collation(
     per_step = 128 * 126 * meta["train_words"] / meta["train_tokens"]
     for step, (name, words) in marks.items():
         assert (step - 1) * per_step < words <= step * per_step
+
+
+def test_deterministic_turns_on_deterministic_kernels(prepared, tmp_path, monkeypatch):
+    """--deterministic reaches torch before any kernel runs (the GPU resume test's criterion,
+    bit for bit, rests on it), and a resumed run keeps it from its saved settings."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    out = tmp_path / "run"
+    try:
+        T.main(["--data", str(prepared), "--out-dir", str(out), "--max-steps", "4", *TINY,
+                "--deterministic", "--stop-at", "2"])
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        torch.use_deterministic_algorithms(False)
+        T.main(["--out-dir", str(out), "--resume"])
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 4
