@@ -38,7 +38,9 @@
 # python3, else python), VOCAB_SIZE (the corpus' vocabulary, default 16384), SCALE; carry reads
 # the raw data under NANOMLM_RAW. tests/test_gpu_check.py runs every tier with --smoke.
 set -uo pipefail
-cd "$(dirname "$0")"
+here=$PWD
+abs() { case $1 in /*) echo "$1" ;; *) echo "$here/$1" ;; esac; }  # a path typed from here
+cd "$(dirname "$0")"  # the repository root, where the scripts are
 smoke=0
 if [ "${1:-}" = "--smoke" ]; then
     smoke=1
@@ -51,7 +53,8 @@ case $tier in
     *) echo "error: no tier '${tier}' (carry, verify, headline, rest, study FILE ARM SEED" \
             "[SCALE]); see the top of gpu_check.sh" >&2; exit 2 ;;
 esac
-G=$(mkdir -p "${GPU_DATA:-.gpu_data}" && cd "${GPU_DATA:-.gpu_data}" && pwd)
+G=$(abs "${GPU_DATA:-.gpu_data}")
+mkdir -p "$G"
 py=${PYTHON:-$(command -v python3 || command -v python)}
 vocab=${VOCAB_SIZE:-16384}
 export PYTHONUNBUFFERED=1
@@ -59,7 +62,7 @@ export PYTHONUNBUFFERED=1
 # carry: what the GPU machine needs, made here (it has no network and no ../shared): babylm_10m
 # prepared, BLiMP filtered and its supplement, a study's evaluation data, the commit id
 if [ "$tier" = carry ]; then
-    raw=${NANOMLM_RAW:-data/raw}
+    raw=$(abs "${NANOMLM_RAW:-data/raw}")
     eval_dir=$raw/babylm_eval/full_eval
     [ -d "$eval_dir" ] || { echo "error: no $eval_dir (set NANOMLM_RAW to the folder that" \
                                  "holds babylm_10m/ and babylm_eval/)" >&2; exit 1; }
@@ -70,7 +73,7 @@ print(prepare('babylm_10m', int(sys.argv[1])))" "$vocab" | tee /dev/stderr | tai
         [ "$old" = "$data" ] || rm -rf "$old"
     done
     # the evaluation folders, at their paths under NANOMLM_RAW: blimp, supplement, a study's
-    "$py" - "$raw" "$G/raw" "${1:-}" "${SCALE:-gpu}" <<'EOF' || exit 1
+    "$py" - "$raw" "$G/raw" "$( [ -n "${1:-}" ] && abs "$1")" "${SCALE:-gpu}" <<'EOF' || exit 1
 import shutil, sys
 from pathlib import Path
 from study_plan import StudyError, load_study
@@ -136,7 +139,8 @@ part() {
     return $rc
 }
 
-O=$(mkdir -p "${OUT:-gpu_out}" && cd "${OUT:-gpu_out}" && pwd)
+O=$(abs "${OUT:-gpu_out}")
+mkdir -p "$O"
 data=$("$py" -c "import sys; from data.prepare import prepare
 print(prepare('babylm_10m', int(sys.argv[1]), quiet=True))" "$vocab" 2> "$W/data.err")
 if [ -z "$data" ]; then
@@ -183,7 +187,7 @@ tests=("$py" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py)
 case $tier in
     verify)
         part tests "$O/tests.log" 150 "${tests[@]}" -k "never_waits or pll"
-        TORCH_LOGS=recompiles part steps "$O/bench.log" 330 "$py" bench.py "${dev[@]}" \
+        part steps "$O/bench.log" 330 "$py" bench.py "${dev[@]}" \
             --only step "${steps[@]}" --data "$data" --out "$O/steps.json"
         part bert "$O/bench.log" 200 "$py" bench.py "${dev[@]}" --only bert "${bert[@]}" \
             --out "$O/bert.json" ;;
@@ -234,7 +238,7 @@ EOF
             "${kernels[@]}" --out "$O/kernels.json" ;;
     study)
         [ $# -ge 3 ] || { echo "error: study needs FILE ARM SEED [SCALE]" >&2; exit 2; }
-        file=$1 arm=$2 seed=$3
+        file=$(abs "$1") arm=$2 seed=$3
         scale=${4:-$scale}
         part study "$O/study.log" $(( END - SECONDS )) "$py" study.py "$file" --scale "$scale" \
             --only "$arm" --seeds "$seed" --out "$W/study" --no-figures

@@ -5,6 +5,7 @@ runs has run here first."""
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -183,3 +184,19 @@ def test_without_the_carried_corpus_a_tier_stops_at_once_with_one_line(carried, 
     assert r.stderr.startswith("error: no prepared babylm_10m") and "gpu_check.sh carry" in r.stderr
     r = gpu_check("tests", env=env, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error: no tier 'tests'")
+
+
+def test_every_cuda_test_runs_in_a_tier():
+    """The tiers' `-k` selections of tests/test_cuda.py (words joined by "or": pytest selects a
+    test whose name holds one of them) together cover every test in it: a new CUDA test is not
+    left out of the GPU check."""
+    script = (REPO / "gpu_check.sh").read_text()
+    selections = re.findall(r'"\$\{tests\[@\]\}" -k "([^"]+)"', script)
+    words = [w for k in selections for w in k.split(" or ")]
+    assert len(selections) == 2 and all(re.fullmatch(r"\w+", w) for w in words), selections
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                                "no:cacheprovider", "tests/test_cuda.py"], cwd=REPO,
+                               capture_output=True, text=True, timeout=120).stdout
+    tests = collected.split("\n\n")[0].splitlines()
+    assert len(tests) >= 9 and all("test_cuda.py::test_" in t for t in tests), collected
+    assert all(any(w in t.split("::")[1] for w in words) for t in tests), (tests, words)
