@@ -44,6 +44,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -110,12 +111,14 @@ def bench_step(args, device, tmp):
                     flags.append(f"--{flag}" if getattr(args, flag) else f"--no-{flag}")
             env = {**os.environ, "TORCH_LOGS": ",".join(filter(None, (
                 os.environ.get("TORCH_LOGS"), "recompiles")))}
+            r = subprocess.Popen([sys.executable, str(REPO / "train.py"), *flags], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)  # its compile workers in its group
             try:
-                r = subprocess.run([sys.executable, str(REPO / "train.py"), *flags],
-                                   capture_output=True, text=True, env=env,
-                                   timeout=args.row_timeout)
-            except subprocess.TimeoutExpired as e:
-                said = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else ""
+                _, r.stderr = r.communicate(timeout=args.row_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(r.pid, signal.SIGKILL)
+                _, said = r.communicate()
                 yield failed_row("step", case, f"timed out after {args.row_timeout:g} s "
                                  f"(--row-timeout)\n{tail(said)}")
                 continue
