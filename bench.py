@@ -122,6 +122,9 @@ def bench_step(args, device, tmp):
                 yield failed_row("step", case, f"timed out after {args.row_timeout:g} s "
                                  f"(--row-timeout)\n{tail(said)}")
                 continue
+            finally:  # bench.py stopped (SIGTERM is a SystemExit, main): its run goes too
+                if r.poll() is None:
+                    os.killpg(r.pid, signal.SIGKILL)
             if r.returncode:
                 yield failed_row("step", case, f"train.py exited with {r.returncode}\n"
                                  f"{tail(r.stderr)}")
@@ -135,9 +138,12 @@ def bench_step(args, device, tmp):
                      "recompiles": r.stderr.count("Recompiling function"),
                      "mfu": mfu(flops, statistics.median(tps), device)}
             if objective.startswith("mlsm"):  # the coder timed alone, not inside the step
-                coder = coder_seconds(args, device, D)
-                step_s = B * T / statistics.median(tps)
-                extra.update(coder_ms=1e3 * coder, code_share=coder / step_s)
+                try:
+                    coder = coder_seconds(args, device, D)
+                    step_s = B * T / statistics.median(tps)
+                    extra.update(coder_ms=1e3 * coder, code_share=coder / step_s)
+                except Exception as e:  # the step's row stands; the next objective goes on
+                    extra["coder_failed"] = f"{type(e).__name__}: {e}"
             base = reference.get(size) if objective != "mlm" else None
             yield row("step", case, "tokens/s", tps, *(("mlm", base) if base else ("-", None)),
                       **extra)
@@ -369,22 +375,27 @@ def main(argv=None):
         tmp_out = Path(f"{args.out}.tmp")
         tmp_out.write_text(json.dumps(saved, indent=1))
         tmp_out.replace(args.out)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.only.split(","):
-            t = time.time()
-            rows_before = len(rows)
-            try:
-                for r in BENCHES[name](args, device, tmp):
-                    rows.append(r)
+    # stopped by a time limit's SIGTERM: unwind (a step row kills its train.py), rows are written
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.only.split(","):
+                t = time.time()
+                rows_before = len(rows)
+                try:
+                    for r in BENCHES[name](args, device, tmp):
+                        rows.append(r)
+                        write()
+                        said(r)
+                except Exception as e:  # a failing bench is a row; the next bench goes on
+                    rows.append(failed_row(name, f"after {len(rows) - rows_before} rows",
+                                           f"{type(e).__name__}: {e}\n"
+                                           + tail(traceback.format_exc())))
                     write()
-                    said(r)
-            except Exception as e:  # a failing bench is a row; the next bench goes on
-                rows.append(failed_row(name, f"after {len(rows) - rows_before} rows",
-                                       f"{type(e).__name__}: {e}\n"
-                                       + tail(traceback.format_exc())))
-                write()
-                said(rows[-1])
-            print(f"{name}: {time.time() - t:.0f}s", file=sys.stderr)
+                    said(rows[-1])
+                print(f"{name}: {time.time() - t:.0f}s", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, before)
     write()
     if PROFILES:
         print_profiles()

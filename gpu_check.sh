@@ -2,36 +2,39 @@
 # The GPU check in tiers, each one device command of at most 8 minutes on an H100, every result
 # written into $OUT the moment it exists: a command cut at any moment returns what it measured.
 #
-#     bash gpu_check.sh carry [STUDY.toml]     # here, first: .gpu_data/ (the prepared corpus,
-#                                              # BLiMP, the study's evaluation data, the commit)
+#     bash gpu_check.sh carry [FILE [SCALE]]   # here, first: .gpu_data/ (the prepared corpus,
+#                                              # BLiMP, a study's evaluation data, the commit)
 #     bash gpu_check.sh verify                 # there, one device command each, .gpu_data carried
 #     bash gpu_check.sh headline
 #     bash gpu_check.sh rest
-#     bash gpu_check.sh study studies/bootbert.toml boot 0 [SCALE]
+#     bash gpu_check.sh study FILE ARM SEED [SCALE]   # e.g. studies/bootbert.toml boot 0
 #     bash gpu_check.sh --smoke TIER [ARGS]    # here, the same on the CPU at tiny sizes
 #
 # Run the first tier not yet recorded in docs/bench.md for today's code, then study jobs. Times
 # are estimates from the H100 figures of 2026-11-22 (../shared/GPU.md: about 40 s of
 # torch.compile per process, small MLM at 410k tokens/s, kd+mlm 260k, mlsm+mlm 45k, BLiMP's
 # 130k sentences in 28 s), not yet measured for today's code:
-#   verify    ~8 min: the CUDA sync and PLL tests (~1.5 min); bench.py's step rows at small,
-#             mlm, mlsm+mlm, boot, kd+mlm compiled for 100 steps each (~1, 1.5, 1, 1 min;
-#             tokens/s against mlm, recompilations, mfu); ours against BertForMaskedLM at small
-#             and base, both compiled as train.py compiles its step (~2 min)
+#   verify    ~7.5 min: the CUDA sync and PLL tests (~1.5 min); bench.py's step rows at small,
+#             mlm, mlsm+mlm, boot, kd+mlm compiled for 100 steps each (~1, 2, 1, 1 min;
+#             tokens/s against mlm, recompilations, mfu); ours against BertForMaskedLM at
+#             small, both compiled as train.py compiles its step (~1 min)
 #   headline  ~7.5 min: train.py mlm with the defaults (small, 10 epochs of babylm_10m, 7,246
-#             steps: ~6.5 min), then BLiMP filtered and supplement (~0.7 min). Training that
+#             steps: ~6.5 min), then BLiMP filtered and supplement (~0.5 min). Training that
 #             cannot end in time is stopped (SIGTERM: it saves its step), BLiMP scores that
-#             checkpoint, and summary.json gives the step time and the projected total
-#   rest      ~8 min: mlsm+mlm at small, 300 + 300 steps, the recipe's dictionary (3000 atoms
-#             from 100,000 states) learned between its phases, phase 2's speed (~4 min); the six
-#             objectives compiled side by side and resume on CUDA (~2 min); bench.py's ltg,
-#             attn and pll rows at small and base (~1.5 min)
+#             checkpoint, and summary.json gives the step time and the projected total (with
+#             BUDGET=540 the run has a minute more, where the window allows it)
+#   rest      ~7.5 min: the six objectives compiled side by side and resume on CUDA (~2 min);
+#             ours against BertForMaskedLM at base (~1.5 min); mlsm+mlm at small, 300 + 100
+#             steps, the recipe's dictionary (3000 atoms from 100,000 states) learned between
+#             its phases, and phase 2's speed (~3.5 min); bench.py's ltg, attn and pll rows at
+#             small (~0.5 min)
 #   study     one job of a study (FILE ARM SEED) at its gpu scale, or SCALE: its portable
 #             result results/ARM/sSEED.json.gz, to commit and merge with study.py --report.
-#             The job must fit the budget: its run folder does not outlive the machine
-# Each tier works within $BUDGET seconds (default 470, under a device command's 8 minutes);
-# each part within its own limit and what is left of the budget, under `timeout -k`; a part
-# that no longer fits is skipped and says so. Back in $OUT (at most 8 files, two folders deep):
+#             The job must fit the budget (its run folder does not outlive the machine): the
+#             studies' gpu scales, 10 epochs and then fine-tuning, do not yet
+# Each tier works within $BUDGET seconds (default 460); each part within its own limit and what
+# is left of the budget, under `timeout -k 20`: 8 minutes at most. A part that no longer fits
+# is skipped and says so. Back in $OUT (at most 8 files, two folders deep):
 # env.txt, progress.txt (each part: exit status, seconds), and each tier's logs and JSON.
 #
 # Environment: OUT (default gpu_out/), GPU_DATA (default .gpu_data/), BUDGET, PYTHON (default
@@ -73,7 +76,7 @@ print(prepare('babylm_10m', int(sys.argv[1])))" "$vocab" | tee /dev/stderr | tai
         [ "$old" = "$data" ] || rm -rf "$old"
     done
     # the evaluation folders, at their paths under NANOMLM_RAW: blimp, supplement, a study's
-    "$py" - "$raw" "$G/raw" "$( [ -n "${1:-}" ] && abs "$1")" "${SCALE:-gpu}" <<'EOF' || exit 1
+    "$py" - "$raw" "$G/raw" "$( [ -n "${1:-}" ] && abs "$1")" "${2:-${SCALE:-gpu}}" <<'EOF' || exit 1
 import shutil, sys
 from pathlib import Path
 from study_plan import StudyError, load_study
@@ -121,10 +124,10 @@ export NANOMLM_DATA=$G/prep NANOMLM_RAW=$G/raw
 E=$G/raw/babylm_eval/full_eval
 W=$(mktemp -d)  # run folders: checkpoints never travel back
 trap 'rm -rf "$W"' EXIT
-END=$(( SECONDS + ${BUDGET:-470} ))
+END=$(( SECONDS + ${BUDGET:-460} ))
 say() { echo "[${SECONDS}s] $*" | tee -a "$O/progress.txt"; }
 # part NAME LOG LIMIT CMD...: CMD, its output appended to LOG, stopped after LIMIT seconds or
-# at the end of the budget, whichever comes first (SIGTERM, then SIGKILL 30 s later)
+# at the end of the budget, whichever comes first (SIGTERM, then SIGKILL 20 s later)
 part() {
     local name=$1 log=$2 limit=$3 left=$(( END - SECONDS )) t0=$SECONDS rc
     shift 3
@@ -133,7 +136,7 @@ part() {
         say "$name: skipped, ${left}s of the budget left"
         return 99
     fi
-    timeout -k 30 "$limit" "$@" >> "$log" 2>&1
+    timeout -k 20 "$limit" "$@" >> "$log" 2>&1
     rc=$?
     say "$name: exit $rc in $(( SECONDS - t0 ))s (limit ${limit}s)"
     return $rc
@@ -160,13 +163,13 @@ try:
 except m.PackageNotFoundError:
     print('no transformers')"
   echo "data: $data"; } > "$O/env.txt" 2>&1
-say "$tier: budget ${BUDGET:-470}s"
+say "$tier: budget ${BUDGET:-460}s"
 
 if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few steps, the CPU
     dev=(--device cpu)
     tiny=(--size tiny --n-layer 1 --d-model 64 --n-head 2 --d-ff 128 --seq-len 32 --batch-size 8)
     steps=(--quick --sizes tiny --objectives mlm --steps 5)
-    bert=(--quick --sizes tiny)
+    bert=(--quick --sizes tiny) bert_base=(--quick --sizes tiny)
     kernels=(--quick --sizes tiny)
     # stopped at step 10 of 1000, as a run too long for the budget is stopped by SIGTERM
     headline=("${tiny[@]}" --max-steps 1000 --stop-at 10 --log-every 5 --eval-every 10)
@@ -176,10 +179,10 @@ if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few st
 else
     dev=(--device cuda)
     steps=(--sizes small --objectives mlm,mlsm+mlm,boot,kd+mlm --steps 100 --row-timeout 120)
-    bert=(--sizes small,base)
-    kernels=(--sizes small,base --profile)
+    bert=(--sizes small) bert_base=(--sizes base)
+    kernels=(--sizes small --profile)
     headline=()
-    dictionary=(--size small --max-steps 600 --phase1-steps 300 --log-every 50)
+    dictionary=(--size small --max-steps 400 --phase1-steps 300 --log-every 20)
     scale=${SCALE:-gpu}
 fi
 tests=("$py" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py)
@@ -189,7 +192,7 @@ case $tier in
         part tests "$O/tests.log" 150 "${tests[@]}" -k "never_waits or pll"
         part steps "$O/bench.log" 330 "$py" bench.py "${dev[@]}" \
             --only step "${steps[@]}" --data "$data" --out "$O/steps.json"
-        part bert "$O/bench.log" 200 "$py" bench.py "${dev[@]}" --only bert "${bert[@]}" \
+        part bert "$O/bench.log" 120 "$py" bench.py "${dev[@]}" --only bert "${bert[@]}" \
             --out "$O/bert.json" ;;
     headline)  # what is left of the budget, less BLiMP's share
         part train "$O/train.log" $(( END - SECONDS - (smoke ? 5 : 75) )) "$py" train.py \
@@ -204,37 +207,45 @@ case $tier in
             say "blimp: skipped, training left no checkpoint"
         fi
         "$py" - "$W/headline" "$O/progress.txt" > "$O/summary.json" <<'EOF'
-import json, re, statistics, sys
+import json, re, statistics, sys, traceback
 from pathlib import Path
+from run_folder import RunFolder
 run, progress = Path(sys.argv[1]), Path(sys.argv[2]).read_text()
-log = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines() if x.strip()]
-args = json.loads((run / "args.json").read_text())
-train = [r for r in log if "tok_per_s" in r]
-tokens = args["batch_size"] * args["seq_len"] * args["grad_accum"]
 wall = lambda part: float(re.findall(rf"^\[\d+s\] {part}: exit \d+ in (\d+)s", progress,
                                      flags=re.M)[-1]) if f"] {part}: exit" in progress else None
-# the first log interval holds torch.compile's warm-up: the step time is the others' median
-step_s = tokens / statistics.median([r["tok_per_s"] for r in train[1:] or train])
-steps = train[-1]["step"] if train else 0
-out = {"steps": steps, "max_steps": args["max_steps"], "finished": steps == args["max_steps"],
-       "step_s": step_s, "train_wall_s": wall("train"),
-       "projected_train_s": (wall("train") or 0) + (args["max_steps"] - steps) * step_s,
-       "val": next((r for r in reversed(log) if "val_loss" in r), None), "blimp_wall_s": None}
-if (run / "eval" / "blimp.json").exists():
-    b = json.loads((run / "eval" / "blimp.json").read_text())
-    out.update(blimp_wall_s=wall("blimp"), blimp_sentences_per_s=b["sentences_per_s"],
-               blimp={g: {"over_paradigms": 100 * s["macro_paradigms"][0],
-                          "pipeline_average": 100 * s["pipeline_average"]}
-                      for g, s in b["summary"].items()})
+out = {"train_wall_s": wall("train"), "blimp_wall_s": wall("blimp")}
+try:  # whatever the run left: a log torn by a kill, or no log at all
+    log = RunFolder(run, master=False).records()
+    args = json.loads((run / "args.json").read_text())
+    train = [r for r in log if "tok_per_s" in r]
+    steps = train[-1]["step"] if train else 0
+    out.update(steps=steps, max_steps=args["max_steps"], finished=steps == args["max_steps"],
+               val=next((r for r in reversed(log) if "val_loss" in r), None))
+    if train:  # the first interval holds torch.compile's warm-up: the others' median
+        tokens = args["batch_size"] * args["seq_len"] * args["grad_accum"]
+        out["step_s"] = tokens / statistics.median([r["tok_per_s"] for r in train[1:] or train])
+        # training steps only: the evaluations and saves still to come are not counted
+        out["projected_train_s"] = ((out["train_wall_s"] or 0)
+                                    + (args["max_steps"] - steps) * out["step_s"])
+    if (run / "eval" / "blimp.json").exists():
+        b = json.loads((run / "eval" / "blimp.json").read_text())
+        out.update(blimp_sentences_per_s=b["sentences_per_s"],
+                   blimp={g: {"over_paradigms": 100 * s["macro_paradigms"][0],
+                              "pipeline_average": 100 * s["pipeline_average"]}
+                          for g, s in b["summary"].items()})
+except Exception:
+    out["error"] = traceback.format_exc()
 print(json.dumps(out, indent=1))
 EOF
         say "summary: exit $?" ;;
     rest)
-        part dictionary "$O/dictionary.log" 270 "$py" train.py --objective mlsm+mlm --data "$data" \
-            "${dev[@]}" "${dictionary[@]}" --out-dir "$W/dictionary"
+        part tests "$O/tests.log" 150 "${tests[@]}" -k "compiled_in_bf16 or resume"
+        part bert "$O/bench.log" 120 "$py" bench.py "${dev[@]}" --only bert "${bert_base[@]}" \
+            --out "$O/bert.json"
+        part dictionary "$O/dictionary.log" 240 "$py" train.py --objective mlsm+mlm \
+            --data "$data" "${dev[@]}" "${dictionary[@]}" --out-dir "$W/dictionary"
         cp "$W/dictionary/log.jsonl" "$O/dictionary.jsonl" 2>/dev/null
-        part tests "$O/tests.log" 180 "${tests[@]}" -k "compiled_in_bf16 or resume"
-        part kernels "$O/bench.log" 150 "$py" bench.py "${dev[@]}" --only ltg,attn,pll \
+        part kernels "$O/bench.log" 90 "$py" bench.py "${dev[@]}" --only ltg,attn,pll \
             "${kernels[@]}" --out "$O/kernels.json" ;;
     study)
         [ $# -ge 3 ] || { echo "error: study needs FILE ARM SEED [SCALE]" >&2; exit 2; }

@@ -1,6 +1,12 @@
 """bench.py --quick: every bench produces rows of the documented shape, and the table and
 bench.json agree. Speeds are measured by bench.py, never asserted here."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +128,23 @@ def test_flops_per_token_counts_what_torch_counts(size):
     with FlopCounterMode(display=False) as counted:
         bert(input_ids=inp, attention_mask=att, labels=labels).loss.backward()
     assert counted.get_total_flops() == bert_flops_per_token(cfg, T) * B * T
+
+
+def test_a_bench_stopped_by_sigterm_stops_its_train_run(prepared, tmp_path):
+    """A time limit's SIGTERM reaches bench.py alone (its train.py runs in a session of their
+    own, with their compile workers); bench.py takes its running train.py down with it, so no
+    run outlives the part of gpu_check.sh that started it."""
+    p = subprocess.Popen([sys.executable, "bench.py", "--device", "cpu", "--only", "step",
+                          "--sizes", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps",
+                          "100000", "--data", str(prepared), "--out", str(tmp_path / "b.json")],
+                         cwd=bench.REPO, env={**os.environ, "TMPDIR": str(tmp_path)},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while not list(tmp_path.glob("*/mlm_tiny/args.json")):  # train.py has begun its run
+        assert p.poll() is None and time.time() - t0 < 120
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    running = [c for c in Path("/proc").glob("[0-9]*/cmdline") if str(tmp_path) in
+               c.read_bytes().decode(errors="replace")] if Path("/proc").is_dir() else []
+    assert not running

@@ -60,7 +60,7 @@ def carried(small_raw, tmp_path_factory) -> dict:
     (root / "tiny.toml").write_text(STUDY)
     env = {**os.environ, "NANOMLM_RAW": str(raw), "GPU_DATA": str(root / "carried"),
            "VOCAB_SIZE": "2000", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
-    r = gpu_check("carry", root / "tiny.toml", env={**env, "SCALE": "cpu"})
+    r = gpu_check("carry", root / "tiny.toml", "cpu", env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     env["NANOMLM_RAW"] = str(root / "elsewhere")  # the tiers read the carried folder alone
     return env
@@ -140,8 +140,9 @@ def test_headline(ran):
 def test_rest(ran):
     r, tmp_path = ran["rest"]
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "dictionary.log",
-                                   "dictionary.jsonl", "tests.log", "bench.log", "kernels.json"}
+    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "tests.log", "bench.log",
+                                   "bert.json", "dictionary.log", "dictionary.jsonl",
+                                   "kernels.json"}
     said = (tmp_path / "dictionary.log").read_text()
     assert "dictionary: 48 atoms" in said and "done: 10 steps" in said
     assert {r["bench"] for r in json.loads((tmp_path / "kernels.json").read_text())["rows"]} == {

@@ -983,7 +983,8 @@ def test_save_words_babylm_gives_the_19_revisions_of_the_strict_small_collation(
 def test_deterministic_turns_on_deterministic_kernels(prepared, tmp_path, monkeypatch):
     """--deterministic reaches torch before any kernel runs (the GPU resume test's criterion,
     bit for bit, rests on it), and a resumed run keeps it from its saved settings."""
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # restored after the test
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     out = tmp_path / "run"
     try:
         T.main(["--data", str(prepared), "--out-dir", str(out), "--max-steps", "4", *TINY,
