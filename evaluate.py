@@ -1,6 +1,8 @@
-"""Evaluate checkpoints with torch, numpy and scipy only: BLiMP by pseudo-log-likelihood,
-(Super)GLUE/MSGS fine-tuning, and the Multi-Bootstrap to compare two pretraining procedures.
+"""Evaluate checkpoints with torch and numpy only: what a model fills in for [MASK], BLiMP by
+pseudo-log-likelihood, (Super)GLUE/MSGS fine-tuning, and the Multi-Bootstrap to compare two
+pretraining procedures.
 
+    python evaluate.py fill --ckpt runs/X "the cat sat on the [MASK] ."   # its top guesses
     E=../shared/data/babylm_eval
     python evaluate.py blimp --ckpt runs/X/ckpt.pt \
         --blimp-dir $E/fast_eval/blimp_fast $E/fast_eval/supplement_fast
@@ -40,7 +42,7 @@ from model import load_checkpoint
 from multibootstrap import compare
 from progress import bar, duration, line_buffered
 from results import write_lines, write_result
-from storage import one_line_os_errors
+from storage import hold_lock, one_line_os_errors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,6 +228,9 @@ def blimp(args):
     # scores kept chunk by chunk as they are made, so that an interrupted run goes on from there;
     # the fingerprint: what they depend on (a checkpoint's size and time stand for its weights)
     partial = out.with_name(out.name + ".partial")
+    # one scorer per result: a second would write the same partial file and result
+    lock = hold_lock(out.with_name(out.name + ".lock"), out,
+                     "wait for that evaluate.py blimp to end, or give another --out")
     stat = Path(args.ckpt).stat()
     fingerprint = {"ckpt": str(Path(args.ckpt).resolve()), "size": stat.st_size,
                    "mtime_ns": stat.st_mtime_ns, "scorer": args.scorer, "temperatures": temps,
@@ -319,7 +324,8 @@ def blimp(args):
           f"on {device}" + (f" ({len(seqs) - scored} kept from {partial})" if done else ""))
 
     result = {
-        "kind": "blimp", "ckpt": str(args.ckpt), "pretrain_seed": model.train_args.get("seed"),
+        "kind": "blimp", "ckpt": str(args.ckpt), "step": model.trained_steps,
+        "pretrain_seed": model.train_args.get("seed"),
         "scorer": args.scorer, "bf16": args.bf16, "dirs": [str(d) for d in args.blimp_dir],
         "temperatures": temps,
         "best_temperature": temps[best], "sentences_per_s": scored / seconds, "ties": ties,
@@ -330,14 +336,16 @@ def blimp(args):
         # for `compare`: one row per pair, label 1 = "good wins", prediction = did it win
         "examples": {"id": [p["id"] for p in pairs], "label": [1] * len(pairs),
                      "pred": [correct[:, t1].astype(int).tolist()],
-                     "metric": "accuracy", "k": 2},
+                     "metric": "accuracy", "k": 2, "name": "BLiMP accuracy, all pairs, T=1"},
         "examples_best_t": {"id": [p["id"] for p, r in zip(pairs, report) if r],
                             "label": [1] * int(report.sum()),
                             "pred": [correct[report, best].astype(int).tolist()],
-                            "metric": "accuracy", "k": 2},
+                            "metric": "accuracy", "k": 2,
+                            "name": "BLiMP accuracy, reporting half, chosen T"},
     }
     print(f"wrote {write_result(result, out, args.ckpt, 'blimp')}")
     partial.unlink()
+    Path(lock.name).unlink()  # done: the lock file goes, the lock with the process
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,13 +387,16 @@ def masked_lm(args):
     print(f"{data}: {n} validation segments of {seq_len} tokens, {int(args.mask_p * seq_len)} "
           f"hidden in each: loss {losses.mean():.4f}, accuracy {100 * accs.mean():.2f}%")
     ids = [f"val/{k}" for k in range(n)]
-    section = lambda values, better: {"id": ids, "label": [0] * n, "pred": [values.tolist()],
-                                      "metric": "mean", "k": 0, "better": better}
-    result = {"kind": "mlm", "ckpt": str(args.ckpt), "pretrain_seed": model.train_args.get("seed"),
-              "data": str(data), "segments": n, "seq_len": seq_len, "mask_p": args.mask_p,
+    section = lambda values, better, name: {"id": ids, "label": [0] * n,
+                                            "pred": [values.tolist()], "metric": "mean", "k": 0,
+                                            "better": better, "name": name}
+    result = {"kind": "mlm", "ckpt": str(args.ckpt), "step": model.trained_steps,
+              "pretrain_seed": model.train_args.get("seed"), "data": str(data), "segments": n,
+              "seq_len": seq_len, "mask_p": args.mask_p,
               "bf16": args.bf16,
               "loss": float(losses.mean()), "accuracy": float(accs.mean()),
-              "examples": section(accs, "higher"), "examples_loss": section(losses, "lower")}
+              "examples": section(accs, "higher", "masked-token accuracy"),
+              "examples_loss": section(losses, "lower", "masked-token loss (nats)")}
     print(f"wrote {write_result(result, args.out, args.ckpt, 'mlm')}")
 
 
@@ -421,6 +432,39 @@ def weights(args):
 
 
 # ---------------------------------------------------------------------------------------------
+# fill: what the model puts in a [MASK]
+
+@torch.no_grad()
+def fill(args):
+    """Each [MASK] of a sentence you type, and the model's top-k pieces for it with their
+    probabilities: every [MASK] is hidden at once and each gets its own distribution (not a
+    joint guess). The text between masks is tokenized as the training text was, so a piece
+    that starts a word carries sentencepiece's "▁" (shown as a leading space)."""
+    device = pick_device(args.device)
+    model, tok = load_checkpoint(args.ckpt, device)
+    for text in args.text:
+        chunks = text.split("[MASK]")
+        if len(chunks) == 1:
+            raise SystemExit(f"error: {text!r} has no [MASK] to fill")
+        ids = [CLS]
+        for i, chunk in enumerate(chunks):
+            ids += ([MASK] if i else []) + (tok.encode(chunk.strip()) if chunk.strip() else [])
+        ids.append(SEP)
+        if len(ids) > model.config.max_position:
+            raise SystemExit(f"error: {text!r} is {len(ids)} tokens; the model reads at most "
+                             f"{model.config.max_position}")
+        x = torch.tensor([ids], device=device)                                 # (1, T)
+        _, logits = model(x, predict=x == MASK)                                # (masks, V)
+        top = logits.float().softmax(-1).topk(min(args.top_k, logits.shape[-1]), -1)
+        best = iter(top.indices[:, 0].tolist())
+        print(tok.decode([next(best) if t == MASK else t for t in ids[1:-1]]))  # the top guesses
+        piece = lambda i: tok.id_to_piece(i).replace("\u2581", " ")
+        for m, (p, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+            print(f"  [MASK] {m}: " + "  ".join(f"{piece(t)!r} {100 * q:.1f}%"
+                                                for q, t in zip(p, i)))
+
+
+# ---------------------------------------------------------------------------------------------
 # Command line
 
 def build_parser() -> argparse.ArgumentParser:
@@ -434,6 +478,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--out", default=None, help=f"result JSON (default RUN/eval/{out}.json)"))
     device = lambda p: p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                                       help="(default auto)")
+
+    f = sub.add_parser("fill", help="the model's top guesses for each [MASK] in a sentence")
+    f.add_argument("--ckpt", required=True,
+                   help="checkpoint written by train.py, or its run folder (its ckpt.pt)")
+    f.add_argument("text", nargs="+", help='sentences with [MASK] in them, each quoted: '
+                   '"the cat sat on the [MASK] ."')
+    f.add_argument("--top-k", type=int, default=5, help="guesses shown per [MASK]")
+    device(f)
+    f.set_defaults(func=fill)
 
     b = sub.add_parser("blimp", help="zero-shot BLiMP by pseudo-log-likelihood")
     common(b, "blimp")
@@ -525,7 +578,7 @@ R = flags.Range
 RANGES = {"temperatures": R(0, low_open=True), "batch_tokens": R(1), "segments": R(1),
           "seq_len": R(3), "mask_p": R(0, 1, True, True), "batch_size": R(1), "seed": R(0),
           "seeds": R(0), "lr": R(0), "weight_decay": R(0), "epochs": R(1), "patience": R(0),
-          "holdout": R(0, 1, high_open=True), "max_len": R(3), "nboot": R(1)}
+          "holdout": R(0, 1, high_open=True), "max_len": R(3), "nboot": R(1), "top_k": R(1)}
 
 
 def main(argv=None):

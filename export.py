@@ -32,7 +32,7 @@ import flags
 from data.prepare import CLS, MASK, PAD, SEP, SPECIALS, UNK
 from model import boot_shape
 from run_folder import REPO
-from storage import read_checkpoint
+from storage import one_line_os_errors, read_checkpoint
 
 
 MODELING = REPO / "hf" / "modeling_nanomlm.py"
@@ -122,6 +122,8 @@ def export(ckpt_path: Path, out: Path) -> dict:
     try:
         from safetensors.torch import save_file
         save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+        # safetensors writes through a private temporary file (0600): readable as the others
+        (out / "model.safetensors").chmod((out / "config.json").stat().st_mode & 0o777)
     except ImportError:
         torch.save(state, out / "pytorch_model.bin")
     shutil.copy(MODELING, out / MODELING.name)
@@ -148,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     need_transformers()
+    if args.out.exists() and not args.out.is_dir():
+        raise SystemExit(f"error: --out {args.out} is a file, not a folder")
     if args.out.exists() and any(args.out.iterdir()) and not args.force:
         raise SystemExit(f"error: {args.out} exists and is not empty; pass --force to write "
                          f"into it")
@@ -165,7 +169,8 @@ def main(argv=None):
     else:
         jobs = [(args.ckpt, args.out)]
     for src, dst in jobs:
-        config = export(src, dst)
+        with one_line_os_errors(dst):  # an unwritable or impossible --out: one line
+            config = export(src, dst)
         print(f"{src} -> {dst} ({config['objective']}, step {config['step']})", file=sys.stderr)
 
 

@@ -220,5 +220,5 @@ def finetune(args):
               "aggregate": aggregate, "runs": {str(s): r for s, r in runs.items()},
               "examples": {"id": valid.ids, "label": valid.labels.tolist(),
                            "pred": [r["pred"] for r in runs.values()], "metric": metrics[0],
-                           "k": k}}
+                           "k": k, "name": f"{args.task} {metrics[0]}"}}
     print(f"wrote {write_result(result, args.out, args.ckpt, args.task)}")

@@ -468,7 +468,7 @@ def load_checkpoint(path, device="cpu", encoder_only=False):
     hidden token by the path its objective trained: the Encoder and its MLM head, or for boot a
     BootPredictor (the student's decoder before the head). encoder_only: the Encoder alone, for
     its states (fine-tuning, dictionaries). model.train_args holds the arguments it was trained
-    with (its seed, objective, data...)."""
+    with (its seed, objective, data...), model.trained_steps the step it was saved at."""
     ckpt = read_checkpoint(path)
     model = Encoder(ModelConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"], strict=True)
@@ -482,4 +482,5 @@ def load_checkpoint(path, device="cpu", encoder_only=False):
         boot.load_state_dict(heads, strict=True)
         model = BootPredictor(model, boot, tok.piece_to_id("[MASK]"))
     model.train_args = ckpt.get("args", {})
+    model.trained_steps = ckpt.get("step")  # what an evaluation of it records as its step
     return model.to(device).eval(), tok

@@ -4,6 +4,7 @@ evaluate.py compare A_PATTERN B_PATTERN` runs it on RUN/eval/NAME.json files.
 """
 import glob
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,8 @@ def examples_of(result: dict, key: str, path="the result") -> dict:
     ex = result[key]
     return {"seed": result.get("pretrain_seed"), "id": ex["id"], "label": np.array(ex["label"]),
             "pred": np.array(ex["pred"]), "metric": ex["metric"], "k": ex["k"],
-            "better": ex.get("better", "higher"), "path": str(path)}
+            "better": ex.get("better", "higher"), "path": str(path),
+            "name": ex.get("name", f"{result.get('kind', '')} {ex['metric']}".strip())}
 
 
 def load_examples(path: Path, key: str) -> dict:
@@ -126,18 +128,34 @@ def expand(patterns) -> list[list[Path]]:
     return list(groups.values())
 
 
+def twice(side: list[dict]) -> list[str]:
+    """Warnings for a group holding one pretraining seed more than once: two files of one seed
+    are one pretraining run's worth of evidence, not two."""
+    seen, out = {}, []
+    for r in side:
+        if r["seed"] is not None and r["seed"] in seen:
+            out.append(f"warning: pretraining seed {r['seed']} appears twice ({seen[r['seed']]} "
+                       f"and {r['path']}); its two results count as two seeds here")
+        seen.setdefault(r["seed"], r["path"])
+    return out
+
+
 def compare(args):
     a_files, b_files = expand(args.results)
     A = [load_examples(f, args.examples) for f in a_files]
     B = [load_examples(f, args.examples) for f in b_files]
     r = multibootstrap(A, B, args.nboot, args.seed)
+    for line in twice(A) + twice(B):
+        print(line, file=sys.stderr)
     paired = lambda key: "paired" if r[key] else "unpaired"
-    print(f"A: {len(A)} seeds {r['seeds_a']}, B: {len(B)} seeds {r['seeds_b']}; {r['metric']}; "
+    name = A[0]["name"]
+    print(f"A: {len(A)} seeds {r['seeds_a']}, B: {len(B)} seeds {r['seeds_b']}; {name}; "
           f"seeds {paired('paired_seeds')}, examples {paired('paired_examples')}")
     # rates in percent with 2 decimals, losses as they are with 4
     show = ((lambda x: f"{100 * x:.2f}") if r["better"] == "higher" else (lambda x: f"{x:.4f}"))
     sign = lambda x: ("+" if x >= 0 else "-") + show(abs(x))
-    print(f"mean A {show(r['mean_a'])} | mean B {show(r['mean_b'])} | B - A {sign(r['diff'])} "
+    print(f"{name}: mean A {show(r['mean_a'])} | mean B {show(r['mean_b'])} | "
+          f"B - A {sign(r['diff'])} "
           f"(95% CI {sign(r['ci95'][0])} .. {sign(r['ci95'][1])}) | p = P(B - A "
           f"{'<=' if r['better'] == 'higher' else '>='} 0) "
           f"{'<' if r['p_floored'] else '='} {r['p']:.4g}  "

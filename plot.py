@@ -17,10 +17,18 @@ from run_folder import RunFolder
 
 
 NOT_FIGURES = {"step", "lr", "tok_per_s", "peak_mem_gb", "error"}  # logged, but not curves
+# what each logged figure is (train.py's objectives' stats), as its panel's y-axis says
+LABELS = {"loss": "the objective's loss", "acc": "masked-token accuracy",
+          "grad_norm": "gradient norm, before clipping", "mlm": "MLM cross-entropy (nats)",
+          "kd": "KL(teacher || student) (nats)", "kl": "KL(sparse code || prediction) (nats)",
+          "lb": "latent bootstrap, smooth L1", "target_std": "teacher targets' spread",
+          "nnz": "nonzero code entries per token", "zero_rate": "share of all-zero codes"}
 
 
 def read_run(folder: Path) -> tuple[list[dict], dict]:
     """(the run's log records, its settings), or one line saying what is missing."""
+    if not folder.is_dir():
+        raise SystemExit(f"error: no run folder at {folder}")
     run = RunFolder(folder, master=False)  # read only
     settings = folder / "args.json"
     if not run.log_path.is_file() or not settings.is_file():
@@ -72,6 +80,7 @@ def plot(folders: list[Path], out: Path, x: str = "step") -> Path:
                     ax.plot([s * scale for s in steps], values, color=color, **style, **one,
                             label=f"{run} ({split})")
         ax.set_title(name)
+        ax.set_ylabel(LABELS.get(name, name))
         ax.set_xlabel("tokens" if x == "tokens" else "step")
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(names):]:

@@ -3,16 +3,14 @@ folder), its JSON settings, its log.jsonl, the code that ran and its version.
 
     runs/NAME/  args.json  config.json ...  code/  log.jsonl  *.pt  lock
 """
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
-from storage import one_line_os_errors, save_checkpoint
+from storage import hold_lock, one_line_os_errors, save_checkpoint
 
 
 REPO = Path(__file__).resolve().parent
@@ -45,26 +43,10 @@ class RunFolder:
         that dies however it dies, so a stale lock file is simply taken over."""
         if not self.master or self._lock is not None:
             return
-        with one_line_os_errors(self.path):
-            self.path.mkdir(parents=True, exist_ok=True)
-            f = open(self.path / "lock", "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            f.close()
-            raise SystemExit(f"error: {self.path} is in use by {holder}; wait for it to end or "
-                             f"choose another --out-dir") from None
-        except OSError as e:  # a filesystem without flock (some Lustre, NFS or FUSE mounts)
-            print(f"warning: cannot lock {self.path / 'lock'} ({e.strerror}); nothing stops a "
-                  f"second process from using this folder at the same time")
-        with one_line_os_errors(self.path / "lock"):
-            f.truncate(0)
-            f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-            f.flush()
-            for old in self.path.glob(".*.tmp"):  # a save cut off by a kill: whose is dead now
-                old.unlink(missing_ok=True)
+        f = hold_lock(self.path / "lock", self.path, "wait for it to end or choose another "
+                      "--out-dir")
+        for old in self.path.glob(".*.tmp"):  # a save cut off by a kill: whose is dead now
+            old.unlink(missing_ok=True)
         self._lock = f  # kept open: closing the file would release the lock
 
     def check_new(self, marker: str | None = None) -> None:

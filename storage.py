@@ -1,6 +1,7 @@
 """Writing and reading a run's files safely: atomic replacement (a kill leaves the old file or the
-new one, never a torn one), checkpoints with a checksum of their content verified when read, and
-an OS error (a full disk, a quota, no permission) as one line naming the file.
+new one, never a torn one), checkpoints with a checksum of their content verified when read, an
+OS error (a full disk, a quota, no permission) as one line naming the file, and a lock file that
+keeps a second process from writing the same thing.
 
     from storage import save_checkpoint, read_checkpoint
     save_checkpoint({"model": model.state_dict(), ...}, "runs/x/ckpt.pt")
@@ -8,9 +9,11 @@ an OS error (a full disk, a quota, no permission) as one line naming the file.
 """
 import contextlib
 import errno
+import fcntl
 import hashlib
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -40,6 +43,32 @@ class one_line_os_errors:
             space = f" ({need}{shutil.disk_usage(there).free / 2**20:,.0f} MiB free)"
         raise SystemExit(f"error: cannot write {self.path}: "
                          f"{e.strerror or type(e).__name__}{space}") from None
+
+
+def hold_lock(path, what: str, advice: str):
+    """Take the lock file `path` (flock) for as long as the returned file stays open (the
+    caller keeps it): a second process is refused in one line, "`what` is in use by HOLDER;
+    `advice`". The kernel drops the lock of a process that dies however it dies, so a stale
+    lock file is simply taken over."""
+    path = Path(path)
+    with one_line_os_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise SystemExit(f"error: {what} is in use by {holder}; {advice}") from None
+    except OSError as e:  # a filesystem without flock (some Lustre, NFS or FUSE mounts)
+        print(f"warning: cannot lock {path} ({e.strerror}); nothing stops a second process "
+              f"from writing {what} at the same time")
+    with one_line_os_errors(path):
+        f.truncate(0)
+        f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+    return f
 
 
 def checksum(state) -> str:

@@ -51,8 +51,9 @@ from optim import ema_decay_at, ema_update, set_schedule
 from progress import bar, line_buffered
 from run_folder import REPO
 from stopping import SafetyNet, exit_now, on_stop_signals
-from training_run import (ObjectiveParts, Phase, Run, describe, log_line, nothing_to_do, open_run,
-                          save, start_phase, summary, train_batch, validate, word_marks)
+from training_run import (ObjectiveParts, Phase, Run, check_warmup, checked_settings, describe,
+                          log_line, nothing_to_do, open_run, save, save_words_flag, start_phase,
+                          summary, train_batch, validate, word_marks)
 
 
 # what decides a run's results: copied into its code/, hashed into every checkpoint
@@ -379,10 +380,8 @@ def build_parser():
         help="bfloat16 autocast of the forward pass; weights, optimizer and losses stay float32 "
         "(default: on with CUDA, off on the CPU; measured 2x faster on a CPU with AMX: see "
         "docs/bench.md)")
-    add("--deterministic", action=argparse.BooleanOptionalAction, default=False,
-        help="deterministic kernels only (torch.use_deterministic_algorithms): a run and its "
-        "resumption agree bit for bit on a GPU too, at some cost in speed (on the CPU they "
-        "already do)")
+    add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="GPU "
+        "kernels that add in a fixed order only: a resumed run then agrees bit for bit there too")
     add("--out-dir", default=None, help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
     add("--resume", action="store_true",
         help="continue the run in --out-dir from its ckpt.pt, with its saved settings")
@@ -398,10 +397,10 @@ def build_parser():
     add("--eval-batches", type=int, default=20,
         help="validation batches, always the same ones")
     add("--save-every", type=int, default=1000, help="steps between checkpoints")
-    add("--save-words", default="", help="also keep the weights when this many training words "
-        "have been seen, as chck_<N>.pt in the run folder (export.py turns them into the BabyLM "
-        "pipeline's folders): a list such as 1M,2M,500K, or babylm (BabyLM 2025: every 1M to "
-        "10M, then every 10M to 100M)")
+    add("--save-words", default="", type=save_words_flag, help="also keep the weights when "
+        "this many training words have been seen, as chck_<N>.pt in the run folder (export.py "
+        "makes them the BabyLM pipeline's folders): a list such as 1M,2M,500K, or babylm "
+        "(BabyLM 2025: every 1M to 10M, then every 10M to 100M)")
     add("--check", action="store_true", help="check the flags, print the settings they resolve "
         "to (defaults applied) as JSON, and exit without training (study.py's pre-flight)")
     add("--stop-at", type=int, default=None, help="checkpoint and exit after this step; the "
@@ -495,10 +494,12 @@ def get_args(argv):
 
 
 def check_phases(args):
-    """Both phases of a two-phase run get at least one step (once --max-steps is known)."""
-    if has_phase1(args) and not 0 < phase1_steps(args) < args.max_steps:
+    """Each phase gets at least one step, and its warmup (once --max-steps is known)."""
+    p1 = phase1_steps(args)
+    if has_phase1(args) and not 0 < p1 < args.max_steps:
         raise SystemExit(f"error: --phase1-steps must leave both phases at least one of the "
                          f"{args.max_steps} steps")
+    check_warmup(args, [p1, args.max_steps - p1] if p1 else [args.max_steps])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -510,7 +511,7 @@ def main(argv=None):
     on_stop_signals(exit_now)
     args = get_args(argv)
     if args.check:
-        print(json.dumps({k: v for k, v in vars(args).items() if k not in ("given", "check")}))
+        print(json.dumps(checked_settings(args, vars(build_parser().parse_args([])))))
         return
     run = open_run(args, CODE, vars(build_parser().parse_args([])), check_phases)
     args, step = run.args, run.step

@@ -12,6 +12,7 @@ lock (held by the one process training there).
 import argparse
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
@@ -54,7 +55,7 @@ class ObjectiveParts:
 
 # the flags a resumed run may change
 RESUMABLE = {"resume", "out_dir", "device", "compile", "bf16", "deterministic", "log_every",
-             "eval_every", "save_every", "stop_at", "spike", "save_words"}
+             "eval_every", "save_every", "stop_at", "spike", "save_words", "check"}
 
 
 def model_config(args, vocab_size) -> ModelConfig:
@@ -137,9 +138,13 @@ def resumed_args(args, path, defaults: dict):
     changed = [k for k in args.given if k not in RESUMABLE and getattr(args, k) != saved.get(k)]
     if changed:
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
+        longer = ({"max_steps", "epochs"} & set(changed)) and (
+            f"; to train on past its end, start a new run from its weights: --init-from {path} "
+            f"--out-dir NEW (a fresh optimizer and schedule)")
         raise SystemExit(f"error: a resumed run keeps its settings, but {flags} "
                          f"{'differs' if len(changed) == 1 else 'differ'} from the checkpoint's; "
-                         f"drop {'it' if len(changed) == 1 else 'them'} or start a new --out-dir")
+                         f"drop {'it' if len(changed) == 1 else 'them'} or start a new --out-dir"
+                         + (longer or ""))
     # --stop-at holds for one command: the run it resumes stopped there, this one goes on
     now = {k: getattr(args, k) for k in RESUMABLE
            if k in args.given or k in ("resume", "out_dir", "stop_at")}
@@ -309,23 +314,59 @@ def nothing_to_do(run: Run) -> bool:
     return step >= end
 
 
+def word_counts(spec: str) -> list[int]:
+    """--save-words: "1M,2M,500K" or "babylm" -> the word counts (ValueError if unreadable)."""
+    if spec == "babylm":
+        return [m * 10 ** 6 for m in BABYLM_WORDS]
+    try:
+        counts = [round(float(c[:-1]) * {"K": 1e3, "M": 1e6}[c[-1].upper()])
+                  for c in spec.split(",")] if spec else []
+    except (KeyError, ValueError, IndexError):
+        counts = [0]
+    if any(n <= 0 for n in counts):
+        raise ValueError(f"{spec!r}: give positive counts such as 1M,2M,500K, or babylm")
+    return counts
+
+
+def save_words_flag(spec: str) -> str:
+    """--save-words' type: the spec as given, once readable (refused by the parser, in one
+    line, before anything runs)."""
+    try:
+        word_counts(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
+def check_warmup(args, phases: list[int]) -> None:
+    """A warmup given in steps (--warmup >= 1) fits in each phase (their lengths in steps)."""
+    if args.warmup >= 1 and args.warmup > min(phases):
+        what = "the run's" if len(phases) == 1 else "its shorter phase's"
+        raise SystemExit(f"error: --warmup {args.warmup:g} steps is longer than {what} "
+                         f"{min(phases)} steps; give fewer, or a fraction (< 1) of the steps")
+
+
+def checked_settings(args, defaults: dict) -> dict:
+    """train.py --check: the settings the run would use, a resumed run's saved ones (refusing
+    what its resumption would refuse), and on stderr where a resumed run stands."""
+    if args.resume:
+        path = Path(args.out_dir) / "ckpt.pt"
+        args, ckpt = resumed_args(args, path, defaults)
+        end = min(args.max_steps, args.stop_at or args.max_steps)
+        print(f"--resume: {path} is at step {ckpt['step']}; " + (
+            f"it would train on to step {end}" if ckpt["step"] < end else
+            "nothing to do, it is at its end"), file=sys.stderr)
+    return {k: v for k, v in vars(args).items() if k not in ("given", "check")}
+
+
 def word_marks(run: Run) -> dict[int, tuple[str, int]]:
     """{step: (checkpoint name, words seen)} for --save-words: the first step by which that
     many training words have been seen. A step reads global_batch segments of seq_len - 2
     corpus tokens ([CLS] and [SEP] are not text), and the corpus has train_words /
     train_tokens words per token (meta.json; whitespace-separated words, as BabyLM counts)."""
-    spec = run.args.save_words
-    if not spec:
+    counts = word_counts(run.args.save_words)  # readable: the parser checked it
+    if not counts:
         return {}
-    if spec == "babylm":
-        counts = [m * 10 ** 6 for m in BABYLM_WORDS]
-    else:
-        try:
-            counts = [round(float(c[:-1]) * {"K": 1e3, "M": 1e6}[c[-1].upper()])
-                      for c in spec.split(",")]
-        except (KeyError, ValueError, IndexError):
-            raise SystemExit(f"error: --save-words {spec!r}: give counts such as 1M,2M,500K, "
-                             f"or babylm") from None
     meta, args = run.meta, run.args
     per_step = run.global_batch * (args.seq_len - 2) * meta["train_words"] / meta["train_tokens"]
     name = lambda n: f"chck_{n // 10 ** 6}M" if n % 10 ** 6 == 0 else f"chck_{n // 1000}K"
@@ -337,12 +378,22 @@ def word_marks(run: Run) -> dict[int, tuple[str, int]]:
     return marks
 
 
+# the CPU demo: the command a CPU-only user is pointed to when a run would take hours there
+CPU_DEMO = ("python train.py --objective mlm --size tiny --batch-size 32 --max-steps 2000 "
+            "--device cpu")
+
+
 def describe(run: Run, p1: int) -> str:
-    """Two lines on what is about to train (after p1 steps of MLM), on what and where."""
+    """Two lines on what is about to train (after p1 steps of MLM), on what and where; a third
+    when it is a model larger than tiny on a CPU, for long (over 10M tokens): hours there."""
     args, cfg, meta = run.args, run.encoder.config, run.meta
     phases = f"mlm for {p1} steps, then " if p1 else ""
     epochs = args.max_steps * run.global_batch / run.train.n
     epochs = f"{epochs:.1f}" if epochs >= 0.1 else f"{epochs:.2g}"  # a short run: not "0.0"
+    tokens = args.max_steps * run.global_batch * args.seq_len
+    slow = (f"\nnote: {args.size} on a CPU, {tokens / 1e6:,.0f}M tokens: hours or days (the eta "
+            f"says how long once it starts); this wants a GPU. The CPU demo: {CPU_DEMO}"
+            if run.device.type == "cpu" and args.size != "tiny" and tokens > 1e7 else "")
     return (f"model: {run.encoder.num_params() / 1e6:.2f}M parameters ({args.size}: "
             f"{cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.position} positions) | data: "
             f"{meta['train_tokens']:,} train tokens, vocab {meta['vocab_size']}, unigram entropy "
@@ -350,7 +401,7 @@ def describe(run: Run, p1: int) -> str:
             f"train: {phases}{args.objective} on {run.device} x{run.world} | "
             f"{run.global_batch} seqs x {args.seq_len} tokens per step ({args.batch_size} x "
             f"{args.grad_accum} accum x {run.world} procs) | {args.max_steps} steps = "
-            f"{epochs} epochs | {run.folder.path}")
+            f"{epochs} epochs | {run.folder.path}" + slow)
 
 
 @torch.no_grad()

@@ -66,8 +66,9 @@ def read_task(data_dir: Path, task: str, split: str, tok, max_len: int) -> Examp
     path = Path(data_dir) / f"{task}.{split}.jsonl"
     if not path.exists():
         have = sorted(p.name for p in Path(data_dir).glob(f"{task}.*.jsonl"))
+        tasks = sorted({p.name.split(".")[0] for p in Path(data_dir).glob("*.train.jsonl")})
         only = (f" (there is only {', '.join(have)}; this task cannot be fine-tuned from here)"
-                if have else "")
+                if have else f" (the tasks there: {', '.join(tasks) or 'none'})")
         raise SystemExit(f"error: no {path.name} in {data_dir}{only}")
     render, k, _ = TASKS.get(task, MSGS)
     rows = read_jsonl(path)

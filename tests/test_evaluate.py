@@ -33,7 +33,8 @@ def ckpt(prepared, tmp_path_factory):
     model = Encoder(cfg).eval()
     path = tmp_path_factory.mktemp("ckpt") / "ckpt.pt"
     save_checkpoint({"model": model.state_dict(), "config": asdict(model.config),
-                     "args": {"seed": 7}, "tokenizer": (prepared / "tokenizer.model").read_bytes()},
+                     "args": {"seed": 7}, "step": 40,
+                     "tokenizer": (prepared / "tokenizer.model").read_bytes()},
                     path)
     return path
 
@@ -446,6 +447,14 @@ def test_blimp_then_compare(ckpt, tmp_path, capsys):
             "--out", str(tmp_path / "c.json")])
     c = json.loads((tmp_path / "c.json").read_text())
     assert c["paired_seeds"] and c["diff"] == 0 and c["p"] == 0.5
+    said = capsys.readouterr()
+    assert "BLiMP accuracy, all pairs, T=1: mean A " in said.out and "warning" not in said.err
+    # one pretraining seed twice in a group: said, as the two files it is in
+    (tmp_path / "B" / "s2.json").write_text(json.dumps({**r, "pretrain_seed": 1}))
+    E.main(["compare", str(tmp_path / "A"), str(tmp_path / "B"), "--nboot", "200"])
+    said = capsys.readouterr()
+    assert said.err.count("warning: pretraining seed 1 appears twice") == 1
+    assert str(tmp_path / "B" / "s1.json") in said.err and "seeds [1, 1]" in said.out
 
 
 def test_ties_count_as_wrong(ckpt, tmp_path):
@@ -477,7 +486,10 @@ def test_cli_errors_are_one_line(ckpt, tmp_path):
               "no BLiMP folder at"),
              (["finetune", "--ckpt", str(ckpt), *rte], r"rte\.train\.jsonl holds no examples"),
              (["finetune", "--ckpt", str(tmp_path / "rte.valid.jsonl"), *rte],
-              "cannot read checkpoint")]
+              "cannot read checkpoint"),
+             (["finetune", "--ckpt", str(ckpt), "--task", "rtee", "--data-dir", str(tmp_path)],
+              r"no rtee\.train\.jsonl in .* \(the tasks there: rte\)"),
+             (["fill", "--ckpt", str(ckpt), "no mask here"], "'no mask here' has no \\[MASK\\]")]
     for argv, pattern in cases:
         r = subprocess.run([sys.executable, str(Path(E.__file__)), *argv], capture_output=True,
                            text=True)
@@ -561,6 +573,7 @@ def test_masked_lm_against_a_loop_over_hidden_tokens(ckpt, small_raw, prepared, 
     assert r["examples"]["pred"][0] == pytest.approx(accs)
     assert r["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
     assert r["examples_loss"]["better"] == "lower" and r["pretrain_seed"] == 7
+    assert r["step"] == 40  # the checkpoint's, so a result says which weights it scored
     assert "6 validation segments" in capsys.readouterr().out
 
 
@@ -690,3 +703,57 @@ def test_bad_numbers_are_one_line_before_anything_is_read(argv, says, capsys):
         E.main(argv)
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.count("\n") == 1 and says in err, err
+
+
+@pytest.mark.parametrize("objective", ["mlm", "boot"])
+def test_fill_shows_the_models_own_top_guesses(ckpt, tmp_path, objective, capsys):
+    """`fill` on any checkpoint: for each [MASK], the top-k pieces and probabilities of the
+    model's distribution there, as the full (B, T, V) logits give them (a path that does not
+    pick positions), with every [MASK] hidden at once; the first line puts each top guess in
+    place. A boot checkpoint predicts through its decoder, as it was trained to."""
+    path = ckpt
+    if objective == "boot":
+        saved = torch.load(ckpt, weights_only=False)
+        torch.manual_seed(1)
+        heads = BootHeads(ModelConfig(**saved["config"]), 1, mae=True)
+        path = tmp_path / "boot.pt"
+        save_checkpoint({**saved, "objective": "boot", "heads": heads.state_dict()}, path)
+    E.main(["fill", "--ckpt", str(path), "the cat [MASK] on the [MASK] .", "--top-k", "3",
+            "--device", "cpu"])
+    out = capsys.readouterr().out.splitlines()
+    model, tok = E.load_checkpoint(path)
+    assert isinstance(model, BootPredictor) == (objective == "boot")
+    ids = [CLS, *tok.encode("the cat"), MASK, *tok.encode("on the"), MASK, *tok.encode("."), SEP]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        probs = model.logits(x)[0].float().softmax(-1)[x[0] == MASK]          # (2, V)
+    top = probs.topk(3, -1)
+    for m in range(2):
+        want = "  ".join(f"{tok.id_to_piece(int(t)).replace('▁', ' ')!r} {100 * float(q):.1f}%"
+                         for q, t in zip(top.values[m], top.indices[m]))
+        assert out[1 + m] == f"  [MASK] {m + 1}: {want}"
+    first, second = top.indices[:, 0].tolist()
+    at = [i for i, t in enumerate(ids[1:-1]) if t == MASK]
+    guess = list(ids[1:-1])
+    guess[at[0]], guess[at[1]] = first, second
+    assert out[0] == tok.decode(guess)
+
+
+def test_a_second_blimp_on_the_same_result_is_refused(ckpt, tmp_path):
+    """Two `evaluate.py blimp` writing one result would write one partial file at once: the
+    second is refused in one line, naming the first; the lock file goes when the first ends."""
+    from storage import hold_lock
+    folder = tmp_path / "mini"
+    folder.mkdir()
+    src = (shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
+           / "anaphor_gender_agreement.jsonl")
+    (folder / "p.jsonl").write_text("".join(src.read_text().splitlines(True)[:4]))
+    out = tmp_path / "r.json"
+    argv = ["blimp", "--ckpt", str(ckpt), "--blimp-dir", str(folder), "--device", "cpu",
+            "--out", str(out)]
+    held = hold_lock(tmp_path / "r.json.lock", "x", "")  # another process's, as far as flock sees
+    with pytest.raises(SystemExit, match=f"error: {out} is in use by process .*; wait for that"):
+        E.main(argv)
+    held.close()
+    E.main(argv)
+    assert out.exists() and not (tmp_path / "r.json.lock").exists()

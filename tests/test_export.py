@@ -3,6 +3,8 @@ computes (logits, tokens, PLL), fine-tunes, and train.py --save-words keeps the 
 pipeline's intermediate checkpoints. Needs requirements-export.txt; skipped without it."""
 import gzip
 import json
+import subprocess
+import sys
 from pathlib import Path
 from dataclasses import asdict
 
@@ -220,3 +222,14 @@ def test_export_errors_are_one_line(tokenizer_bytes, tmp_path):
     export.main(["--ckpt", str(path), "--out", str(tmp_path / "full"), "--force"])
     assert (tmp_path / "full" / "config.json").exists()
     assert not (tmp_path / "o").exists()  # a refused export writes nothing
+    # every file of the export readable alike (safetensors writes its own 0600)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "full").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+    # a folder that cannot be made or written (even by root: /proc, or under a file)
+    (tmp_path / "afile").write_text("")
+    for out, says in ((tmp_path / "afile", "is a file, not a folder"),
+                      (tmp_path / "afile" / "sub", "cannot write"),
+                      (Path("/proc/nanomlm_export"), "cannot write /proc/nanomlm_export")):
+        r = subprocess.run([sys.executable, "export.py", "--ckpt", str(path), "--out", str(out)],
+                           cwd=export.REPO, capture_output=True, text=True)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr

@@ -29,6 +29,9 @@ def test_two_runs_make_one_png(prepared, tmp_path):
     plot.main([*map(str, runs), "--x", "tokens", "--out", str(out)])
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+    # every figure the two objectives log has a y-axis label saying what it is
+    logged = {name for r in runs for name in plot.curves(plot.read_run(r)[0])}
+    assert {"loss", "acc", "lb", "target_std"} <= logged and logged <= set(plot.LABELS)
 
 
 def test_without_matplotlib_it_says_how_to_get_it(tmp_path, monkeypatch):
@@ -37,3 +40,5 @@ def test_without_matplotlib_it_says_how_to_get_it(tmp_path, monkeypatch):
         plot.plot([tmp_path], tmp_path / "x.png")
     with pytest.raises(SystemExit, match="is not a run folder"):
         plot.read_run(tmp_path)
+    with pytest.raises(SystemExit, match=f"no run folder at {tmp_path / 'mistyped'}"):
+        plot.read_run(tmp_path / "mistyped")

@@ -16,12 +16,13 @@ import train
 from conftest import REPO, shared_data
 
 
-def readme_commands() -> list[tuple[dict, list[str]]]:
-    """(environment, argv) of each `python SCRIPT.py ...` line of the README's bash blocks, with
-    their continuation lines joined, comments cut and shell variables (E=...; C=...) put in."""
+def readme_commands(blocks=None) -> list[tuple[dict, list[str]]]:
+    """(environment, argv) of each `python SCRIPT.py ...` line of the README's bash blocks (the
+    first `blocks` of them, or all), with their continuation lines joined, comments cut and
+    shell variables (E=...; C=...) put in."""
     text = (REPO / "README.md").read_text()
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)[:blocks]:
         variables = {}
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("  #")[0].split("   #")[0].strip()
@@ -73,3 +74,40 @@ def test_each_readme_command_runs_as_written(env, argv, capsys):
         assert said, f"{script} --help printed nothing"
         for flag in (a.split("=")[0] for a in args if a.startswith("--")):
             assert flag in said, f"{script} has no {flag}"
+
+
+def test_the_cpu_demo_runs_end_to_end(small_raw, tmp_path):
+    """The first screen's CPU demo, every command of its first block, run in order in a fresh
+    folder, reduced: --max-steps 2000 -> 30 and the tests' small corpus as babylm_10m (under a
+    2000-piece tokenizer). Each must exit 0; then the run, its fill-in, its evaluation, its
+    curves and its export are where the README says."""
+    demo = [argv for _, argv in readme_commands(blocks=1)]
+    assert [a[0] for a in demo] == ["train.py", "evaluate.py", "evaluate.py", "plot.py",
+                                    "export.py"], demo
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "babylm_10m").symlink_to(small_raw)
+    env = {**os.environ, "NANOMLM_RAW": str(tmp_path / "raw"),
+           "NANOMLM_DATA": str(tmp_path / "prepared"), "OMP_NUM_THREADS": "1"}
+    for argv in demo:
+        argv = [a.replace("runs/", f"{tmp_path}/runs/").replace("hf/", f"{tmp_path}/hf/")
+                for a in argv]
+        if argv[0] == "train.py":
+            argv = [*argv, "--vocab-size", "2000", "--out-dir",
+                    f"{tmp_path}/runs/mlm_babylm_10m_tiny", "--eval-every", "30"]
+            argv[argv.index("--max-steps") + 1] = "30"
+        if argv[0] == "plot.py":
+            pytest.importorskip("matplotlib")
+            argv += ["--out", str(tmp_path / "curves.png")]
+        if argv[0] == "export.py":
+            pytest.importorskip("transformers")
+        p = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
+                           env=env, timeout=600)
+        assert p.returncode == 0, (argv, p.stderr[-2000:])
+        if argv[1:2] == ["fill"]:
+            assert p.stdout.splitlines()[1].startswith("  [MASK] 1: ")
+        if argv[0] == "train.py":  # a tiny model: no word of wanting a GPU
+            assert "wants a GPU" not in p.stdout
+    run = tmp_path / "runs" / "mlm_babylm_10m_tiny"
+    assert (run / "ckpt.pt").is_file() and (run / "eval" / "mlm.json").is_file()
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    assert (tmp_path / "hf" / "mlm_tiny" / "config.json").is_file()

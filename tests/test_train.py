@@ -335,6 +335,60 @@ def test_existing_run_is_never_overwritten(trained, prepared):
     assert trained.read_bytes() == before
 
 
+def test_check_refuses_what_the_run_would_refuse(prepared, tmp_path, capsys):
+    """--check says in one line what the run itself would refuse: a warmup longer than a phase,
+    an unreadable --save-words; and it refuses them before any folder exists."""
+    common = ["--data", str(prepared), "--out-dir", str(tmp_path / "run"), *map(str, TINY),
+              "--check"]
+    for argv, says in ((["--warmup", "5000", "--max-steps", "4"],
+                        "error: --warmup 5000 steps is longer than the run's 4 steps"),
+                       (["--objective", "kd", "--warmup", "30", "--max-steps", "100",
+                         "--phase1-steps", "80"],  # phase 2 has 20 steps
+                        "error: --warmup 30 steps is longer than its shorter phase's 20 steps")):
+        with pytest.raises(SystemExit) as e:
+            T.main(common + argv)
+        assert str(e.value).startswith(says) and "\n" not in str(e.value)
+    for spec in ("5X", "0M", "1M,,2M"):
+        with pytest.raises(SystemExit) as e:
+            T.main(common + ["--save-words", spec])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, err
+        assert f"argument --save-words: '{spec}': give positive counts" in err
+    T.main(common + ["--warmup", "4", "--max-steps", "4"])
+    assert json.loads(capsys.readouterr().out)["warmup"] == 4
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_check_prints_the_runs_saved_settings(trained):
+    """--resume --check: the settings the resumed run would use (the run's own, not the command
+    line's defaults), where it stands, and a refusal exactly where the resume would refuse;
+    going past a finished run's end says how (a new run from its weights)."""
+    run = trained.parent
+    r = run_train("--out-dir", run, "--resume", "--check")
+    assert r.returncode == 0, r.stderr
+    settings = json.loads(r.stdout)
+    saved = json.loads((run / "args.json").read_text())
+    assert settings["size"] == "tiny" and settings["lr"] == saved["lr"] == 1e-2
+    assert settings["d_model"] == 64 and settings["max_steps"] == 5
+    assert "is at step 5; nothing to do" in r.stderr
+    assert_clean_error(run_train("--out-dir", run, "--resume", "--check", "--lr", 0.5),
+                       "keeps its settings, but --lr differs")
+    r = run_train("--out-dir", run, "--resume", "--max-steps", 10)
+    assert_clean_error(r, f"--max-steps differs .*--init-from {run / 'ckpt.pt'} --out-dir NEW")
+
+
+def test_a_long_run_of_a_large_model_on_a_cpu_says_it_wants_a_gpu(prepared, tmp_path,
+                                                                    capsys):
+    """small on a CPU for 12.8M tokens: one line at its start says it wants a GPU and gives the
+    CPU demo (the README's demo, a tiny model, does not say it: tests/test_readme.py)."""
+    T.main(["--data", str(prepared), "--out-dir", str(tmp_path / "run"), "--size", "small",
+            "--batch-size", "2", "--seq-len", "64", "--max-steps", "100000", "--stop-at", "1",
+            "--device", "cpu", "--eval-batches", "1"])
+    note = [line for line in capsys.readouterr().out.splitlines() if "wants a GPU" in line]
+    assert len(note) == 1 and note[0].startswith("note: small on a CPU, 13M tokens: hours")
+    assert note[0].endswith(training_run.CPU_DEMO)
+
+
 def test_error_nan_loss_keeps_last_good_checkpoint(prepared, tmp_path):
     out = tmp_path / "run"
     r = run_train("--data", prepared, "--out-dir", out, "--max-steps", 20, *TINY,
