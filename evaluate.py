@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import flags
 from data.masking import uniform_mask
-from data.prepare import CLS, MASK, SEP, Segments, prepare
+from data.prepare import CLS, MASK, SEP, Segments, encode_masked, prepare
 from data.tasks import TASKS, pad, read_jsonl
 from device import autocast, pick_device, seed_of
 from finetune import RECIPES, finetune
@@ -229,7 +229,7 @@ def blimp(args):
     # the fingerprint: what they depend on (a checkpoint's size and time stand for its weights)
     partial = out.with_name(out.name + ".partial")
     # one scorer per result: a second would write the same partial file and result
-    lock = hold_lock(out.with_name(out.name + ".lock"), out,
+    lock = hold_lock(out.with_name(out.name + ".lock"), out,  # noqa: F841 (held)
                      "wait for that evaluate.py blimp to end, or give another --out")
     stat = Path(args.ckpt).stat()
     fingerprint = {"ckpt": str(Path(args.ckpt).resolve()), "size": stat.st_size,
@@ -344,8 +344,7 @@ def blimp(args):
                             "name": "BLiMP accuracy, reporting half, chosen T"},
     }
     print(f"wrote {write_result(result, out, args.ckpt, 'blimp')}")
-    partial.unlink()
-    Path(lock.name).unlink()  # done: the lock file goes, the lock with the process
+    partial.unlink()  # (the lock file stays, as a run folder's: it is taken over next time)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,21 +437,18 @@ def weights(args):
 def fill(args):
     """Each [MASK] of a sentence you type, and the model's top-k pieces for it with their
     probabilities: every [MASK] is hidden at once and each gets its own distribution (not a
-    joint guess). The text between masks is tokenized as the training text was, so a piece
-    that starts a word carries sentencepiece's "▁" (shown as a leading space)."""
+    joint guess). The text between masks is tokenized as running text (data.prepare's
+    encode_masked), so a piece that starts a word carries "▁" (shown as a leading space)."""
     device = pick_device(args.device)
     model, tok = load_checkpoint(args.ckpt, device)
-    for text in args.text:
-        chunks = text.split("[MASK]")
-        if len(chunks) == 1:
-            raise SystemExit(f"error: {text!r} has no [MASK] to fill")
-        ids = [CLS]
-        for i, chunk in enumerate(chunks):
-            ids += ([MASK] if i else []) + (tok.encode(chunk.strip()) if chunk.strip() else [])
-        ids.append(SEP)
+    sentences = [encode_masked(tok, text) for text in args.text]  # all checked, then scored
+    for text, ids in zip(args.text, sentences):
+        if MASK not in ids:
+            raise SystemExit(f"error: {text[:80]!r} has no [MASK] to fill")
         if len(ids) > model.config.max_position:
-            raise SystemExit(f"error: {text!r} is {len(ids)} tokens; the model reads at most "
-                             f"{model.config.max_position}")
+            raise SystemExit(f"error: {text[:40]!r}... is {len(ids)} tokens; the model reads at "
+                             f"most {model.config.max_position}")
+    for ids in sentences:
         x = torch.tensor([ids], device=device)                                 # (1, T)
         _, logits = model(x, predict=x == MASK)                                # (masks, V)
         top = logits.float().softmax(-1).topk(min(args.top_k, logits.shape[-1]), -1)

@@ -45,8 +45,9 @@ class RunFolder:
             return
         f = hold_lock(self.path / "lock", self.path, "wait for it to end or choose another "
                       "--out-dir")
-        for old in self.path.glob(".*.tmp"):  # a save cut off by a kill: whose is dead now
-            old.unlink(missing_ok=True)
+        with one_line_os_errors(self.path):
+            for old in self.path.glob(".*.tmp"):  # a save cut off by a kill: whose is dead now
+                old.unlink(missing_ok=True)
         self._lock = f  # kept open: closing the file would release the lock
 
     def check_new(self, marker: str | None = None) -> None:

@@ -380,8 +380,8 @@ def build_parser():
         help="bfloat16 autocast of the forward pass; weights, optimizer and losses stay float32 "
         "(default: on with CUDA, off on the CPU; measured 2x faster on a CPU with AMX: see "
         "docs/bench.md)")
-    add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="GPU "
-        "kernels that add in a fixed order only: a resumed run then agrees bit for bit there too")
+    add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="torch's "
+        "deterministic kernels only: resumes agree bit for bit on a GPU too, a little slower")
     add("--out-dir", default=None, help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
     add("--resume", action="store_true",
         help="continue the run in --out-dir from its ckpt.pt, with its saved settings")

@@ -138,13 +138,17 @@ def resumed_args(args, path, defaults: dict):
     changed = [k for k in args.given if k not in RESUMABLE and getattr(args, k) != saved.get(k)]
     if changed:
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
-        longer = ({"max_steps", "epochs"} & set(changed)) and (
-            f"; to train on past its end, start a new run from its weights: --init-from {path} "
-            f"--out-dir NEW (a fresh optimizer and schedule)")
+        budget = [k for k in ("max_steps", "epochs") if k in changed]
+        hint = ""
+        if budget:  # a longer run is a new one from these weights; a shorter one, --stop-at
+            longer = (getattr(args, budget[0]) or 0) > (saved.get(budget[0]) or 0)
+            hint = (f"; to train on past its end, start a new run from its weights: --init-from "
+                    f"{path} --out-dir NEW (a fresh optimizer and schedule)" if longer else
+                    "; to end it sooner, resume with --stop-at STEP")
         raise SystemExit(f"error: a resumed run keeps its settings, but {flags} "
                          f"{'differs' if len(changed) == 1 else 'differ'} from the checkpoint's; "
                          f"drop {'it' if len(changed) == 1 else 'them'} or start a new --out-dir"
-                         + (longer or ""))
+                         + hint)
     # --stop-at holds for one command: the run it resumes stopped there, this one goes on
     now = {k: getattr(args, k) for k in RESUMABLE
            if k in args.given or k in ("resume", "out_dir", "stop_at")}
@@ -304,14 +308,19 @@ def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | 
 BABYLM_WORDS = [*range(1, 10), *range(10, 101, 10)]  # millions: chck_1M ... chck_100M
 
 
+def past_end(args, step: int, path) -> str | None:
+    """What a resumed run at `step` says when it is at or past its last step or --stop-at."""
+    end = min(args.max_steps, args.stop_at or args.max_steps)
+    why = f"--stop-at {end}" if end == args.stop_at else f"--max-steps {end}, the run's end"
+    return f"nothing to do: {path} is at step {step}, at or past {why}" if step >= end else None
+
+
 def nothing_to_do(run: Run) -> bool:
     """Whether the run's checkpoint is at or past its last step or --stop-at; if so, says so."""
-    args, step = run.args, run.step
-    end = min(args.max_steps, args.stop_at or args.max_steps)
-    if step >= end:
-        why = f"--stop-at {end}" if end == args.stop_at else f"--max-steps {end}, the run's end"
-        run.say(f"nothing to do: {run.folder.path / 'ckpt.pt'} is at step {step}, at or past {why}")
-    return step >= end
+    said = past_end(run.args, run.step, run.folder.path / "ckpt.pt")
+    if said:
+        run.say(said)
+    return said is not None
 
 
 def word_counts(spec: str) -> list[int]:
@@ -353,9 +362,11 @@ def checked_settings(args, defaults: dict) -> dict:
         path = Path(args.out_dir) / "ckpt.pt"
         args, ckpt = resumed_args(args, path, defaults)
         end = min(args.max_steps, args.stop_at or args.max_steps)
-        print(f"--resume: {path} is at step {ckpt['step']}; " + (
-            f"it would train on to step {end}" if ckpt["step"] < end else
-            "nothing to do, it is at its end"), file=sys.stderr)
+        print(past_end(args, ckpt["step"], path) or f"--resume: {path} is at step "
+              f"{ckpt['step']}; it would train on to step {end}", file=sys.stderr)
+    elif args.max_steps is None and args.warmup >= 1:
+        print(f"note: --epochs sets the steps once the data is read; --warmup {args.warmup:g} "
+              f"steps is checked against them then", file=sys.stderr)
     return {k: v for k, v in vars(args).items() if k not in ("given", "check")}
 
 

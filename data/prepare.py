@@ -199,6 +199,24 @@ def encode(sp: spm.SentencePieceProcessor, lines: list[str], desc: str,
     return np.concatenate(out) if out else np.zeros(0, np.uint16)
 
 
+def encode_masked(sp: spm.SentencePieceProcessor, text: str) -> list[int]:
+    """A sentence with [MASK] in it -> [CLS] ids [SEP], each [MASK] the MASK id, the text
+    between them tokenized as running text: after a [MASK] with no space, no word starts, so
+    sentencepiece's word-start "▁" is dropped there (alone, or from the first piece when the
+    vocabulary has it without)."""
+    ids = [CLS]
+    for i, chunk in enumerate(text.split("[MASK]")):
+        part = sp.encode(chunk.strip()) if chunk.strip() else []
+        first = sp.id_to_piece(part[0]) if part else ""
+        if i and not chunk[:1].isspace() and first.startswith("\u2581"):
+            if first == "\u2581":
+                part = part[1:]
+            elif sp.piece_to_id(first[1:]) != sp.unk_id():
+                part[0] = sp.piece_to_id(first[1:])
+        ids += [MASK] * bool(i) + part
+    return ids + [SEP]
+
+
 def load_tokenizer(folder: Path) -> spm.SentencePieceProcessor:
     return spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
 

@@ -19,8 +19,13 @@ def test_curves_split_training_and_validation_records():
         "grad_norm": {"train": [(10, 1.5)], "val": []}}
 
 
-def test_two_runs_make_one_png(prepared, tmp_path):
+def test_two_runs_make_one_png(prepared, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+    ylabels = []
+    draw = Axes.set_ylabel
+    monkeypatch.setattr(Axes, "set_ylabel", lambda ax, text, **k: (ylabels.append(text),
+                                                                   draw(ax, text, **k))[1])
     runs = [tmp_path / "mlm", tmp_path / "boot"]
     done = run_trains(*[("--objective", r.name, "--data", prepared, "--out-dir", r,
                          "--max-steps", 10, *TINY, "--eval-every", 5) for r in runs])
@@ -32,6 +37,7 @@ def test_two_runs_make_one_png(prepared, tmp_path):
     # every figure the two objectives log has a y-axis label saying what it is
     logged = {name for r in runs for name in plot.curves(plot.read_run(r)[0])}
     assert {"loss", "acc", "lb", "target_std"} <= logged and logged <= set(plot.LABELS)
+    assert sorted(ylabels) == sorted(plot.LABELS[name] for name in logged)  # on the panels
 
 
 def test_without_matplotlib_it_says_how_to_get_it(tmp_path, monkeypatch):

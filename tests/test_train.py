@@ -370,11 +370,13 @@ def test_resume_check_prints_the_runs_saved_settings(trained):
     saved = json.loads((run / "args.json").read_text())
     assert settings["size"] == "tiny" and settings["lr"] == saved["lr"] == 1e-2
     assert settings["d_model"] == 64 and settings["max_steps"] == 5
-    assert "is at step 5; nothing to do" in r.stderr
+    assert f"nothing to do: {trained} is at step 5, at or past --max-steps 5" in r.stderr
     assert_clean_error(run_train("--out-dir", run, "--resume", "--check", "--lr", 0.5),
                        "keeps its settings, but --lr differs")
     r = run_train("--out-dir", run, "--resume", "--max-steps", 10)
     assert_clean_error(r, f"--max-steps differs .*--init-from {run / 'ckpt.pt'} --out-dir NEW")
+    r = run_train("--out-dir", run, "--resume", "--max-steps", 3)  # shorter: --stop-at
+    assert_clean_error(r, "--max-steps differs .*; to end it sooner, resume with --stop-at STEP$")
 
 
 def test_a_long_run_of_a_large_model_on_a_cpu_says_it_wants_a_gpu(prepared, tmp_path,
