@@ -52,11 +52,7 @@ from meta_moons import PROTOCOLS, run_two_moons
 from meta_pretrain import MODEL_FLAGS
 from model import PRESETS, ModelConfig
 from progress import line_buffered
-from run_folder import REPO, RunFolder
-
-
-CODE = ["meta.py", "meta_pretrain.py", "meta_moons.py", "meta_glue.py", "model.py", "kernels.py",
-        "device.py", "data/prepare.py", "data/tasks.py"]  # a run's code/
+from run_folder import REPO, RunFolder, repo_sources
 
 
 def protocol_defaults(args) -> None:
@@ -195,7 +191,7 @@ def main(argv=None):
     folder.lock()  # one process per run folder
     if not args.resume:
         folder.check_new()
-    folder.start(CODE, keep_log=args.resume, args=vars(args))
+    folder.start(repo_sources(), keep_log=args.resume, args=vars(args))
     print(f"meta.py {args.task} --labels {args.labels} on {device}; run folder {folder.path}",
           file=sys.stderr)
     (run_two_moons if args.task == "two_moons" else run_glue)(args, device, folder)

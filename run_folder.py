@@ -8,12 +8,24 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from storage import hold_lock, one_line_os_errors, save_checkpoint
 
 
 REPO = Path(__file__).resolve().parent
+
+
+def repo_sources() -> list[str]:
+    """The repository's source files this process has imported (the tests' aside), as repository
+    paths: what decides a run's results, so each run copies them into its code/ and hashes them
+    into its checkpoints. Derived, not listed: a module a stage comes to import is never left
+    out (tests/test_train.py holds it to a static reading of train.py's imports)."""
+    loaded = {Path(m.__file__).resolve() for m in list(sys.modules.values())
+              if getattr(m, "__file__", None) and Path(m.__file__).is_absolute()}
+    return sorted(f.relative_to(REPO).as_posix() for f in loaded if f.is_relative_to(REPO)
+                  and f.suffix == ".py" and f.relative_to(REPO).parts[0] != "tests")
 
 
 def code_version(files) -> dict:
@@ -67,7 +79,8 @@ class RunFolder:
         with one_line_os_errors(self.path / "code"):
             (self.path / "code").mkdir(parents=True, exist_ok=True)
             for f in code:
-                shutil.copy(REPO / f, self.path / "code" / Path(f).name)
+                (self.path / "code" / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(REPO / f, self.path / "code" / f)
             if not keep_log:
                 self.log_path.unlink(missing_ok=True)
         for name, content in files.items():

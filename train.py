@@ -49,16 +49,12 @@ from model import (PARTS, PRESETS, BootHeads, BootPredictor, ModelConfig, boot_s
                    load_checkpoint, small_init)
 from optim import ema_decay_at, ema_update, set_schedule
 from progress import bar, line_buffered
-from run_folder import REPO
+from run_folder import REPO, repo_sources
 from stopping import SafetyNet, exit_now, on_stop_signals
 from training_run import (ObjectiveParts, Phase, Run, check_warmup, checked_settings, describe,
                           log_line, nothing_to_do, open_run, save, save_words_flag, start_phase,
                           summary, train_batch, validate, word_marks)
 
-
-# what decides a run's results: copied into its code/, hashed into every checkpoint
-CODE = ["train.py", "model.py", "kernels.py", "optim.py", "device.py", "sparse.py",
-        "data/prepare.py", "data/masking.py"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,7 +509,7 @@ def main(argv=None):
     if args.check:
         print(json.dumps(checked_settings(args, vars(build_parser().parse_args([])))))
         return
-    run = open_run(args, CODE, vars(build_parser().parse_args([])), check_phases)
+    run = open_run(args, repo_sources(), vars(build_parser().parse_args([])), check_phases)
     args, step = run.args, run.step
     if nothing_to_do(run):  # a finished run resumed, or --stop-at already passed
         return

@@ -6,8 +6,8 @@ objective: train.py hands each phase its objective's loss and setup.
 
 A run folder holds args.json, config.json, data.json (the corpus' meta.json), log.jsonl (every
 logged figure), ckpt.pt (model, heads, optimizer, config, args, step, RNG states, data position,
-code version, tokenizer, checksum), code/ (train.CODE: the source that decides its results) and
-lock (held by the one process training there).
+code version, tokenizer, checksum), code/ (every source file of the repository the run imported:
+run_folder.repo_sources) and lock (held by the one process training there).
 """
 import argparse
 import math

@@ -19,7 +19,7 @@ import stopping
 import train as T
 import training_run
 from training_run import Trainee
-from conftest import TINY, run_train, run_trains
+from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch
 from data.prepare import CLS, MASK, SEP, prepare
 from model import PRESETS, Encoder, ModelConfig
@@ -143,9 +143,8 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     assert r.returncode == 0, r.stderr
     kept = {"args.json", "config.json", "data.json", "log.jsonl", "ckpt.pt", "code"}
     assert kept <= {p.name for p in out.iterdir()}
-    code = {"train.py", "model.py", "kernels.py", "optim.py", "device.py", "sparse.py",
-            "prepare.py", "masking.py"}
-    assert {p.name for p in (out / "code").iterdir()} == code
+    code = {p.relative_to(out / "code").as_posix() for p in (out / "code").rglob("*.py")}
+    assert {"train.py", "model.py", "training_run.py", "data/masking.py"} <= code
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert {"model", "optimizer", "config", "args", "step", "rng", "data_pos", "extras_state",
             "code_version", "tokenizer"} <= ckpt.keys()
@@ -1053,3 +1052,27 @@ def test_deterministic_turns_on_deterministic_kernels(prepared, tmp_path, monkey
     finally:
         torch.use_deterministic_algorithms(False)
     assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 4
+
+
+def test_a_runs_code_hash_covers_every_file_train_py_imports(trained):
+    """Every file of the repository that train.py imports, directly or not, at the top of a
+    module or inside a function (read statically from the source's import statements, not by
+    the import machinery the run itself asks), is in the run's code/ and so in its
+    checkpoints' code hash."""
+    import ast
+
+    def repo_imports(path: Path, seen: set) -> set:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for name in names:
+                file = REPO / (name.replace(".", "/") + ".py")
+                if file.is_file() and file not in seen:
+                    seen.add(file)
+                    repo_imports(file, seen)
+        return seen
+    imported = {f.relative_to(REPO).as_posix() for f in repo_imports(REPO / "train.py", set())}
+    assert {"training_run.py", "model.py", "data/masking.py", "storage.py"} <= imported
+    code = trained.parent / "code"
+    copied = {p.relative_to(code).as_posix() for p in code.rglob("*.py")}
+    assert imported | {"train.py"} <= copied, sorted(imported - copied)
