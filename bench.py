@@ -57,16 +57,16 @@ import torch
 import torch.nn.functional as F
 
 import evaluate
-import flags
 import sparse
-from bench_models import bench_bert, bench_ltg, flops_per_token, mfu
-from bench_ops import bench_attn, bench_compile, bench_ema, bench_sparse
 from data.masking import mask_capacity
 from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
-from device import pick_device, use_compile
+from helpers.bench_models import bench_bert, bench_ltg, flops_per_token, mfu
+from helpers.bench_ops import bench_attn, bench_ema
+from machinery import flags
+from machinery.device import pick_device, use_compile
+from machinery.run_folder import REPO, RunFolder
+from machinery.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
 from model import PRESETS, Encoder, ModelConfig, use_flex
-from run_folder import REPO, RunFolder
-from timing import PROFILES, alternate, failed_row, print_profiles, rates, row
 
 
 V = VOCAB_SIZE
@@ -170,6 +170,118 @@ def coder_seconds(args, device, D) -> float:
     if use_compile(device, args.compile):
         code = torch.compile(code)
     return 1 / statistics.median(rates(code, 1, device, 2, 5))
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse.py's coder: against scikit-learn, and its first compiled call
+
+def sparse_problem(kind, d, k, n, seed=0):
+    """Unit-norm rows H (n, d) and a dictionary D (d, k), unit columns. `isotropic`: random atoms,
+    each row a noisy positive mix of about 10 of them. `anisotropic`: rows share a common
+    direction (mean cosine about 0.3, as the hidden states of our tiny model, measured: 0.30) and
+    the atoms are k of those rows, as learn_dictionary starts; its D^T D is badly conditioned.
+    `learned`: the same rows, D learned from 2k others by learn_dictionary (one epoch), as MLSM
+    codes against: coherent, but less so than its starting point."""
+    g = torch.Generator().manual_seed(seed)
+    unit = lambda x, dim: x / x.norm(dim=dim, keepdim=True)
+    if kind == "isotropic":
+        D = unit(torch.randn(d, k, generator=g), 0)
+        A = (torch.rand(n, k, generator=g) < 10 / k) * torch.rand(n, k, generator=g)
+        return unit(A @ D.T + 0.1 * torch.randn(n, d, generator=g) / d ** 0.5, 1), D
+    common = unit(torch.randn(d, generator=g), 0)
+    X = unit(0.55 * common + unit(torch.randn(n + 2 * k, d, generator=g), 1), 1)
+    if kind == "anisotropic":
+        return X[:n], X[n:n + k].T.contiguous()
+    D, _ = sparse.learn_dictionary(X[n:], k, 0.05, epochs=1, seed=seed, eval_vectors=256,
+                                   progress=False)
+    return X[:n], D
+
+
+def bench_sparse(args, device, tmp):
+    """Ours codes a batch of vectors at once (as training does); scikit-learn codes the first sk
+    of them in float64 (one call, timed as often as ours); the objectives are compared on those.
+    --sparse-all adds scikit-learn's default algorithm (lasso_lars) and our plain FISTA over all
+    atoms (work=0)."""
+    try:
+        from sklearn.decomposition import sparse_encode
+    except ImportError:
+        sparse_encode = None
+        print("note: scikit-learn is not installed; the sparse rows have no reference (it is "
+              "never a requirement)")
+    lam, k = 0.05, (500 if args.quick else 2500)
+    n, sk = (128, 16) if args.quick else (1024, 128)
+    objective = lambda H, D, A: sparse.objective(H, D, A, lam).double().mean().item()
+    for d in ([128] if args.quick else [384, 768]):
+        for kind in ("isotropic", "anisotropic", "learned"):
+            H, D = sparse_problem(kind, d, k, n)
+            H, D = H.to(device), D.to(device)
+            refs = {}
+            if sparse_encode is not None:
+                Hn, Dn = H[:sk].cpu().double().numpy(), D.T.cpu().double().numpy()
+                for alg in ("lasso_cd", "lasso_lars") if args.sparse_all else ("lasso_cd",):
+                    speeds = []
+                    for _ in range(1 if args.quick else 3):
+                        t = time.perf_counter()  # positive=True: our problem
+                        As = sparse_encode(Hn, Dn, algorithm=alg, alpha=lam, positive=True,
+                                           max_iter=1000)
+                        speeds.append(sk / (time.perf_counter() - t))
+                    refs[alg] = (speeds, objective(H[:sk].cpu().double(), D.cpu().double(),
+                                                   torch.tensor(As)))
+            variants = [("working set", 32)] + ([("plain FISTA, all atoms", 0)]
+                                                if args.sparse_all else [])
+            for name, work in variants:
+                A = sparse.sparse_code(H, D, lam, work=work)
+                code = lambda: sparse.sparse_code(H, D, lam, work=work)
+                ours = rates(code, n, device, 1, 1 if args.quick else 3)
+                obj = objective(H[:sk], D, A[:sk])
+                algs = list(refs) if work else list(refs)[:1]  # plain FISTA: against lasso_cd
+                for alg in algs or [None]:
+                    ref, ref_obj = refs[alg] if alg else (None, None)
+                    yield row("sparse", f"{kind} d={d} k={k}, {name}", "vectors/s", ours,
+                              f"sklearn {alg}" if alg else "-", ref, objective=obj,
+                              **({"ref_objective": ref_obj} if alg else {}))
+
+
+def fista_float_momentum(H, D, lam, L, iters):
+    """sparse.fista_fixed as written before issue 41: the momentum weights as Python floats."""
+    HD = H @ D
+    a = y = torch.zeros_like(HD)
+    t = 1.0
+    for _ in range(iters):
+        nxt = (y + (HD - (y @ D.T) @ D) / L - lam / L).clamp(min=0)
+        t_next = (1 + (1 + 4 * t * t) ** 0.5) / 2
+        y = nxt + (t - 1) / t_next * (nxt - a)
+        a, t = nxt, t_next
+    return a
+
+
+def bench_compile(args, device, tmp):
+    """torch.compile's time to a first call, inductor with an empty cache, as compilations per
+    minute: sparse.fista_fixed as train.py's mlsm calls it (momentum weights as tensor inputs)
+    against the same steps with float momentum (the MLSM targets of a tiny 32 x 128 batch:
+    608 states of 128 dimensions, 3000 atoms); max_abs_diff between their codes."""
+    steps = 10 if args.quick else 100
+    g = torch.Generator().manual_seed(0)
+    H = F.normalize(torch.randn(mask_capacity(32, 128, 0.15), 128, generator=g), dim=-1)
+    D = F.normalize(torch.randn(128, sparse.DictConfig().k, generator=g), dim=0)
+    H, D = H.to(device), D.to(device)
+    L, lam = torch.linalg.matrix_norm(D, ord=2) ** 2, sparse.DictConfig().lam
+    momentum = sparse.fista_momentum(steps, device)
+    calls = {"ours": lambda f: f(H, D, lam, steps, L, momentum),
+             "float momentum": lambda f: f(H, D, lam, L, steps)}
+    per_minute, codes = {}, {}
+    warm = torch.compile(lambda x: (x * 2).clamp(min=0))  # inductor's one-time start-up
+    warm(H)
+    for name, fn in (("ours", sparse.fista_fixed), ("float momentum", fista_float_momentum)):
+        torch._dynamo.reset()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / f"inductor_{len(per_minute)}")
+        compiled = torch.compile(fn, fullgraph=True)
+        per_minute[name] = rates(lambda: codes.setdefault(name, calls[name](compiled)), 60,
+                                 device, 0, 1)
+    diff = (codes["ours"] - codes["float momentum"]).abs().max().item()
+    yield row("compile", f"fista100 targets, {steps} steps, {H.shape[0]}x{H.shape[1]} -> "
+              f"{D.shape[1]}", "compiles/min", per_minute["ours"], "float momentum",
+              per_minute["float momentum"], max_abs_diff=diff)
 
 
 # ---------------------------------------------------------------------------------------------

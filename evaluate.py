@@ -32,17 +32,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import flags
 from data.masking import uniform_mask
 from data.prepare import CLS, MASK, SEP, Segments, encode_masked, prepare
 from data.tasks import TASKS, pad, read_jsonl
-from device import autocast, pick_device, seed_of
-from finetune import RECIPES, finetune
+from helpers.finetune import RECIPES, finetune
+from machinery import flags
+from machinery.device import autocast, pick_device, seed_of
+from machinery.multibootstrap import compare
+from machinery.progress import bar, duration, line_buffered
+from machinery.results import write_lines, write_result
+from machinery.storage import hold_lock, one_line_os_errors
 from model import load_checkpoint
-from multibootstrap import compare
-from progress import bar, duration, line_buffered
-from results import write_lines, write_result
-from storage import hold_lock, one_line_os_errors
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-import flags
 from data.prepare import CLS, MASK, PAD, SEP, SPECIALS, UNK
+from machinery import flags
+from machinery.run_folder import REPO
+from machinery.storage import one_line_os_errors, read_checkpoint
 from model import boot_shape
-from run_folder import REPO
-from storage import one_line_os_errors, read_checkpoint
 
 
 MODELING = REPO / "hf" / "modeling_nanomlm.py"
@@ -82,7 +82,6 @@ def fast_tokenizer(proto: bytes):
     from tokenizers import decoders, processors
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import SpmConverter
-
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "spm.model"
         path.write_bytes(proto)

@@ -44,15 +44,15 @@ none does not pretrain at all.
 """
 import sys
 
-import flags
 from data.prepare import VOCAB_SIZE, raw_root
-from device import pick_device
-from meta_glue import run_glue
-from meta_moons import PROTOCOLS, run_two_moons
-from meta_pretrain import MODEL_FLAGS
+from helpers.meta_glue import run_glue
+from helpers.meta_moons import PROTOCOLS, run_two_moons
+from helpers.meta_pretrain import MODEL_FLAGS
+from machinery import flags
+from machinery.device import pick_device
+from machinery.progress import line_buffered
+from machinery.run_folder import REPO, RunFolder, repo_sources
 from model import PRESETS, ModelConfig
-from progress import line_buffered
-from run_folder import REPO, RunFolder, repo_sources
 
 
 def protocol_defaults(args) -> None:

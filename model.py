@@ -34,8 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import dropout, flex_relative
-from storage import read_checkpoint
+from machinery.kernels import dropout, flex_relative
+from machinery.storage import read_checkpoint
 
 
 @dataclass

@@ -12,8 +12,8 @@ Needs matplotlib (pip install -r requirements-figures.txt); training never does.
 import json
 from pathlib import Path
 
-import flags
-from run_folder import RunFolder
+from machinery import flags
+from machinery.run_folder import RunFolder
 
 
 NOT_FIGURES = {"step", "lr", "tok_per_s", "peak_mem_gb", "error"}  # logged, but not curves

@@ -43,12 +43,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import flags
 from data.prepare import CLS, SEP, prepare
-from device import pick_device
+from machinery import flags
+from machinery.device import pick_device
+from machinery.progress import bar, line_buffered
+from machinery.storage import load_state, read_checkpoint, save_checkpoint
 from model import load_checkpoint
-from progress import bar, line_buffered
-from storage import load_state, read_checkpoint, save_checkpoint
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,14 +42,14 @@ import numpy as np
 import torch
 
 import evaluate
-import flags
 from data.prepare import prepare, prepared_copies, resolve
 from data.tasks import TASKS
-from results import read_result
-from run_folder import REPO
-from storage import atomic_write
-from study_plan import Job, StudyError, load_study, metric_names, plan, raw_path, shown
-from study_report import build_report
+from helpers.study_plan import Job, StudyError, load_study, metric_names, plan, raw_path, shown
+from helpers.study_report import build_report
+from machinery import flags
+from machinery.results import read_result
+from machinery.run_folder import REPO
+from machinery.storage import atomic_write
 
 
 # tokens/s of an MLM step when no run of the study has finished yet (--dry-run's estimate):

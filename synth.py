@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-import flags
 from data.prepare import raw_root
+from machinery import flags
 
 
 TREEBANKS = ["UD_French-GSD", "UD_French-Sequoia", "UD_French-ParTUT"]

@@ -41,20 +41,20 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import flags
 import sparse
 from data.prepare import VOCAB_SIZE
-from device import use_compile
+from helpers.training_run import (ObjectiveParts, Phase, Run, check_warmup, checked_settings,
+                                  describe, log_line, nothing_to_do, open_run, save,
+                                  save_words_flag, start_phase, summary, train_batch, validate,
+                                  word_marks)
+from machinery import flags
+from machinery.device import use_compile
+from machinery.optim import ema_decay_at, ema_update, set_schedule
+from machinery.progress import bar, line_buffered
+from machinery.run_folder import REPO, repo_sources
+from machinery.stopping import SafetyNet, exit_now, on_stop_signals
 from model import (PARTS, PRESETS, BootHeads, BootPredictor, ModelConfig, boot_states,
                    load_checkpoint, small_init)
-from optim import ema_decay_at, ema_update, set_schedule
-from progress import bar, line_buffered
-from run_folder import REPO, repo_sources
-from stopping import SafetyNet, exit_now, on_stop_signals
-from training_run import (ObjectiveParts, Phase, Run, check_warmup, checked_settings, describe,
-                          log_line, nothing_to_do, open_run, save, save_words_flag, start_phase,
-                          summary, train_batch, validate, word_marks)
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,10 +16,11 @@ import sys
 import zlib
 from pathlib import Path
 
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run as `python data/breton.py`: the package is data/
-import flags  # noqa: E402
 from data.prepare import raw_root  # noqa: E402
+from machinery import flags  # noqa: E402
 
 
 def text_lines(path: Path, prefix: str = "# text = "):

@@ -6,8 +6,8 @@
 
 Where things live
     raw      $NANOMLM_RAW/NAME/   (default data/raw/NAME/), or any folder given as a path
-    prepared $NANOMLM_DATA/NAME-KEY/ (default data/NAME-KEY/): train.bin val.bin tokenizer.model
-             meta.json
+    prepared $NANOMLM_DATA/NAME-KEY/ (default data/prepared/NAME-KEY/): train.bin val.bin
+             tokenizer.model meta.json
 
 Raw layout: the BabyLM one, a folder of `*.train` and `*.dev` text files, plain or `.gz`. A folder
 without `*.train` files is read whole (every text file in it), and when there are no `*.dev` files
@@ -46,9 +46,11 @@ import numpy as np
 import sentencepiece as spm
 import torch
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python data/prepare.py`
-from progress import bar, heartbeat  # noqa: E402
-import flags  # noqa: E402
+from machinery import flags  # noqa: E402
+from machinery.progress import bar, heartbeat  # noqa: E402
+
 
 HERE = Path(__file__).resolve().parent
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -71,7 +73,8 @@ def raw_root() -> Path:
 
 
 def prepared_root() -> Path:
-    return Path(os.environ.get("NANOMLM_DATA", HERE))
+    """Where prepared corpora live (NAME-KEY/ folders): $NANOMLM_DATA, else data/prepared/."""
+    return Path(os.environ.get("NANOMLM_DATA", HERE / "prepared"))
 
 
 def resolve(data: str) -> tuple[Path, Path]:

@@ -108,8 +108,8 @@ def test_flops_per_token_counts_what_torch_counts(size):
     BertForMaskedLM, exactly (both count 2 per multiply-add and a backward of twice the
     forward)."""
     from torch.utils.flop_counter import FlopCounterMode
-    from bench_models import bert_flops_per_token, flops_per_token, mlm_batch
     from data.masking import predicted_slots
+    from helpers.bench_models import bert_flops_per_token, flops_per_token, mlm_batch
     from model import PRESETS, Encoder, ModelConfig
     B, T, V = 2, 64, 1000
     cfg = ModelConfig(**PRESETS[size], vocab_size=V)

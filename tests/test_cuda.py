@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
+from test_train import MLSM_DICT, compiled_trainee, read_log
 
 import evaluate
 import train as T
 from conftest import TINY, run_train, run_trains
 from data.masking import make_batch
 from data.prepare import CLS, SEP, VOCAB_SIZE, Segments, prepare
+from machinery.optim import Lamb, ema_update
 from model import PRESETS, Encoder, ModelConfig
-from optim import Lamb, ema_update
-from test_train import MLSM_DICT, compiled_trainee, read_log
+
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

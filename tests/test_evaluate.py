@@ -11,17 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-import finetune
-import multibootstrap
-import results
 import evaluate as E
-import device as device_module
 from conftest import shared_data
 from data.masking import uniform_mask
 from data.prepare import CLS, MASK, SEP, load_tokenizer
 from data.tasks import read_task
+from helpers import finetune
+from machinery import device as device_module
+from machinery import multibootstrap, results
+from machinery.storage import save_checkpoint
 from model import PRESETS, BootHeads, BootPredictor, Encoder, ModelConfig
-from storage import save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -755,7 +754,7 @@ def test_fill_shows_the_models_own_top_guesses(ckpt, tmp_path, objective, capsys
 def test_a_second_blimp_on_the_same_result_is_refused(ckpt, tmp_path):
     """Two `evaluate.py blimp` writing one result would write one partial file at once: the
     second is refused in one line, naming the first; once it has ended, the next one runs."""
-    from storage import hold_lock
+    from machinery.storage import hold_lock
     folder = tmp_path / "mini"
     folder.mkdir()
     src = (shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"

@@ -5,26 +5,29 @@ import gzip
 import json
 import subprocess
 import sys
-from pathlib import Path
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+
 for name in ("transformers", "tokenizers", "safetensors", "google.protobuf"):
     pytest.importorskip(name, reason="the export tests need pip install -r "
                                      "requirements-export.txt")
 
-import results
+from transformers import (AutoModel, AutoModelForMaskedLM,  # noqa: E402
+                          AutoModelForSequenceClassification, AutoTokenizer)
+
 import evaluate as E  # noqa: E402
 import export  # noqa: E402
 from conftest import run_train, shared_data  # noqa: E402
 from data.prepare import MASK  # noqa: E402
-from model import PRESETS, BootHeads, Encoder, ModelConfig, load_checkpoint
-from storage import read_checkpoint, save_checkpoint
-from transformers import (AutoModel, AutoModelForMaskedLM,  # noqa: E402
-                          AutoModelForSequenceClassification, AutoTokenizer)
+from machinery import results  # noqa: E402
+from machinery.storage import read_checkpoint, save_checkpoint  # noqa: E402
+from model import PRESETS, BootHeads, Encoder, ModelConfig, load_checkpoint  # noqa: E402
+
 
 BLIMP = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
 

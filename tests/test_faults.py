@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY, run_train, shared_data
-
 import evaluate as E
+from conftest import REPO, TINY, run_train, shared_data
+from machinery.run_folder import RunFolder
+from machinery.storage import read_checkpoint, save_checkpoint
 from model import PRESETS, Encoder, ModelConfig, load_checkpoint
-from run_folder import RunFolder
-from storage import read_checkpoint, save_checkpoint
+
 
 FAST = [*TINY, "--spike", "0", "--lr", "1e-3"]  # stable at any length, fast to run
 

@@ -12,21 +12,17 @@ import pytest
 import train
 from conftest import REPO
 
-# ground floor: run machinery (0), then the model, the data, the run folder and result files (1)
-# on it; libraries (2); evaluate.py and the scripts' own parts (3); top: scripts (4)
-FLOOR = {"storage": 0, "device": 0, "optim": 0, "progress": 0, "stopping": 0, "kernels": 0,
-         "flags": 0, "timing": 0,
-         "model": 1, "data": 1, "run_folder": 1, "results": 1, "ltg_bert": 1,
-         "sparse": 2, "training_run": 2, "finetune": 2, "multibootstrap": 2, "meta_pretrain": 2,
-         "study_plan": 2,
-         "evaluate": 3, "meta_moons": 3, "meta_glue": 3, "study_report": 3, "bench_models": 3,
-         "bench_ops": 3,
-         "train": 4, "meta": 4, "bench": 4, "synth": 4, "study": 4, "export": 4, "plot": 4,
-         "hf": 0}  # hf/: the modeling file export.py ships, transformers' code only
+# Floors, from the ground up: the run machinery (machinery/), the data (data/), the model, what
+# the stages use that is not their method (helpers/), the libraries with a command line, the
+# scripts. hf/: the modeling file export.py ships, transformers' code only.
+FLOOR = {"machinery": 0, "hf": 0, "data": 1, "model": 2, "helpers": 3, "sparse": 4, "evaluate": 4,
+         "train": 5, "meta": 5, "synth": 5, "study": 5, "bench": 5, "export": 5, "plot": 5}
+CARD = {"model", "train", "sparse", "synth", "meta", "evaluate"}  # the design card's stages
+TOOLS = {"export", "study", "bench", "plot"}                       # the few a user types
 
 
 def unit(path) -> str:
-    """The unit a source file belongs to: its module, or `data` for the files of data/."""
+    """The unit a source file belongs to: its module at the root, or the folder it is in."""
     rel = path.relative_to(REPO)
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
@@ -55,6 +51,12 @@ def test_every_source_file_has_a_floor():
     assert {unit(p) for p in sources()} == set(FLOOR)
 
 
+def test_the_root_is_the_card():
+    """At the root, the card's stages and the tools a user types, nothing else: a newcomer
+    listing it sees where to start."""
+    assert {p.stem for p in REPO.glob("*.py")} == CARD | TOOLS
+
+
 @pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(REPO)))
 def test_imports_point_down_only(path):
     mine = unit(path)
@@ -68,8 +70,9 @@ def test_no_stage_launches_another_for_internal_work():
     runs each step of a study as the command a user would type (and its report lists);
     run_folder.py asks git for the code's version. Nothing else starts a process."""
     users = {str(p.relative_to(REPO)) for p in sources() if "subprocess" in imported(p)}
-    assert users == {"bench.py", "run_folder.py", "study.py"}
-    calls = re.findall(r"subprocess\.run\(\[([^,\]]+)", (REPO / "run_folder.py").read_text())
+    assert users == {"bench.py", "machinery/run_folder.py", "study.py"}
+    calls = re.findall(r"subprocess\.run\(\[([^,\]]+)",
+                       (REPO / "machinery" / "run_folder.py").read_text())
     assert calls == ['"git"']
 
 
@@ -87,18 +90,26 @@ def test_lines_are_at_most_100_characters(path):
 
 
 @pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(REPO)))
-def test_files_are_at_most_600_lines(path):
-    """A file a reader can hold in mind (hf/'s modeling file ships to users and is left out)."""
+def test_files_are_at_most_600_lines_and_a_stage_800(path):
+    """A file a reader can hold in mind; a stage or tool at the root may run to 800 lines where
+    that keeps its method in one file (hf/'s modeling file ships to users and is left out)."""
     if unit(path) != "hf":
-        assert len(path.read_text().splitlines()) <= 600
+        limit = 800 if path.parent == REPO else 600
+        assert len(path.read_text().splitlines()) <= limit
 
 
 def test_the_model_file_is_the_model_and_the_loop_fits_a_screen_or_two():
     """model.py holds the model alone (no run machinery: no files, devices or processes), in at
     most 500 lines; train.main, the loop, in at most 90."""
     assert len((REPO / "model.py").read_text().splitlines()) <= 500
-    assert imported(REPO / "model.py") <= {"dataclasses", "math", "sentencepiece", "torch",
-                                            "kernels", "storage"}
+    modules = {a.name for node in ast.walk(ast.parse((REPO / "model.py").read_text()))
+               if isinstance(node, ast.Import) for a in node.names}
+    modules |= {node.module for node in ast.walk(ast.parse((REPO / "model.py").read_text()))
+                if isinstance(node, ast.ImportFrom)}
+    assert {m.split(".")[0] for m in modules} <= {"dataclasses", "math", "sentencepiece",
+                                                  "torch", "machinery"}
+    assert {m for m in modules if m.startswith("machinery")} <= {"machinery.kernels",
+                                                                 "machinery.storage"}
     assert len(inspect.getsource(train.main).splitlines()) <= 90
 
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from multibootstrap import load_examples, multibootstrap
 import meta as M
-import meta_moons as MM
-import meta_pretrain as MP
 from conftest import shared_data
 from data.prepare import MASK, PAD, SEP
+from helpers import meta_moons as MM
+from helpers import meta_pretrain as MP
+from machinery.multibootstrap import load_examples, multibootstrap
 from model import Encoder, ModelConfig, load_checkpoint
+
 
 V = 24  # 5 specials, ids 5..19 "words", 20 = [MLM], 21 = [TASK], 22-23 labels
 CFG = ModelConfig(vocab_size=V, n_layer=2, n_head=2, d_model=8, d_ff=16, dropout=0.0,

@@ -11,12 +11,13 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
-from ltg_bert import LtgBert, ltg_buckets
-from kernels import dropout
+from helpers.ltg_bert import LtgBert, ltg_buckets
+from machinery.kernels import dropout
+from machinery.optim import Lamb, ema_update
+from machinery.storage import read_checkpoint, save_checkpoint
 from model import (PRESETS, BootHeads, Decoder, Encoder, ModelConfig, boot_states, check_config,
                    load_checkpoint, relative_buckets, use_flex)
-from optim import Lamb, ema_update
-from storage import read_checkpoint, save_checkpoint
+
 
 V = 300
 
@@ -413,10 +414,8 @@ def test_boot_states_in_both_layouts_equal_one_row_at_a_time(position):
 def eager_flex(monkeypatch):
     """flex_attention uncompiled: its reference path, which computes in float64."""
     import warnings
-
     from torch.nn.attention.flex_attention import flex_attention
-
-    import kernels
+    from machinery import kernels
     monkeypatch.setitem(kernels._FLEX, "cpu", flex_attention)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # flex's "eager mode is for debugging" note
@@ -463,7 +462,6 @@ def test_flex_only_where_it_is_exact(monkeypatch):
     and on the CPU any forward that records gradients, keep the gather path (never calling
     flex), and give what they gave without use_flex."""
     import model as model_module
-
     def refuse(*a, **k):
         raise AssertionError("flex_relative called")
 

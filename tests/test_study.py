@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-import results
 import evaluate as E
 import study
-import study_plan
-import study_report
 from conftest import REPO, TINY, run_train, shared_data
+from helpers import study_plan, study_report
+from machinery import results
+
 
 ARMS = """
 name = "tiny"

@@ -13,15 +13,14 @@ import pytest
 import torch
 
 import lasso_exact as lasso
-import optim
 import sparse
-import stopping
 import train as T
-import training_run
-from training_run import Trainee
 from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch
 from data.prepare import CLS, MASK, SEP, prepare
+from helpers import training_run
+from helpers.training_run import Trainee
+from machinery import optim, stopping
 from model import PRESETS, Encoder, ModelConfig
 
 
@@ -1060,7 +1059,6 @@ def test_a_runs_code_hash_covers_every_file_train_py_imports(trained):
     the import machinery the run itself asks), is in the run's code/ and so in its
     checkpoints' code hash."""
     import ast
-
     def repo_imports(path: Path, seen: set) -> set:
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else

@@ -13,11 +13,11 @@ from tqdm import tqdm
 
 from data.prepare import PAD, SPECIALS, load_tokenizer, prepare
 from data.tasks import MSGS, TASKS, pad, read_task
-from meta_pretrain import (Teacher, extra_tokens, label_tokens, mask_tokens, model_config,
-                           optimizers, pretrain, support_and_query, task_batch)
+from helpers.meta_pretrain import (Teacher, extra_tokens, label_tokens, mask_tokens, model_config,
+                                   optimizers, pretrain, support_and_query, task_batch)
+from machinery.run_folder import RunFolder
+from machinery.storage import load_state
 from model import Encoder
-from run_folder import RunFolder
-from storage import load_state
 
 
 def run_glue(args, device, folder: RunFolder):

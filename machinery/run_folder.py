@@ -5,16 +5,15 @@ folder), its JSON settings, its log.jsonl, the code that ran and its version.
 """
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from storage import hold_lock, one_line_os_errors, save_checkpoint
+from machinery.storage import hold_lock, one_line_os_errors, save_checkpoint
 
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 
 
 def repo_sources() -> list[str]:

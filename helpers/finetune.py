@@ -15,10 +15,10 @@ import torch.nn.functional as F
 
 from data.prepare import PAD
 from data.tasks import MSGS, TASKS, Examples, pad, read_task
-from device import autocast, pick_device
+from machinery.device import autocast, pick_device
+from machinery.progress import bar
+from machinery.results import METRICS, confusion, write_result
 from model import load_checkpoint
-from progress import bar
-from results import METRICS, confusion, write_result
 
 
 # Fine-tuning recipes: ours, and the BabyLM 2025 pipeline's (babylm/evaluation-pipeline-2025 at

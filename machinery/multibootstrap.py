@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from progress import bar
-from results import METRICS, read_result
+from machinery.progress import bar
+from machinery.results import METRICS, read_result
 
 
 def examples_of(result: dict, key: str, path="the result") -> dict:

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 from data.prepare import MASK, PAD, SEP, SPECIALS
-from device import pick_device
-from meta_pretrain import (Teacher, extra_tokens, inverse_sqrt, label_tokens, mask_tokens,
-                           model_config, outer_step, params_of, pretrain, replace_args, seq_loss,
-                           support_and_query, task_batch)
+from helpers.meta_pretrain import (Teacher, extra_tokens, inverse_sqrt, label_tokens, mask_tokens,
+                                   model_config, outer_step, params_of, pretrain, replace_args,
+                                   seq_loss, support_and_query, task_batch)
+from machinery.device import pick_device
+from machinery.run_folder import RunFolder
 from model import Encoder
-from run_folder import RunFolder
 
 
 class Labeled(NamedTuple):

@@ -24,13 +24,13 @@ from tqdm import tqdm
 
 from data.masking import make_batch
 from data.prepare import Segments, load_meta, prepare, raw_root
-from device import (autocast, peak_memory_gb, pick_device, seed_of, use_compile,
-                    use_deterministic)
+from machinery.device import (autocast, peak_memory_gb, pick_device, seed_of, use_compile,
+                              use_deterministic)
+from machinery.optim import make_optimizer
+from machinery.progress import duration
+from machinery.run_folder import RunFolder, code_version
+from machinery.storage import read_checkpoint
 from model import PRESETS, Encoder, ModelConfig, check_config, load_weights
-from optim import make_optimizer
-from progress import duration
-from run_folder import RunFolder, code_version
-from storage import read_checkpoint
 
 
 class Trainee(nn.Module):

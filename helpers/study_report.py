@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from multibootstrap import examples_of, multibootstrap
-from results import read_result
-from run_folder import REPO
-from study_plan import metric_names, plan, shown
+from helpers.study_plan import metric_names, plan, shown
+from machinery.multibootstrap import examples_of, multibootstrap
+from machinery.results import read_result
+from machinery.run_folder import REPO
 
 
 def read_results(folder: Path, jobs_by_arm: dict) -> tuple[dict, list, list]:

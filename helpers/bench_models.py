@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from data.masking import mask_capacity, predicted_slots
 from data.prepare import MASK, SPECIALS, VOCAB_SIZE
-from device import autocast, use_bf16, use_compile
-from ltg_bert import LtgBert
+from helpers.ltg_bert import LtgBert
+from machinery.device import autocast, use_bf16, use_compile
+from machinery.timing import PROFILES, alternate, profile_ops, row
 from model import PRESETS, Encoder, ModelConfig
-from timing import PROFILES, alternate, profile_ops, row
 
 
 V = VOCAB_SIZE

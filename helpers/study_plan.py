@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data.prepare import raw_root
-from run_folder import REPO
+from machinery.run_folder import REPO
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from data.prepare import MASK, PAD, SEP
-from device import autocast
+from machinery.device import autocast
+from machinery.progress import bar
 from model import PRESETS, Encoder, ModelConfig, small_init
-from progress import bar
 
 
 # ---------------------------------------------------------------------------------------------

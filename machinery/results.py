@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from storage import atomic_write, one_line_os_errors
+from machinery.storage import atomic_write, one_line_os_errors
 
 
 def write_result(result: dict, out, ckpt, name: str, indent=None) -> Path:

@@ -3,7 +3,7 @@ new one, never a torn one), checkpoints with a checksum of their content verifie
 OS error (a full disk, a quota, no permission) as one line naming the file, and a lock file that
 keeps a second process from writing the same thing.
 
-    from storage import save_checkpoint, read_checkpoint
+    from machinery.storage import save_checkpoint, read_checkpoint
     save_checkpoint({"model": model.state_dict(), ...}, "runs/x/ckpt.pt")
     ckpt = read_checkpoint("runs/x/ckpt.pt")        # or one line saying what is wrong with it
 """
