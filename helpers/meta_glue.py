@@ -1,34 +1,40 @@
-"""meta.py --task glue: a teacher writes pretraining examples from unlabelled text, learning
-from (Super)GLUE tasks; the student it leaves is an ordinary checkpoint that evaluate.py
-fine-tunes.
+"""(Super)GLUE as meta.py's labelled tasks (meta.py --task glue): unlabelled text read under
+[U], the tasks' training sets taking turns step by step, every batch in the (x, y) format of
+data/meta_examples.py, and the words of what the teacher writes.
 
     NANOMLM_RAW=../shared/data python meta.py --task glue --data babylm_10m \\
         --glue-tasks rte,mrpc,cola --labels hard --size tiny --steps 2000
 """
-from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
+from data.meta_examples import (extra_tokens, label_tokens, mask_tokens, support_and_query,
+                                task_batch)
 from data.prepare import PAD, SPECIALS, load_tokenizer, prepare
 from data.tasks import MSGS, TASKS, pad, read_task
-from helpers.meta_pretrain import (Teacher, extra_tokens, label_tokens, mask_tokens, model_config,
-                                   optimizers, pretrain, support_and_query, task_batch)
-from machinery.run_folder import RunFolder
-from machinery.storage import load_state
-from model import Encoder
 
 
-def run_glue(args, device, folder: RunFolder):
+class GlueTask(NamedTuple):
+    data_dir: Path         # the prepared corpus: its tokenizer is the student's
+    text_vocab: int        # V, the tokenizer's pieces; the meta tokens follow them
+    ids: dict              # extra_tokens: the meta tokens' ids and the whole vocabulary's size
+    unlabeled: Callable    # (step, generator) -> x_u, m_u, x_m, y_m (B, T)
+    labeled: Callable      # (step, generator) -> x_s, y_s, m_s, x_q, y_q, m_q (B, T)
+    words: Callable        # (T,) ids -> text
+
+
+def glue_task(args, device) -> GlueTask:
+    """The corpus --data (prepared first if need be) and the tasks --glue-tasks of --glue-dir,
+    as the batches meta.pretrain reads; each batch a function of (--seed, step)."""
     data_dir = prepare(args.data, args.vocab_size)
     tok = load_tokenizer(data_dir)
     V = tok.get_piece_size()
     tasks = args.glue_tasks
     sets = {t: read_task(args.glue_dir, t, "train", tok, args.seq_len) for t in tasks}
     ids = extra_tokens(V, tasks)
-    cfg = model_config(args, ids["vocab"])
-    folder.write("config", asdict(cfg))
     stream = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
     label_ids = {t: torch.tensor(label_tokens(ids["task"][t], TASKS.get(t, MSGS)[1]),
                                  device=device) for t in tasks}
@@ -60,45 +66,4 @@ def run_glue(args, device, folder: RunFolder):
                   **{v: f"[{k.upper()}]" for k, v in ids["task"].items()}}
     name = lambda i: tok.id_to_piece(i) if i < V else meta_names.get(i, f"[{i}]")
     words = lambda t: " ".join(name(i) for i in t.tolist())
-    samples = open(folder.path / "samples.txt", "a")
-
-    def show(step, x_u, x_hat, y_hat):
-        """The first two sequences the teacher read and what it wrote (Shen's Tables 1 and 3)."""
-        text = "".join(f"step {step}, sequence {r}\n  read    {words(x_u[r])}\n"
-                       f"  x^      {words(x_hat[r])}\n  y^      {words(y_hat[r])}\n"
-                       for r in range(min(2, len(x_u))))
-        samples.write(text)
-        samples.flush()
-        tqdm.write(text)
-
-    torch.manual_seed(args.seed)
-    student, teacher = Encoder(cfg).to(device).train(), Teacher(cfg).to(device).train()
-    opts = optimizers(student, teacher, args)
-    start = 0
-    if args.resume and (folder.path / "meta.pt").exists():
-        state = load_state(folder.path / "meta.pt", map_location=device)
-        student.load_state_dict(state["student"], strict=True)
-        teacher.load_state_dict(state["teacher"], strict=True)
-        for o, s in zip(opts, state["optimizers"]):
-            o.load_state_dict(s)
-        start = state["step"]
-        folder.resume(start)
-        print(f"resuming at step {start}")
-    tokenizer = (data_dir / "tokenizer.model").read_bytes()
-
-    def save(step):
-        folder.save({"student": student.state_dict(), "teacher": teacher.state_dict(),
-                     "step": step, "optimizers": [o.state_dict() for o in opts]}, "meta.pt")
-        text_only = lambda k, v: v[:V] if k in ("word.weight", "head_bias") else v
-        sd = {k: text_only(k, v) for k, v in student.state_dict().items()}  # for evaluate.py
-        folder.save({"model": sd, "config": asdict(replace(cfg, vocab_size=V)),
-                     "tokenizer": tokenizer, "step": step, "args": vars(args)}, "ckpt.pt")
-
-    def log(record):
-        folder.log(record)
-        tqdm.write(" | ".join(f"{k} {v}" for k, v in record.items()))
-
-    pretrain(student, teacher, unlabeled, labeled, args, device, desc=f"meta {args.labels}",
-             log=log, show=show, start=start, opts=opts, save=save)
-    save(args.steps)
-    print(f"wrote {folder.path / 'ckpt.pt'} (the student; fine-tune it with evaluate.py finetune)")
+    return GlueTask(data_dir, V, ids, unlabeled, labeled, words)

@@ -1,25 +1,17 @@
-"""Two Moons, Shen's toy task: the data (16 points a sequence, one token a coordinate), the
-protocols (ours, quick; Shen's Appendix A), a cell of the table (pretrain, fine-tune on n
-labelled points, test on 1000) and the table over labels, sizes and seeds.
+"""Two Moons, Shen's toy task, as meta.py meta-learns with it: the data (16 points a sequence, one
+token a coordinate), the protocols (ours, quick; Shen's Appendix A), the batches a cell of the
+table pretrains on, the classification rule its fine-tuned student is scored by, and the table.
 
     python meta.py --task two_moons --labels none,mlm,hard,soft
 """
-import contextlib
-import json
-import time
-from dataclasses import asdict
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from data.meta_examples import (extra_tokens, label_tokens, mask_tokens, support_and_query,
+                                task_batch)
 from data.prepare import MASK, PAD, SEP, SPECIALS
-from helpers.meta_pretrain import (Teacher, extra_tokens, inverse_sqrt, label_tokens, mask_tokens,
-                                   model_config, outer_step, params_of, pretrain, replace_args,
-                                   seq_loss, support_and_query, task_batch)
-from machinery.device import pick_device
-from machinery.run_folder import RunFolder
-from model import Encoder
 
 
 class Labeled(NamedTuple):
@@ -112,6 +104,39 @@ def labeled_sets(data: dict, size: int, layout: str, data_seed: int) -> tuple:
     return tuple(Labeled(moon_examples(xy), y) for xy, y in (draw(size, 1), draw(k, 2)))
 
 
+def moons_batches(data: dict, train: Labeled, size: int, args, device):
+    """(unlabeled, labeled), a cell's batches as meta.pretrain reads them, each (step, generator)
+    -> a dict of (B, T) tensors: --batch-size unlabelled sequences and their MLM example (x_u,
+    m_u, x_m, y_m); a support and a query batch of --task-batch of the `size` labelled points
+    `train` (x_s, y_s, m_s, x_q, y_q, m_q)."""
+    tok = data["tokens"]
+    U = torch.as_tensor(data["unlabeled"], device=device)
+    label_ids = torch.tensor(tok["label"], device=device)
+
+    def unlabeled(step, gen):
+        x = U[torch.randint(len(U), (args.batch_size,), generator=gen, device=device)]
+        x_m, y_m = mask_tokens(x, gen, *data["random"], tok["mlm"])
+        return {"x_u": x, "m_u": torch.ones_like(x), "x_m": x_m, "y_m": y_m}
+
+    def labeled(step, gen):
+        out = {}
+        for s, idx in zip("sq", support_and_query(size, args.task_batch, gen)):
+            x, y = task_batch(train.x, train.y, idx, label_ids)
+            out.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": torch.ones_like(x)})
+        return out
+
+    return unlabeled, labeled
+
+
+def moons_text(t) -> str:
+    """The first sequence of t (B, T) as text: coordinates as numbers, the meta tokens named."""
+    tok = MOONS_TOKENS
+    names = {tok["mlm"]: "[MLM]", tok["unl"]: "[U]", tok["task"]["moon"]: "[MOON]",
+             SEP: "[SEP]", MASK: "[MASK]"}
+    name = lambda i: str(i - COORD) if COORD <= i < COORD + GRID else names.get(i, f"[{i}]")
+    return " ".join(map(name, t[0].tolist()))
+
+
 @torch.no_grad()
 def predict_labels(model, x, label_ids) -> torch.Tensor:
     """Classes of examples x (n, T): the label token with the largest logit averaged over the
@@ -146,130 +171,6 @@ def ft_batch(labels: str, n: int) -> int:
     """Shen's fine-tuning batch size (Table 6) for n labelled examples."""
     sizes = FT_BATCH.get(labels, FT_BATCH_OTHERS)
     return dict(zip((10, 20, 40, 80, 160), sizes)).get(n, max(1, min(16, n // 10)))
-
-
-def finetune_predict(student, train: Labeled, valid: Labeled, test: Labeled, label_ids, args,
-                     seed) -> list:
-    """The test predictions after fine-tuning on the labelled examples. Ours: full-batch AdamW for
-    --ft-steps, the last step. Shen's: --ft-epochs of minibatches (ft_batch), lr/sqrt(n) after
-    --ft-warmup steps, and the epoch with the best accuracy on `valid` (first of ties)."""
-    model = Encoder(student.config).to(train.x.device)
-    model.load_state_dict(student.state_dict())
-    torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.ft_lr, betas=args.betas, eps=args.eps,
-                            weight_decay=args.weight_decay)
-    n, device = len(train.x), train.x.device
-    if not args.ft_epochs:
-        xs, ys = task_batch(train.x, train.y, torch.arange(n, device=device), label_ids)
-        for _ in range(args.ft_steps):
-            loss = seq_loss(model, params_of(model), xs, ys, (xs != PAD).long())
-            outer_step(model, opt, loss, args.clip)
-        return predict_labels(model.eval(), test.x, label_ids).tolist()
-    bs, gen, step, best = ft_batch(args.labels, n), torch.Generator().manual_seed(seed), 0, None
-    for _ in range(args.ft_epochs):
-        for idx in torch.randperm(n, generator=gen).to(device).split(bs):
-            for g in opt.param_groups:
-                g["lr"] = args.ft_lr * inverse_sqrt(step, args.ft_warmup)
-            xs, ys = task_batch(train.x, train.y, idx, label_ids)
-            outer_step(model, opt, seq_loss(model, params_of(model), xs, ys, (xs != PAD).long()),
-                       args.clip)
-            step += 1
-        model.eval()
-        acc = (predict_labels(model, valid.x, label_ids) == valid.y).float().mean().item()
-        if best is None or acc > best[0]:
-            best = (acc, predict_labels(model, test.x, label_ids).tolist())
-        model.train()
-    return best[1]
-
-
-def moons_cell(args, data, size, seed, device):
-    """One entry of the table: pretrain with --labels (its labelled task: the first `size`
-    points), fine-tune on the same points, -> (test predictions, what the teacher wrote last)."""
-    tok = data["tokens"]
-    cfg = model_config(args, tok["vocab"])
-    torch.manual_seed(seed)
-    student, teacher = Encoder(cfg).to(device).train(), Teacher(cfg).to(device).train()
-    U = torch.as_tensor(data["unlabeled"], device=device)
-    train, valid = (Labeled(*(torch.as_tensor(a, device=device) for a in part))
-                    for part in labeled_sets(data, size, args.labeled_points, args.data_seed))
-    label_ids = torch.tensor(tok["label"], device=device)
-
-    def unlabeled(step, gen):
-        x = U[torch.randint(len(U), (args.batch_size,), generator=gen, device=device)]
-        x_m, y_m = mask_tokens(x, gen, *data["random"], tok["mlm"])
-        return {"x_u": x, "m_u": torch.ones_like(x), "x_m": x_m, "y_m": y_m}
-
-    def labeled(step, gen):
-        out = {}
-        for s, idx in zip("sq", support_and_query(size, args.task_batch, gen)):
-            x, y = task_batch(train.x, train.y, idx, label_ids)
-            out.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": torch.ones_like(x)})
-        return out
-
-    names = {tok["mlm"]: "[MLM]", tok["unl"]: "[U]", tok["task"]["moon"]: "[MOON]",
-             SEP: "[SEP]", MASK: "[MASK]"}
-    name = lambda i: str(i - COORD) if COORD <= i < COORD + GRID else names.get(i, f"[{i}]")
-    words = lambda t: " ".join(map(name, t[0].tolist()))  # the first sequence
-    written = []
-
-    def show(step, x_u, x_hat, y_hat):  # keep the last thing the teacher wrote
-        written[:] = [f"  read {words(x_u)}\n  x^   {words(x_hat)}\n  y^   {words(y_hat)}\n"]
-
-    if args.labels != "none":
-        pretrain(student, teacher, unlabeled, labeled, replace_args(args, seed=seed), device,
-                 desc=f"{args.labels} n={size} seed={seed}", show=show)
-    test = Labeled(*(torch.as_tensor(a, device=device) for a in data["test"]))
-    return finetune_predict(student, train, valid, test, label_ids, args, seed), "".join(written)
-
-
-def cell_worker(job):
-    """One table entry in a worker process (one thread each: the models are far too small to
-    share cores usefully, so --workers processes run side by side)."""
-    args, labels, size, seed = job
-    torch.set_num_threads(1)
-    t0 = time.time()
-    data = two_moons(args.data_seed)
-    preds, written = moons_cell(replace_args(args, labels=labels), data, size, seed,
-                                pick_device("cpu"))
-    return f"{labels}/{size}/{seed}", preds, written, time.time() - t0
-
-
-def run_two_moons(args, device, folder: RunFolder):
-    results_path = folder.path / "results.json"
-    results = json.loads(results_path.read_text()) if args.resume and results_path.exists() else {}
-    jobs = [(args, labels, size, seed) for labels in args.labels_list for size in args.sizes
-            for seed in args.seeds if f"{labels}/{size}/{seed}" not in results]
-    parallel = args.workers > 1 and device.type == "cpu" and len(jobs) > 1
-    data = two_moons(args.data_seed)  # (each worker process makes its own)
-    if parallel:
-        pool = torch.multiprocessing.get_context("spawn").Pool(args.workers)
-        done = pool.imap_unordered(cell_worker, jobs)
-    else:
-        pool = contextlib.nullcontext()
-        done = ((f"{l}/{n}/{s}", *moons_cell(replace_args(a, labels=l), data, n, s, device),
-                 time.time() - t0) for a, l, n, s in jobs for t0 in [time.time()])
-    folder.write("config", asdict(model_config(args, MOONS_TOKENS["vocab"])))
-    test_y = data["test"].y.tolist()
-    (folder.path / "cells").mkdir(exist_ok=True)
-    with pool, open(folder.path / "samples.txt", "a") as samples:
-        for key, preds, written, seconds in done:
-            acc = float(np.mean(np.array(preds) == np.array(test_y)))
-            results[key] = acc
-            # every test prediction, in the form evaluate.py compare reads: rows of the table
-            # compared over pretraining seeds and test points, e.g.
-            #   evaluate.py compare "RUN/cells/mlm_n10_s*.json" "RUN/cells/soft_n10_s*.json"
-            labels, size, seed = key.split("/")
-            folder.write(f"cells/{labels}_n{size}_s{seed}", {
-                "kind": "two_moons", "labels": labels, "n": int(size),
-                "pretrain_seed": int(seed), "accuracy": acc,
-                "examples": {"id": list(range(len(test_y))), "label": test_y, "pred": [preds],
-                             "metric": "accuracy", "k": 2}})
-            print(f"{key}: test accuracy {100 * acc:.1f}% ({seconds:.0f}s)")
-            results_path.write_text(json.dumps(results, indent=1))
-            if written:  # what the teacher wrote last (Shen's Tables 1 and 3: does it degenerate?)
-                samples.write(f"{key}, last step, first sequence\n{written}")
-                samples.flush()
-    print_table(results, args.labels_list, args.sizes, args.seeds)
 
 
 def print_table(results, labels_list, sizes, seeds):

@@ -11,9 +11,9 @@ import torch.nn as nn
 
 import meta as M
 from conftest import shared_data
+from data import meta_examples as EX
 from data.prepare import MASK, PAD, SEP
 from helpers import meta_moons as MM
-from helpers import meta_pretrain as MP
 from machinery.multibootstrap import load_examples, multibootstrap
 from model import Encoder, ModelConfig, load_checkpoint
 
@@ -30,25 +30,25 @@ def batch(seed=0, B=3, T=6):
     x_u[:, 0] = 20
     x_u[1, -2:] = PAD
     m_u = (x_u != PAD).long()
-    x_m, y_m = MP.mask_tokens(x_u, g, 5, 20, 20, p=0.5)
+    x_m, y_m = EX.mask_tokens(x_u, g, 5, 20, 20, p=0.5)
     b = {"x_u": x_u, "m_u": m_u, "x_m": x_m, "y_m": y_m}
     for s in "sq":
         x = torch.randint(5, 20, (4, 4), generator=g)
         x[:, 0] = 21
-        x, y = MP.task_batch(x, torch.tensor([0, 1, 1, 0]), torch.arange(4), torch.tensor([22, 23]))
+        x, y = EX.task_batch(x, torch.tensor([0, 1, 1, 0]), torch.arange(4), torch.tensor([22, 23]))
         b.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": torch.ones_like(x)})
     return b
 
 
 def models(seed=0):
     torch.manual_seed(seed)
-    return Encoder(CFG).double().train(), MP.Teacher(CFG).double().train()
+    return Encoder(CFG).double().train(), M.Teacher(CFG).double().train()
 
 
 def args(**kw):
     base = argparse.Namespace(labels="soft", inner_lr=0.3, clip=1e9, meta_weight=1.0,
                                 unroll="sgd")
-    return MP.replace_args(base, **kw)
+    return M.replace_args(base, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,7 +61,7 @@ def stepped_adamw(student, b, steps=3, lr=1e-2, weight_decay=0.01):
     copy.load_state_dict(student.state_dict())
     warm = torch.optim.AdamW(copy.parameters(), lr=lr, weight_decay=weight_decay)
     for _ in range(steps):
-        MP.seq_loss(copy, MP.params_of(copy), b["x_m"], b["y_m"], b["m_u"]).backward()
+        M.seq_loss(copy, M.params_of(copy), b["x_m"], b["y_m"], b["m_u"]).backward()
         warm.step()
         warm.zero_grad()
     opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=weight_decay)
@@ -80,7 +80,7 @@ def test_soft_teacher_gradient_matches_finite_differences(unroll):
 
     def query_loss():
         lx, ly = teacher(b["x_u"], b["m_u"])
-        return MP.soft_unroll(student, opt, lx.softmax(-1), ly.softmax(-1), b,
+        return M.soft_unroll(student, opt, lx.softmax(-1), ly.softmax(-1), b,
                              args(unroll=unroll))[0]
 
     query_loss().backward()
@@ -109,15 +109,15 @@ def test_soft_unroll_is_sgd_then_sgd():
     with torch.no_grad():
         lx, ly = teacher(b["x_u"], b["m_u"])
     px, py = lx.softmax(-1), ly.softmax(-1)
-    lq = MP.soft_unroll(student, None, px, py, b, args(unroll="sgd"))[0]
+    lq = M.soft_unroll(student, None, px, py, b, args(unroll="sgd"))[0]
     copy = Encoder(CFG).double()
     copy.load_state_dict(student.state_dict())
     sgd = torch.optim.SGD(copy.parameters(), lr=0.3)
     for x, y, m in ((px, py, b["m_u"]), (b["x_s"], b["y_s"], b["m_s"])):
-        MP.seq_loss(copy, MP.params_of(copy), x, y, m).backward()
+        M.seq_loss(copy, M.params_of(copy), x, y, m).backward()
         sgd.step()
         sgd.zero_grad()
-    want = MP.seq_loss(copy, MP.params_of(copy), b["x_q"], b["y_q"], b["m_q"]).item()
+    want = M.seq_loss(copy, M.params_of(copy), b["x_q"], b["y_q"], b["m_q"]).item()
     assert lq.item() == pytest.approx(want, rel=1e-10)
 
 
@@ -129,10 +129,10 @@ def test_adamw_unroll_is_the_optimisers_own_step(clip):
     b = batch(3)
     for warm in (0, 3):
         opt = stepped_adamw(student, b, steps=warm)
-        theta0 = MP.params_of(student, detach=True)
-        loss = MP.seq_loss(student, theta0, b["x_s"], b["y_s"], b["m_s"])
+        theta0 = M.params_of(student, detach=True)
+        loss = M.seq_loss(student, theta0, b["x_s"], b["y_s"], b["m_s"])
         grads = torch.autograd.grad(loss, list(theta0.values()))
-        theta1 = MP.adamw_unroll(theta0, grads, opt, list(student.parameters()), clip)
+        theta1 = M.adamw_unroll(theta0, grads, opt, list(student.parameters()), clip)
         copy = Encoder(CFG).double().train()
         copy.load_state_dict(student.state_dict())
         ref = torch.optim.AdamW(copy.parameters(), lr=1e-2, weight_decay=0.01)
@@ -149,19 +149,19 @@ def test_support_and_query_never_share_an_example():
     g = torch.Generator().manual_seed(0)
     for n, k in ((160, 8), (10, 8), (3, 8)):
         for _ in range(20):
-            s, q = MP.support_and_query(n, k, g)
+            s, q = EX.support_and_query(n, k, g)
             assert len(s) == len(q) == min(k, n // 2)
             assert not set(s.tolist()) & set(q.tolist()) and max(s.max(), q.max()) < n
     with pytest.raises(SystemExit, match="cannot make a support and a query"):
-        MP.support_and_query(1, 8, g)
+        EX.support_and_query(1, 8, g)
 
 
 def test_soft_defaults_are_metalmos_and_mlm_takes_turns_as_the_task():
-    a = MP.label_defaults(argparse.Namespace(labels="soft", meta_weight=None, mlm_task_p=None))
+    a = M.label_defaults(argparse.Namespace(labels="soft", meta_weight=None, mlm_task_p=None))
     assert (a.meta_weight, a.mlm_task_p) == (100.0, 0.5)
-    a = MP.label_defaults(argparse.Namespace(labels="hard", meta_weight=None, mlm_task_p=None))
+    a = M.label_defaults(argparse.Namespace(labels="hard", meta_weight=None, mlm_task_p=None))
     assert (a.meta_weight, a.mlm_task_p) == (1.0, 0.0)
-    a = MP.label_defaults(argparse.Namespace(labels="soft", meta_weight=3.0, mlm_task_p=0.0))
+    a = M.label_defaults(argparse.Namespace(labels="soft", meta_weight=3.0, mlm_task_p=0.0))
     assert (a.meta_weight, a.mlm_task_p) == (3.0, 0.0)  # typed values stay
 
 
@@ -182,11 +182,11 @@ def two_param_h(opt_class, lr):
     pseudo = lambda p: 0.5 * (p["w"][0] - 3) ** 2 + 0.25 * (p["w"][1] - 1) ** 2
     support = lambda p: 0.5 * (p["w"] ** 2).sum()
     query = lambda p: 0.5 * (p["w"][0] - 1) ** 2 + 0.5 * (p["w"][1] - 3) ** 2
-    h = MP.hard_h(model, opt, pseudo, support, query, inner_lr=0.1, clip=1e9)[0]
+    h = M.hard_label_signal(model, opt, pseudo, support, query, inner_lr=0.1, clip=1e9)[0]
     return h.item(), model.w.detach().tolist()
 
 
-def test_hard_h_equals_hand_computed_cosine_sgd():
+def test_hard_label_signal_equals_hand_computed_cosine_sgd():
     # grad L_pseudo(1, 2) = (-2, 0.5); SGD lr 0.5: theta1 = (2, 1.75), theta0 - theta1 = (-1, 0.25)
     # support: theta2 = 0.9 theta1 = (1.8, 1.575); grad L_query(theta2) = (0.8, -1.425)
     h, w = two_param_h(torch.optim.SGD, 0.5)
@@ -195,7 +195,7 @@ def test_hard_h_equals_hand_computed_cosine_sgd():
     assert h == pytest.approx(want, rel=1e-12)
 
 
-def test_hard_h_uses_the_adaptive_step_not_the_gradient():
+def test_hard_label_signal_uses_the_adaptive_step_not_the_gradient():
     # Adam's first step is lr * sign(g) (to eps): theta1 = (1.5, 1.5), theta0 - theta1 =
     # (-0.5, 0.5);
     # theta2 = (1.35, 1.35); grad L_query(theta2) = (0.35, -1.65)
@@ -221,12 +221,12 @@ def test_meta_step_leaves_the_student_with_its_outer_step_only(labels):
     opt_t = torch.optim.AdamW(teacher.parameters(), lr=1e-2)
     teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
     gen = torch.Generator().manual_seed(0)
-    info = MP.meta_step(student, teacher, opt_s, opt_t, b, args(labels=labels), gen)
+    info = M.meta_step(student, teacher, opt_s, opt_t, b, args(labels=labels), gen)
     # the same AdamW step on the same pseudo example, taken alone
     x, y = info["example"] if labels != "mlm" else (b["x_m"], b["y_m"])
     opt_r = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    loss = MP.seq_loss(reference, MP.params_of(reference), x, y, b["m_u"])
-    MP.outer_step(reference, opt_r, loss, 1e9)
+    loss = M.seq_loss(reference, M.params_of(reference), x, y, b["m_u"])
+    M.outer_step(reference, opt_r, loss, 1e9)
     for k, v in student.state_dict().items():
         torch.testing.assert_close(v, reference.state_dict()[k], rtol=1e-9, atol=1e-12)
     assert any(not torch.equal(v, before[k]) for k, v in student.state_dict().items())
@@ -241,7 +241,7 @@ def test_denoise_writes_x_only_and_restores_the_text_read():
     b = batch(5)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
     lx, ly = teacher(b["x_u"], b["m_u"])
-    meta, info = MP.soft_step(student, opt, b, lx, ly, args(labels="denoise"), None)
+    meta, info = M.soft_step(student, opt, b, lx, ly, args(labels="denoise"), None)
     px, py = info["example"]
     assert torch.equal(py.argmax(-1), b["x_u"]) and (py.sum(-1) == 1).all()
     g_y = torch.autograd.grad(meta, ly, allow_unused=True)[0]
@@ -258,7 +258,7 @@ def test_the_teacher_reads_unlabelled_text_under_its_own_token():
     forward = teacher.forward
     teacher.forward = lambda x, m: (read.append(x.clone()), forward(x, m))[1]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (student, teacher)]
-    MP.meta_step(student, teacher, *opts, b, args(labels="hard"), torch.Generator().manual_seed(0))
+    M.meta_step(student, teacher, *opts, b, args(labels="hard"), torch.Generator().manual_seed(0))
     assert [int(x[0, 0]) for x in read] == [19, 20, 20]
     assert torch.equal(read[1][:, 1:], b["x_u"][:, 1:]) and torch.equal(read[2], b["x_m"])
 
@@ -272,7 +272,7 @@ def test_seq_loss_matches_a_per_position_loop():
     with torch.no_grad():
         lx, ly = teacher(b["x_u"], b["m_u"])
     for x, y in ((b["x_m"], b["y_m"]), (lx.softmax(-1), ly.softmax(-1))):
-        got = MP.seq_loss(student, MP.params_of(student), x, y, b["m_u"]).item()
+        got = M.seq_loss(student, M.params_of(student), x, y, b["m_u"]).item()
         with torch.no_grad():
             logp = student.logits(x, b["m_u"]).log_softmax(-1)
         terms = []
@@ -293,7 +293,7 @@ def test_mask_tokens_rates_and_never_the_task_token_or_padding():
     x = torch.randint(5, 69, (400, 33), generator=g)
     x[:, 0] = 69
     x[:50, -5:] = PAD
-    x_m, y_m = MP.mask_tokens(x, g, 5, 69, 70)
+    x_m, y_m = EX.mask_tokens(x, g, 5, 69, 70)
     chosen = y_m != PAD
     assert not chosen[:, 0].any() and not chosen[x == PAD].any() and (x_m[:, 0] == 70).all()
     assert torch.equal(y_m[chosen], x[chosen])
@@ -306,7 +306,7 @@ def test_mask_tokens_rates_and_never_the_task_token_or_padding():
 
 def test_sampler_follows_the_distribution_and_never_draws_zero_probability():
     logits = torch.log(torch.tensor([0.0, 0.1, 0.2, 0.0, 0.7])).expand(4, 50_000, 5)
-    s = MP.sample(logits, torch.Generator().manual_seed(0))
+    s = M.sample(logits, torch.Generator().manual_seed(0))
     freq = torch.bincount(s.flatten(), minlength=5) / s.numel()
     assert freq[0] == 0 and freq[3] == 0
     assert freq[1:3].tolist() == pytest.approx([0.1, 0.2], abs=0.005)
@@ -332,9 +332,9 @@ def test_two_moons_is_deterministic_by_seed_and_shaped_as_described():
     assert (x[:, 3] == SEP).all()
     # MetaLMO's labels (data/config/two_moons.py): class 0 is [SEP], class 1 the task token
     assert tok["label"] == [SEP, tok["task"]["moon"]]
-    assert MP.label_tokens(9, 3) == [SEP, 9, MASK]        # as MetaLMO's CB: a third class [MASK]
+    assert EX.label_tokens(9, 3) == [SEP, 9, MASK]        # as MetaLMO's CB: a third class [MASK]
     with pytest.raises(SystemExit, match="4 classes"):
-        MP.label_tokens(9, 4)
+        EX.label_tokens(9, 4)
     assert all(y[:n].sum() == n // 2 for n in (10, 20, 40, 80, 160))   # every prefix balanced
     assert a["test"][0].shape == (1000, 4)
 
@@ -432,10 +432,10 @@ def test_glue_cli_writes_a_student_evaluate_can_load(prepared, tmp_path, capsys)
 def test_shens_schedule_is_metalmos_rule():
     """Transcribed from MetaLMO's trainers/schedulers.py with power -0.5 and decay forever: a
     linear rise to warmup^-1/2 at optimizer step n = warmup, then n^-1/2."""
-    assert MP.inverse_sqrt(0, 10) == pytest.approx(0.1 * 10 ** -0.5)
-    assert MP.inverse_sqrt(9, 10) == pytest.approx(10 ** -0.5)   # the peak: 0.04 -> 1.26e-2
-    assert MP.inverse_sqrt(39, 10) == pytest.approx(40 ** -0.5)   # half the peak at 4 x warmup
-    assert MP.inverse_sqrt(999, 1000) * 0.08 == pytest.approx(2.53e-3, abs=1e-5)  # his Table 5
+    assert M.inverse_sqrt(0, 10) == pytest.approx(0.1 * 10 ** -0.5)
+    assert M.inverse_sqrt(9, 10) == pytest.approx(10 ** -0.5)   # the peak: 0.04 -> 1.26e-2
+    assert M.inverse_sqrt(39, 10) == pytest.approx(40 ** -0.5)   # half the peak at 4 x warmup
+    assert M.inverse_sqrt(999, 1000) * 0.08 == pytest.approx(2.53e-3, abs=1e-5)  # his Table 5
 
 
 @pytest.mark.parametrize("typed, want", [
@@ -460,7 +460,7 @@ def test_shen_fine_tuning_steps_follow_his_schedule(monkeypatch):
     """Every fine-tuning step's lr, by hand: 10 warm-up steps rising linearly to 0.04 / sqrt(10)
     (his 1.2e-2 peak), then 0.04 / sqrt(n) at step n; batches of 2 for n = 20 (his Table 6)."""
     lrs = []
-    monkeypatch.setattr(MM, "outer_step", lambda model, opt, loss, clip: (
+    monkeypatch.setattr(M, "outer_step", lambda model, opt, loss, clip: (
         lrs.append(opt.param_groups[0]["lr"]), opt.zero_grad()))
     data = MM.two_moons(0, n_unlabeled=16, n_labeled=20, n_test=8)
     a = argparse.Namespace(labels="soft", ft_epochs=3, ft_lr=0.04, ft_warmup=10,
@@ -468,7 +468,7 @@ def test_shen_fine_tuning_steps_follow_his_schedule(monkeypatch):
     student = Encoder(ModelConfig(vocab_size=data["tokens"]["vocab"], n_layer=1, n_head=2,
                                   d_model=8, d_ff=16, dropout=0.0, max_position=40))
     split = lambda part: MM.Labeled(*map(torch.as_tensor, part))
-    MM.finetune_predict(student, split(data["labeled"]), split(data["valid"]), split(data["test"]),
+    M.finetune_predict(student, split(data["labeled"]), split(data["valid"]), split(data["test"]),
                        torch.tensor(data["tokens"]["label"]), a, seed=0)
     want = [0.04 * (n / 10) / math.sqrt(10) if n < 10 else 0.04 / math.sqrt(n)
             for n in range(1, 3 * 10 + 1)]  # 3 epochs of 20 / 2 steps
@@ -481,14 +481,14 @@ def test_mlm_takes_turns_as_the_labelled_task(monkeypatch):
     batches with MLM on other unlabelled text (x = the masked text under [MLM], y = the hidden
     tokens); the other steps keep the labelled task."""
     seen = []
-    monkeypatch.setattr(MP, "meta_step", lambda student, teacher, opt_s, opt_t, b, args, gen: (
+    monkeypatch.setattr(M, "meta_step", lambda student, teacher, opt_s, opt_t, b, args, gen: (
         seen.append({k: v.clone() for k, v in b.items()}), {})[1])
     U = torch.arange(5, 5 + 64 * 6).view(64, 6)  # distinct tokens: every row traceable
     MLM_ID = 1000
 
     def unlabeled(step, gen):
         x = U[torch.randint(64, (8,), generator=gen)]
-        x_m, y_m = MP.mask_tokens(x, gen, 5, 5 + 64 * 6, MLM_ID, p=0.5)
+        x_m, y_m = EX.mask_tokens(x, gen, 5, 5 + 64 * 6, MLM_ID, p=0.5)
         return {"x_u": x, "m_u": torch.ones_like(x), "x_m": x_m, "y_m": y_m}
 
     task = torch.full((4, 6), 2000)
@@ -497,7 +497,7 @@ def test_mlm_takes_turns_as_the_labelled_task(monkeypatch):
                              betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, seed=0,
                              task_batch=3, log_every=1000, save_every=1000, meta_weight=None,
                              mlm_task_p=None)
-    MP.pretrain(Encoder(CFG), MP.Teacher(CFG), unlabeled, labeled, a, torch.device("cpu"))
+    M.pretrain(Encoder(CFG), M.Teacher(CFG), unlabeled, labeled, a, torch.device("cpu"))
     assert len(seen) == 400
     mlm = [b for b in seen if (b["x_s"][:, 0] == MLM_ID).all()]
     assert all(torch.equal(b["x_s"], task) and torch.equal(b["x_q"], task)
@@ -522,10 +522,10 @@ def test_shen_fine_tuning_keeps_the_best_validation_epoch(tmp_path, monkeypatch)
     """Two Moons under --protocol shen end to end (a few steps). The fine-tuning's choice: the
     test predictions kept are those made after the first epoch with the best accuracy on the
     10 validation examples."""
-    calls, predict_labels, sets, finetune = [], MM.predict_labels, [], MM.finetune_predict
-    monkeypatch.setattr(MM, "predict_labels", lambda model, x, ids: (
+    calls, predict_labels, sets, finetune = [], M.predict_labels, [], M.finetune_predict
+    monkeypatch.setattr(M, "predict_labels", lambda model, x, ids: (
         calls.append((len(x), predict_labels(model, x, ids))), calls[-1][1])[1])
-    monkeypatch.setattr(MM, "finetune_predict", lambda student, train, valid, *a: (
+    monkeypatch.setattr(M, "finetune_predict", lambda student, train, valid, *a: (
         sets.append((train, valid)), finetune(student, train, valid, *a))[1])
     out = tmp_path / "run"
     M.main(["--protocol", "shen", "--labels", "soft", "--sizes", "10", "--seeds", "0",
