@@ -21,7 +21,7 @@ the other rows go on, and bench.py exits 1 at the end.
            fixed slots as train.py does; only if transformers is installed (never a
            requirement); flops_ratio is ours / theirs in FLOPs per token
   ltg      our MLM training step against LTG-BERT's own model code, re-implemented from
-           ltgoslo/ltg-bert in ltg_bert.py, loaded with the same weights (eager unless
+           ltgoslo/ltg-bert in helpers/ltg_bert.py, loaded with the same weights (eager unless
            --compile); max_abs_diff is the largest difference of their logits in float32
   attn     one attention layer's relative-position core, forward and backward, dropout off:
            the model's gather path against other formulations (the relative shift, flex_attention

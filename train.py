@@ -9,9 +9,9 @@
     python train.py --objective mlsm+mlm --data babylm_10m                     # MLM, then MLSM
     python train.py --objective mlm --two-phase --masking uniform              # their baseline
 
-The data is prepared on first use (data/prepare.py). A run folder (--out-dir, training_run.py)
-keeps the settings, log, checkpoints and code of a run. SIGINT/SIGTERM save the current step and
-print the --resume command.
+The data is prepared on first use (data/prepare.py). A run folder (--out-dir; opened by
+helpers/training_run.py) keeps the settings, log, checkpoints and code of a run. SIGINT/SIGTERM
+save the current step and print the --resume command.
 
 Adding an objective = its loss function `loss, stats = fn(model, batch, extras)` (+ a setup
 function if it trains extra modules or needs a teacher) + one OBJECTIVES entry; the loop names no

@@ -135,7 +135,7 @@ def test_training_attention_on_the_cpu_drops_probabilities_as_the_reference(monk
 
 
 def test_encoder_equals_ltg_bert_model_code():
-    """ltg_bert.py re-implements LTG-BERT's own model code (sequence first, each pair's
+    """helpers/ltg_bert.py re-implements LTG-BERT's own model code (sequence first, each pair's
     position vectors gathered before two einsums, its bucket formula, its masked softmax): with
     one state dict, the MLM logits and every parameter's gradient agree in float64, padding in
     two of three rows."""

@@ -143,7 +143,7 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     kept = {"args.json", "config.json", "data.json", "log.jsonl", "ckpt.pt", "code"}
     assert kept <= {p.name for p in out.iterdir()}
     code = {p.relative_to(out / "code").as_posix() for p in (out / "code").rglob("*.py")}
-    assert {"train.py", "model.py", "training_run.py", "data/masking.py"} <= code
+    assert {"train.py", "model.py", "helpers/training_run.py", "data/masking.py"} <= code
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert {"model", "optimizer", "config", "args", "step", "rng", "data_pos", "extras_state",
             "code_version", "tokenizer"} <= ckpt.keys()
@@ -1070,7 +1070,8 @@ def test_a_runs_code_hash_covers_every_file_train_py_imports(trained):
                     repo_imports(file, seen)
         return seen
     imported = {f.relative_to(REPO).as_posix() for f in repo_imports(REPO / "train.py", set())}
-    assert {"training_run.py", "model.py", "data/masking.py", "storage.py"} <= imported
+    assert {"helpers/training_run.py", "model.py", "data/masking.py",
+            "machinery/storage.py"} <= imported
     code = trained.parent / "code"
     copied = {p.relative_to(code).as_posix() for p in code.rglob("*.py")}
     assert imported | {"train.py"} <= copied, sorted(imported - copied)
