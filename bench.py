@@ -63,7 +63,7 @@ from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
 from helpers.bench_models import bench_bert, bench_ltg, flops_per_token, mfu
 from helpers.bench_ops import bench_attn, bench_ema
 from machinery import flags
-from machinery.device import pick_device, use_compile
+from machinery.device import add_device_flag, pick_device, use_compile
 from machinery.run_folder import REPO, RunFolder
 from machinery.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
 from model import PRESETS, Encoder, ModelConfig, use_flex
@@ -405,8 +405,7 @@ def cpu_name() -> str:
 def build_parser() -> flags.Parser:
     ap = flags.Parser(prog="bench.py", description=__doc__)
     add = ap.add_argument
-    add("--device", default="auto", choices=("auto", "cpu", "cuda"),
-        help="auto = cuda if available (default auto)")
+    add_device_flag(add)
     add("--quick", action="store_true",
         help="tiny shapes and few repetitions: seconds, for the tests")
     add("--only", default=",".join(BENCHES),
@@ -415,12 +414,12 @@ def build_parser() -> flags.Parser:
         help="model presets (default tiny on CPU, tiny,small,base on CUDA)")
     add("--objectives", default="mlm,boot,kd+mlm,mlsm+mlm",
         help="step: train.py objectives, mlm first; the two-phase ones run phase 2 alone, "
-        "taught by mlm's run (default mlm,boot,kd+mlm,mlsm+mlm)")
+        "taught by mlm's run")
     add("--steps", type=int, default=10,
         help="step: optimizer steps per train.py run, in 5 log intervals (rounded down to a "
         "multiple of 5, at least 5); the first warms up, 4 are timed (default 10; a few hundred "
         "on a GPU, past torch.compile's warm-up)")
-    add("--data", default="babylm_10m", help="step: train.py --data (default babylm_10m)")
+    add("--data", default="babylm_10m", help="step: train.py --data")
     add("--row-timeout", type=float, default=None, help="step: seconds each train.py run may "
         "take; one that takes longer is a failed row and the next objective goes on (default: "
         "no limit)")
@@ -443,7 +442,7 @@ def build_parser() -> flags.Parser:
     add("--bf16", action=argparse.BooleanOptionalAction, default=None,
         help="step, bert: bfloat16 autocast (default on with CUDA, off on the CPU; --variants "
         "adds a bf16 row on the CPU)")
-    add("--out", default="bench.json", help="where to write the rows (default bench.json)")
+    add("--out", default="bench.json", help="where to write the rows")
     add("--table", default=None, help="print the table of this bench.json and stop")
     return ap
 

@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from data.masking import uniform_mask
-from data.prepare import CLS, MASK, SEP, Segments, encode_masked, prepare
+from data.prepare import CLS, MASK, SEP, Segments, check_tokenizer, encode_masked, prepare
 from data.tasks import TASKS, pad, read_jsonl
 from helpers.finetune import RECIPES, finetune
 from machinery import flags
-from machinery.device import autocast, pick_device, seed_of
+from machinery.device import add_device_flag, autocast, pick_device, seed_of
 from machinery.multibootstrap import compare
 from machinery.progress import bar, duration, line_buffered
 from machinery.results import write_lines, write_result
@@ -364,9 +364,7 @@ def masked_lm(args):
     if data is None:
         raise SystemExit(f"error: {args.ckpt} does not say what it trained on; pass --data")
     folder = prepare(data, vocab, quiet=True)
-    if (folder / "tokenizer.model").read_bytes() != tok.serialized_model_proto():
-        raise SystemExit(f"error: the data prepared at {folder} has another tokenizer than "
-                         f"{args.ckpt}")
+    check_tokenizer(folder, tok.serialized_model_proto(), args.ckpt)
     seq_len = args.seq_len or model.train_args.get("seq_len", 128)
     val = Segments(folder / "val.bin", seq_len - 2, 0, shuffle=False)
     n = min(args.segments, val.n)
@@ -472,8 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--ckpt", required=True,
                        help="checkpoint written by train.py, or its run folder (its ckpt.pt)"),
         p.add_argument("--out", default=None, help=f"result JSON (default RUN/eval/{out}.json)"))
-    device = lambda p: p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                                      help="(default auto)")
+    device = lambda p: add_device_flag(p.add_argument)
 
     f = sub.add_parser("fill", help="the model's top guesses for each [MASK] in a sentence")
     f.add_argument("--ckpt", required=True,
@@ -490,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--blimp-dir", required=True, nargs="+",
         help="folder(s) of BLiMP-style *.jsonl, one paradigm per file")
     add("--scorer", default="pll", choices=["pll", "word-l2r"],
-        help="PLL (Salazar et al.) or PLL-word-l2r (Kauf & Ivanova) (default pll)")
+        help="PLL (Salazar et al.) or PLL-word-l2r (Kauf & Ivanova)")
     add("--temperatures", type=floats, default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0],
         help="comma-separated grid; 1 is always added (default 0.5,0.75,1,1.5,2,3)")
     add("--bf16", action="store_true", help="score under bfloat16 autocast (faster on a GPU; "
@@ -506,12 +503,12 @@ def build_parser() -> argparse.ArgumentParser:
     add = m.add_argument
     add("--data", default=None, help="corpus (default: the one the checkpoint trained on)")
     add("--segments", type=int, default=1024,
-        help="validation segments scored, from the first (default 1024)")
-    add("--seq-len", type=int, default=None, help="(default: the checkpoint's)")
-    add("--mask-p", type=float, default=0.15, help="fraction of each segment hidden (default 0.15)")
+        help="validation segments scored, from the first")
+    add("--seq-len", type=int, default=None, help="segment length (default: the checkpoint's)")
+    add("--mask-p", type=float, default=0.15, help="fraction of each segment hidden")
     add("--bf16", action="store_true", help="score under bfloat16 autocast (faster on a GPU). "
         "Default: float32")
-    add("--batch-size", type=int, default=64, help="segments per batch (default 64)")
+    add("--batch-size", type=int, default=64, help="segments per batch")
     add("--seed", type=int, default=0, help="seed of the hidden positions (default 0)")
     device(m)
     m.set_defaults(func=masked_lm)
@@ -532,8 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
         "early stopping, 512 tokens, cosine to 0.1 after 6%% warm-up, no clipping, its head) "
         "(default nanomlm)")
     add("--lr", type=float, default=None, help="AdamW learning rate (default: the recipe's)")
-    add("--weight-decay", type=float, default=0.01, help="(default 0.01)")
-    add("--batch-size", type=int, default=None, help="(default: the recipe's)")
+    add("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    add("--batch-size", type=int, default=None, help="examples per batch (default: the recipe's)")
     add("--epochs", type=int, default=None, help="at most this many epochs (default: the "
         "recipe's)")
     add("--patience", type=int, default=None,
@@ -556,10 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
     add = c.add_argument
     add("results", nargs="+", help="two groups of result JSONs: two folders or quoted globs, "
         "e.g. 'A/*.json' 'B/*.json'")
-    add("--nboot", type=int, default=1000, help="bootstrap resamples (default 1000)")
-    add("--seed", type=int, default=0, help="(default 0)")
+    add("--nboot", type=int, default=1000, help="bootstrap resamples")
+    add("--seed", type=int, default=0, help="seed of the resampling")
     add("--examples", default="examples", help="which per-example section to use; BLiMP also "
-        "has examples_best_t (default examples)")
+        "has examples_best_t")
     add("--out", default=None, help="also write the result to this JSON")
     c.set_defaults(func=compare)
 

@@ -63,15 +63,17 @@ from tqdm import tqdm
 
 from data.meta_examples import task_batch
 from data.prepare import PAD, VOCAB_SIZE, raw_root
+from helpers import training_run
 from helpers.meta_glue import glue_task
 from helpers.meta_moons import (MOONS_TOKENS, PROTOCOLS, Labeled, ft_batch, labeled_sets,
                                 moons_batches, moons_text, predict_labels, print_table, two_moons)
 from machinery import flags
-from machinery.device import autocast, pick_device
+from machinery.device import add_device_flag, autocast, pick_device
+from machinery.optim import inverse_sqrt
 from machinery.progress import bar, line_buffered
 from machinery.run_folder import REPO, RunFolder, repo_sources
 from machinery.storage import load_state
-from model import PRESETS, Encoder, ModelConfig, small_init
+from model import PRESETS, Encoder, ModelConfig, init_linears, small_init
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,10 +95,7 @@ class Teacher(nn.Module):
     def init_weights(self):
         """encoder: Encoder.init_weights; y_head[1].weight (D, D), y_head[4].weight (V, D) N(0, s)
         as every encoder matrix (s = sqrt(2 / (5 d_model))); their biases 0."""
-        normal = small_init(self.encoder.config.d_model)
-        for lin in (self.y_head[1], self.y_head[4]):
-            normal(lin.weight)
-            lin.bias.zero_()
+        init_linears(small_init(self.encoder.config.d_model), self.y_head[1], self.y_head[4])
 
     def forward(self, x, mask):
         """-> logits of x^ and of y^, (B, T, V) each. x^ never gets [PAD]: it would hide a
@@ -307,22 +306,14 @@ def optimizers(student, teacher, args):
     return adamw(student, args.lr), adamw(teacher, args.teacher_lr)
 
 
-def inverse_sqrt(step: int, warmup: int) -> float:
-    """MetaLMO's learning-rate factor (trainers/schedulers.py, power -0.5, decaying forever):
-    n^-1/2 at optimizer step n = step + 1, after a linear rise to warmup^-1/2 at n = warmup."""
-    n = step + 1
-    return n / warmup * warmup ** -0.5 if n < warmup else n ** -0.5
-
-
 def label_defaults(args):
     """--meta-weight and --mlm-task-p left unset take their labels' defaults: soft, MetaLMO's
     soft runs (soft_pretrainer.py: meta weight 100; MLM a labelled task half the time); else
     weight 1 and no MLM task."""
-    soft = args.labels in ("soft", "denoise")
-    return replace_args(args, meta_weight=(100.0 if soft else 1.0) if args.meta_weight is None
-                        else args.meta_weight,
-                        mlm_task_p=(0.5 if soft else 0.0) if args.mlm_task_p is None
-                        else args.mlm_task_p)
+    soft, args = args.labels in ("soft", "denoise"), replace_args(args)
+    flags.fill_unset(args, dict(meta_weight=100.0 if soft else 1.0,
+                                mlm_task_p=0.5 if soft else 0.0))
+    return args
 
 
 def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=None, show=None,
@@ -378,12 +369,11 @@ MODEL_FLAGS = ("n_layer", "n_head", "d_model", "d_ff", "position")
 
 
 def model_config(args, vocab: int) -> ModelConfig:
+    """Shen's Two Moons model or the --size preset, under the model flags given (as train.py)."""
     preset = MOONS_MODEL if args.task == "two_moons" else PRESETS[args.size]
-    given = {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}
     # glue: as train.py, so that evaluate.py's --max-len fits
     longest = 64 if args.task == "two_moons" else max(512, args.seq_len)
-    return ModelConfig(**{**preset, "vocab_size": vocab, "dropout": args.dropout,
-                          "max_position": longest, **given})
+    return training_run.model_config(args, vocab, {**preset, "max_position": longest})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,10 +545,7 @@ def run_glue(args, device, folder: RunFolder):
 
 def protocol_defaults(args) -> None:
     """The flags left unset take the --protocol's values (two_moons), or ours (glue)."""
-    values = PROTOCOLS[args.protocol if args.task == "two_moons" else "nanomlm"]
-    for k, v in values.items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
+    flags.fill_unset(args, PROTOCOLS[args.protocol if args.task == "two_moons" else "nanomlm"])
     if args.teacher_lr is None:
         args.teacher_lr = args.lr
 
@@ -589,7 +576,7 @@ def build_parser() -> flags.Parser:
     add("--inner-lr", type=float, default=0.1, help="SGD learning rate eta of the unrolled steps")
     add("--unroll", choices=("adamw", "sgd"), default="adamw",
         help="soft labels: step (1) unrolled as the student's own AdamW step (MetaLMO's) or as "
-        "an SGD step at --inner-lr (default adamw)")
+        "an SGD step at --inner-lr")
     add("--mlm-task-p", type=float, default=None,
         help="probability that a step's labelled task is MLM on other unlabelled text (default: "
         "0.5 for soft, as MetaLMO's soft runs; 0 otherwise)")
@@ -641,7 +628,7 @@ def build_parser() -> flags.Parser:
     add("--out-dir", default=None, help="run folder (default runs/meta_<task>_<labels>)")
     add("--resume", action="store_true",
         help="continue the run in --out-dir (two_moons: skip finished cells)")
-    add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to train")
+    add_device_flag(add, "where to train")
     return ap
 
 

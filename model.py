@@ -233,8 +233,7 @@ class Encoder(nn.Module):
         if self.norm is not None:
             nn.init.ones_(self.norm.weight)
             nn.init.zeros_(self.norm.bias)
-        normal(self.head_in[1].weight)
-        self.head_in[1].bias.zero_()
+        init_linears(normal, self.head_in[1])
         self.head_bias.zero_()
 
     def attention_inputs(self, attention_mask, positions=None):
@@ -303,13 +302,19 @@ def small_init(d_model: int):
 
 
 @torch.no_grad()
+def init_linears(normal, *linears) -> None:
+    """Each nn.Linear's weight drawn by `normal` (small_init's), in the order given; its bias 0."""
+    for lin in linears:
+        normal(lin.weight)
+        lin.bias.zero_()
+
+
+@torch.no_grad()
 def init_layers(layers, normal):
     """Attention weights N(0, s), biases 0; feed-forward weights of layer i (from 0) scaled by
     sqrt(1 / (2(i+1))); affine LayerNorms 1 / 0 (see Encoder.init_weights)."""
     for i, layer in enumerate(layers):
-        for lin in (layer.attn.qk, layer.attn.v, layer.attn.out):
-            normal(lin.weight)
-            lin.bias.zero_()
+        init_linears(normal, layer.attn.qk, layer.attn.v, layer.attn.out)
         depth = math.sqrt(1.0 / (2.0 * (i + 1)))
         normal(layer.ffn.up.weight, depth)
         normal(layer.ffn.down.weight, depth)
@@ -350,9 +355,7 @@ class BootHeads(nn.Module):
             self.decoder = Decoder(cfg, n_layer)
             norm = nn.LayerNorm(D, cfg.layer_norm_eps, elementwise_affine=False)
             self.regress = nn.Sequential(nn.Linear(D, D), nn.GELU(), norm, nn.Linear(D, D))
-            for lin in (self.regress[0], self.regress[3]):
-                normal(lin.weight)
-                lin.bias.zero_()
+            init_linears(normal, self.regress[0], self.regress[3])
 
 
 def boot_states(encoder: "Encoder", heads: BootHeads, inputs, attention_mask, hide,

@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data.prepare import CLS, SEP, prepare
+from data.prepare import CLS, SEP, check_tokenizer, prepare
 from machinery import flags
-from machinery.device import pick_device
+from machinery.device import add_device_flag, pick_device
 from machinery.progress import bar, line_buffered
 from machinery.storage import load_state, read_checkpoint, save_checkpoint
 from model import load_checkpoint
@@ -465,9 +465,7 @@ def learn_from_checkpoint(ckpt_path, data, cfg: DictConfig, device, out) -> dict
         trained = ckpt.get("args", {})
         data_dir = prepare(data or trained.get("data", "babylm_10m"),
                            trained.get("vocab_size", model.config.vocab_size), quiet=True)
-        if (data_dir / "tokenizer.model").read_bytes() != ckpt["tokenizer"]:
-            raise SystemExit(f"error: {ckpt_path} was trained with another tokenizer than "
-                             f"{data_dir}'s; pass the --data it was trained on")
+        check_tokenizer(data_dir, ckpt["tokenizer"], ckpt_path)
         tokens = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
 
         t0 = time.time()
@@ -545,8 +543,7 @@ def main(argv=None):
     p.add_argument("--data", default=None,
                    help="corpus it was trained on (default: the checkpoint's --data)")
     flags.add_fields(p.add_argument, DictConfig)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto = cuda if available (default auto)")
+    add_device_flag(p.add_argument)
     p.add_argument("--out", required=True, help="where to write the dictionary (a torch file: "
                    "D (d, k) and how it was made)")
     args = p.parse_args(argv)

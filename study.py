@@ -48,7 +48,7 @@ from helpers.study_plan import Job, StudyError, load_study, metric_names, plan, 
 from helpers.study_report import build_report
 from machinery import flags
 from machinery.results import read_result
-from machinery.run_folder import REPO
+from machinery.run_folder import REPO, RunFolder
 from machinery.storage import atomic_write
 
 
@@ -219,7 +219,7 @@ def device_name(settings_device: str) -> str:
 
 def write_job_result(job: Job):
     run, out = job.folder, {}
-    records = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    records = RunFolder(run, master=False).records()
     args = json.loads((run / "args.json").read_text())
     train_log = [r for r in records if "tok_per_s" in r]
     times = [json.loads(x) for x in (run / "study_times.jsonl").read_text().splitlines()]
@@ -306,16 +306,15 @@ def build_parser() -> flags.Parser:
     ap = flags.Parser(prog="study.py", description=__doc__)
     add = ap.add_argument
     add("study", help="the study file, e.g. studies/better_together.toml")
-    add("--scale", default="cpu", help="which of the file's scales (default cpu)")
+    add("--scale", default="cpu", help="which of the file's scales")
     add("--only", default=None, help="comma-separated arms to run (default all)")
     add("--seeds", default=None, help="comma-separated seeds to run (default the scale's)")
     add("--dry-run", action="store_true", help="print the plan and its estimated cost, run nothing")
     add("--report", action="store_true", help="only rebuild REPORT.md from results/")
     add("--parallel", type=int, default=1, help="runs at once (several GPUs: one each; on one "
-        "GPU four small runs together were no faster than one after another) (default 1)")
+        "GPU four small runs together were no faster than one after another)")
     add("--out", default=None, help="the study folder (default runs/STUDY/SCALE)")
-    add("--nboot", type=int, default=1000, help="bootstrap resamples per comparison "
-        "(default 1000)")
+    add("--nboot", type=int, default=1000, help="bootstrap resamples per comparison")
     add("--no-figures", action="store_true", help="no PNGs even when matplotlib is installed")
     return ap
 

@@ -306,22 +306,22 @@ def build_parser() -> flags.Parser:
     add("--ud", default=None, help="folder holding the UD treebanks (default $NANOMLM_RAW/ud)")
     add("--treebanks", nargs="+", default=TREEBANKS, help=f"(default {' '.join(TREEBANKS)})")
     add("--n-rels", type=int, default=20,
-        help="relations kept as nonterminals; the rest become `other` (default 20)")
+        help="relations kept as nonterminals; the rest become `other`")
     add("--rare", default="other", choices=["other", "drop"],
         help="relations outside the --n-rels most frequent: other (one nonterminal for them all, "
         "their subtrees kept) or drop (removed with their subtrees, most likely the blog's "
-        "rule) (default other)")
+        "rule)")
     add("--separate-sentences", action=argparse.BooleanOptionalAction, default=True,
         help="ask data/prepare.py for [SEP] after every sentence in the token stream, so that a "
         "training segment packing several independent sentences keeps their boundaries "
         "(default on; --no-separate-sentences: joined, as the studies before 2026-11-24)")
     add("--relex", default="zipf", choices=["zipf", "loglinear"],
-        help="word distribution (default zipf)")
-    add("--vocab", type=int, default=5000, help="made-up words in all (default 5000)")
-    add("--sentences", type=int, default=1000000, help="sentences to sample (default 1000000)")
-    add("--max-depth", type=int, default=30, help="tree depth cap (default 30)")
-    add("--max-len", type=int, default=100, help="longer sentences are drawn again (default 100)")
-    add("--seed", type=int, default=0, help="(default 0)")
+        help="word distribution")
+    add("--vocab", type=int, default=5000, help="made-up words in all")
+    add("--sentences", type=int, default=1000000, help="sentences to sample")
+    add("--max-depth", type=int, default=30, help="tree depth cap")
+    add("--max-len", type=int, default=100, help="longer sentences are drawn again")
+    add("--seed", type=int, default=0, help="seed of the sampling")
     add("--out", required=True, help="corpus folder to write: synth.train, synth.dev (every 20th "
         "sentence), grammar.json, stats.json")
     return ap

@@ -48,12 +48,12 @@ from helpers.training_run import (ObjectiveParts, Phase, Run, check_warmup, chec
                                   save_words_flag, start_phase, summary, train_batch, validate,
                                   word_marks)
 from machinery import flags
-from machinery.device import use_compile
+from machinery.device import add_device_flag, use_compile
 from machinery.optim import ema_decay_at, ema_update, set_schedule
 from machinery.progress import bar, line_buffered
 from machinery.run_folder import REPO, repo_sources
 from machinery.stopping import SafetyNet, exit_now, on_stop_signals
-from model import (PARTS, PRESETS, BootHeads, BootPredictor, ModelConfig, boot_states,
+from model import (PARTS, PRESETS, BootHeads, BootPredictor, ModelConfig, boot_states, init_linears,
                    load_checkpoint, small_init)
 
 
@@ -254,9 +254,7 @@ def setup_mlsm(encoder, args, run_dir, device) -> ObjectiveParts:
         raise SystemExit(f"error: the dictionary {path} was learned on layer {layer}, not "
                          f"--mlsm-layer {args.mlsm_layer}")
     head = nn.Linear(encoder.config.d_model, D.shape[1])
-    with torch.no_grad():
-        small_init(encoder.config.d_model)(head.weight)
-        head.bias.zero_()
+    init_linears(small_init(encoder.config.d_model), head)
     D = D.to(device)
     L = torch.linalg.matrix_norm(D, ord=2) ** 2  # fista_fixed's step 1/L, of the frozen D: once
     extras = {"teacher": teacher, "dict": D, "L": L, "momentum": sparse.fista_momentum(100, device),
@@ -368,8 +366,7 @@ def build_parser():
         "passes over the training segments, rounded down to whole steps (default 10, BabyLM's "
         "limit: 7,246 steps of 128 x 128 on babylm_10m)")
     add("--seed", type=int, default=0, help="seed for init, data order, masks and dropout")
-    add("--device", default="auto", choices=["auto", "cpu", "cuda"],
-        help="auto = cuda if available")
+    add_device_flag(add, "where to train")
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the model (default: on with CUDA, off on the CPU)")
     add("--bf16", action=argparse.BooleanOptionalAction, default=None,
@@ -480,9 +477,8 @@ def get_args(argv):
     if args.out_dir is None:
         args.out_dir = str(REPO / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
     args.given = flags.typed(parser, argv)  # a resumed run refuses those that differ
-    for k, v in {**SIZE_DEFAULTS[args.size], **(OBJECTIVES[args.objective].defaults or {})}.items():
-        if k not in args.given:
-            setattr(args, k, v)
+    preset = {**SIZE_DEFAULTS[args.size], **(OBJECTIVES[args.objective].defaults or {})}
+    flags.fill_unset(args, preset, typed=args.given)
     if args.masking == "uniform" and int(args.mask_p * args.seq_len) < 1:
         parser.error(f"--mask-p {args.mask_p:g} masks no token of a --seq-len {args.seq_len} "
                      f"sequence under uniform masking (int(p T) = 0); raise either")

@@ -228,6 +228,15 @@ def load_meta(folder: Path) -> dict:
     return json.loads((folder / "meta.json").read_text())
 
 
+def check_tokenizer(folder: Path, tokenizer: bytes, ckpt) -> None:
+    """Refuse, in one line, a prepared corpus whose tokenizer is not the one the checkpoint `ckpt`
+    was trained with (`tokenizer`: its serialized sentencepiece model): its ids would mean other
+    pieces to the model."""
+    if (folder / "tokenizer.model").read_bytes() != tokenizer:
+        raise SystemExit(f"error: {ckpt} was trained with another tokenizer than {folder}'s; "
+                         f"pass the --data it was trained on")
+
+
 # ---------------------------------------------------------------------------------------------
 # The one entry point the scripts use
 

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from data.prepare import PAD
 from data.tasks import MSGS, TASKS, Examples, pad, read_task
+from machinery import flags
 from machinery.device import autocast, pick_device
+from machinery.optim import cosine_with_warmup, linear_warmup_decay
 from machinery.progress import bar
 from machinery.results import METRICS, confusion, write_result
 from model import load_checkpoint
@@ -44,18 +46,7 @@ def recipe_settings(args) -> None:
     """Fill the fine-tuning flags left unset from --recipe (and, for babylm2025, the task)."""
     defaults = {**RECIPES[args.recipe],
                 **(BABYLM_TASK.get(args.task, {}) if args.recipe == "babylm2025" else {})}
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-
-
-def cosine_with_warmup(step: int, warmup: int, steps: int, floor: float = 0.1) -> float:
-    """The BabyLM pipeline's schedule factor (finetune/utils.py): linear from 0 over `warmup`
-    steps, then a cosine from 1 down to `floor` at `steps`."""
-    if step < warmup:
-        return step / max(1, warmup)
-    progress = (step - warmup) / max(1, steps - warmup)
-    return max(floor, floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    flags.fill_unset(args, defaults)
 
 
 class Classifier(nn.Module):
@@ -131,8 +122,7 @@ def finetune_once(args, encoder, task, train: Examples, valid: Examples, dev: Ex
     if babylm:
         rate = functools.partial(cosine_with_warmup, warmup=int(0.06 * steps), steps=steps)
     else:
-        warmup = max(1, steps // 10)
-        rate = lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / (steps - warmup)))
+        rate = functools.partial(linear_warmup_decay, warmup=max(1, steps // 10), steps=steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
     rng = np.random.default_rng(seed)
     lengths = np.array([len(s) for s in train.seqs])

@@ -58,10 +58,13 @@ RESUMABLE = {"resume", "out_dir", "device", "compile", "bf16", "deterministic", 
              "eval_every", "save_every", "stop_at", "spike", "save_words", "check"}
 
 
-def model_config(args, vocab_size) -> ModelConfig:
+def model_config(args, vocab_size, preset: dict | None = None) -> ModelConfig:
+    """The model the flags ask for: `preset` (default: --size's), every ModelConfig field a flag
+    of the same name sets (not None), the data's vocabulary; one line if it cannot run."""
     overrides = {f.name: getattr(args, f.name) for f in fields(ModelConfig)
                  if getattr(args, f.name, None) is not None}
-    config = ModelConfig(**{**PRESETS[args.size], **overrides, "vocab_size": vocab_size})
+    preset = PRESETS[args.size] if preset is None else preset
+    config = ModelConfig(**{**preset, **overrides, "vocab_size": vocab_size})
     if config.d_model % config.n_head:
         raise SystemExit(f"error: --d-model {config.d_model} is not a multiple of "
                          f"--n-head {config.n_head}")

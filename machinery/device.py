@@ -10,6 +10,12 @@ import numpy as np
 import torch
 
 
+def add_device_flag(add, what: str = "where to compute") -> None:
+    """--device auto|cpu|cuda, declared here for every script (add: a parser's add_argument)."""
+    add("--device", default="auto", choices=("auto", "cpu", "cuda"),
+        help=f"{what}; auto = cuda if available")
+
+
 def pick_device(name: str = "auto", index: int | None = None) -> torch.device:
     """--device auto|cpu|cuda -> a device; auto is CUDA when a GPU is visible. `index`: the GPU of
     one DDP process."""

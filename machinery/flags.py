@@ -93,6 +93,14 @@ def check_ranges(parser, args, ranges: dict[str, Range]) -> None:
                 parser.error(f"--{name.replace('_', '-')} must be {allowed}, not {value:g}")
 
 
+def fill_unset(args, values: dict, typed: list[str] | None = None) -> None:
+    """Each flag named in `values` (a preset's, a protocol's, a recipe's) takes its value there
+    where the user left it unset: None, or, given `typed` (typed()'s list), not typed at all."""
+    for k, v in values.items():
+        if (k not in typed) if typed is not None else getattr(args, k, None) is None:
+            setattr(args, k, v)
+
+
 def integers(parser, flag: str, text: str) -> list[int]:
     """A comma-separated list flag's integers, or one line naming the flag."""
     try:

@@ -1,5 +1,6 @@
 """Optimisers and schedules: LAMB (LTG-BERT's), the fused EMA update of a mean teacher, the
-parameter groups, and the learning-rate, weight-decay and EMA-decay schedules of a phase.
+parameter groups, the learning-rate, weight-decay and EMA-decay schedules of a pretraining phase,
+and the learning-rate schedules of fine-tuning and meta-learning.
 """
 import math
 
@@ -91,6 +92,31 @@ def lr_at(step, args, start=0, end=None):
     t = min(1.0, (step - warmup) / max(1, n - warmup))
     decay = 0.5 * (1 + math.cos(math.pi * t)) if args.schedule == "cosine" else 1 - t
     return args.lr * (args.min_lr + (1 - args.min_lr) * decay)
+
+
+# The schedules of fine-tuning and meta-learning, each as its reference writes it: factors of a
+# base learning rate at optimizer step `step` (from 0)
+
+def cosine_with_warmup(step: int, warmup: int, steps: int, floor: float = 0.1) -> float:
+    """The BabyLM pipeline's schedule factor (finetune/utils.py): linear from 0 over `warmup`
+    steps, then a cosine from 1 down to `floor` at `steps`."""
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, steps - warmup)
+    return max(floor, floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def linear_warmup_decay(step: int, warmup: int, steps: int) -> float:
+    """Ours for fine-tuning: linear from 1/warmup up to 1 over `warmup` steps, then linear down
+    to 0 at `steps`."""
+    return min((step + 1) / warmup, max(0.0, (steps - step) / (steps - warmup)))
+
+
+def inverse_sqrt(step: int, warmup: int) -> float:
+    """MetaLMO's learning-rate factor (trainers/schedulers.py, power -0.5, decaying forever):
+    n^-1/2 at optimizer step n = step + 1, after a linear rise to warmup^-1/2 at n = warmup."""
+    n = step + 1
+    return n / warmup * warmup ** -0.5 if n < warmup else n ** -0.5
 
 
 def set_schedule(optimizer, step, args, start, end) -> float:

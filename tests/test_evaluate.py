@@ -18,7 +18,7 @@ from data.prepare import CLS, MASK, SEP, load_tokenizer
 from data.tasks import read_task
 from helpers import finetune
 from machinery import device as device_module
-from machinery import multibootstrap, results
+from machinery import multibootstrap, optim, results
 from machinery.storage import save_checkpoint
 from model import PRESETS, BootHeads, BootPredictor, Encoder, ModelConfig
 
@@ -579,7 +579,7 @@ def test_masked_lm_against_a_loop_over_hidden_tokens(ckpt, small_raw, prepared, 
 def test_babylm2025_schedule_is_the_pipelines_rule():
     """Transcribed from the pipeline's finetune/utils.py: lr 0 at step 0, the peak at the end
     of warm-up, half way down the cosine at the middle of the rest, 0.1 at the end."""
-    f = lambda s: finetune.cosine_with_warmup(s, warmup=6, steps=106)
+    f = lambda s: optim.cosine_with_warmup(s, warmup=6, steps=106)
     assert f(0) == 0 and f(3) == 0.5 and f(6) == 1.0
     assert f(56) == pytest.approx(0.1 + 0.9 * 0.5) and f(106) == pytest.approx(0.1)
 
