@@ -243,7 +243,7 @@ def bench_sparse(args, device, tmp):
 
 
 def fista_float_momentum(H, D, lam, L, iters):
-    """sparse.fista_fixed as written before issue 41: the momentum weights as Python floats."""
+    """sparse.fista_fixed with its momentum weights as Python floats, as it was first written."""
     HD = H @ D
     a = y = torch.zeros_like(HD)
     t = 1.0
@@ -418,16 +418,16 @@ def build_parser() -> flags.Parser:
     add("--steps", type=int, default=10,
         help="step: optimizer steps per train.py run, in 5 log intervals (rounded down to a "
         "multiple of 5, at least 5); the first warms up, 4 are timed (default 10; a few hundred "
-        "on a GPU, past torch.compile's warm-up)")
+        "on a GPU, past torch.compile's warm-up)", range=flags.at_least(1))
     add("--data", default="babylm_10m", help="step: train.py --data")
     add("--row-timeout", type=float, default=None, help="step: seconds each train.py run may "
         "take; one that takes longer is a failed row and the next objective goes on (default: "
-        "no limit)")
-    add("--batch-size", type=int, default=None,
+        "no limit)", range=flags.above(0))
+    add("--batch-size", type=int, default=None, range=flags.at_least(1),
         help="step, bert: sequences per step (default 32 on CPU, 128 on CUDA; --quick 4)")
     add("--seq-len", type=int, default=128,
-        help="step, bert: tokens per sequence (default 128; --quick 32)")
-    add("--mlsm-k", type=int, default=sparse.DictConfig().k,
+        help="step, bert: tokens per sequence (default 128; --quick 32)", range=flags.at_least(3))
+    add("--mlsm-k", type=int, default=sparse.DictConfig().k, range=flags.at_least(1),
         help=f"step: mlsm dictionary atoms (default {sparse.DictConfig().k}, train.py's)")
     add("--variants", action="store_true", help="bert: also ours with absolute positions, both "
         "without dropout, and both in bf16")
@@ -447,15 +447,12 @@ def build_parser() -> flags.Parser:
     return ap
 
 
-R = flags.Range
-RANGES = {"steps": R(1), "batch_size": R(1), "seq_len": R(3), "mlsm_k": R(1),
-          "row_timeout": R(0, low_open=True)}
 
 
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    flags.check_ranges(ap, args, RANGES)
+    flags.check_ranges(ap, args)
     if args.table:
         if not Path(args.table).is_file():
             raise SystemExit(f"error: --table {args.table}: no such file")

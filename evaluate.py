@@ -125,11 +125,11 @@ def token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progre
     for length, c in bar(batches, desc="PLL", unit="batch", leave=False,
                          disable=None if progress else True):
         rows = torch.from_numpy(ids[sent[c], :length]).to(device)
-        w = torch.from_numpy(words[sent[c], :length]).to(device)
+        word = torch.from_numpy(words[sent[c], :length]).to(device)  # (n, length) word index
         p = torch.from_numpy(pos[c]).to(device)[:, None]
         ar = torch.arange(length, device=device)
         target = ar == p                                             # (n, length)
-        hide = target | ((ar > p) & (w == w.gather(1, p))) if l2r else target
+        hide = target | ((ar > p) & (word == word.gather(1, p))) if l2r else target
         with autocast(device, bf16):
             _, logits = model(rows.masked_fill(hide, MASK), predict=target)  # (n, V), row order
         z = logits.float()
@@ -292,13 +292,13 @@ def blimp(args):
                    "pipeline_average": float(np.mean([won_or_tied[(groups == g) & (uid_of == u)]
                                                       .mean() for u in rows]))}
                for g, rows in paradigms.items()}
-    w = max(len(k) for k in [*(k for t in (paradigms, phenomena) for rows in t.values()
+    name_width = max(len(k) for k in [*(k for t in (paradigms, phenomena) for rows in t.values()
                                 for k in rows), *(f"{g}: over phenomena" for g in summary)])
     best_head = f"half T={temps[best]:g}*"
-    w3 = max(9, len(best_head))
-    line = lambda name, r: (f"  {name:<{w}} {100 * r[0]:8.1f} {100 * r[1]:9.1f} "
-                            f"{100 * r[2]:{w3}.1f}" + (f" {r[3]:6d}" if len(r) > 3 else ""))
-    head = f"  {'':<{w}} {'all T=1':>8} {'half T=1':>9} {best_head:>{w3}}"
+    best_width = max(9, len(best_head))
+    line = lambda name, r: (f"  {name:<{name_width}} {100 * r[0]:8.1f} {100 * r[1]:9.1f} "
+                            f"{100 * r[2]:{best_width}.1f}" + (f" {r[3]:6d}" if len(r) > 3 else ""))
+    head = f"  {'':<{name_width}} {'all T=1':>8} {'half T=1':>9} {best_head:>{best_width}}"
     # the headline first: each folder's means over paradigms and over phenomena
     print(f"\nBLiMP accuracy %: all pairs at T=1; the reporting half of the pairs at T=1, and at "
           f"T={temps[best]:g} (*: chosen on the other half)\n{head}")
@@ -477,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint written by train.py, or its run folder (its ckpt.pt)")
     f.add_argument("text", nargs="+", help='sentences with [MASK] in them, each quoted: '
                    '"the cat sat on the [MASK] ."')
-    f.add_argument("--top-k", type=int, default=5, help="guesses shown per [MASK]")
+    f.add_argument("--top-k", type=int, default=5, range=flags.at_least(1),
+        help="guesses shown per [MASK]")
     device(f)
     f.set_defaults(func=fill)
 
@@ -489,11 +490,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--scorer", default="pll", choices=["pll", "word-l2r"],
         help="PLL (Salazar et al.) or PLL-word-l2r (Kauf & Ivanova)")
     add("--temperatures", type=floats, default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0],
+        range=flags.above(0),
         help="comma-separated grid; 1 is always added (default 0.5,0.75,1,1.5,2,3)")
     add("--bf16", action="store_true", help="score under bfloat16 autocast (faster on a GPU; "
         "near-ties then differ between GPU kinds). Default: float32")
     add("--batch-tokens", type=int, default=None, help="tokens per scoring batch (default 4096 "
-        "on CPU, the fastest of 2k/4k/16k measured; 32768 on CUDA)")
+        "on CPU, the fastest of 2k/4k/16k measured; 32768 on CUDA)", range=flags.at_least(1))
     device(b)
     b.set_defaults(func=blimp)
 
@@ -503,13 +505,16 @@ def build_parser() -> argparse.ArgumentParser:
     add = m.add_argument
     add("--data", default=None, help="corpus (default: the one the checkpoint trained on)")
     add("--segments", type=int, default=1024,
-        help="validation segments scored, from the first")
-    add("--seq-len", type=int, default=None, help="segment length (default: the checkpoint's)")
-    add("--mask-p", type=float, default=0.15, help="fraction of each segment hidden")
+        help="validation segments scored, from the first", range=flags.at_least(1))
+    add("--seq-len", type=int, default=None, range=flags.at_least(3),
+        help="segment length (default: the checkpoint's)")
+    add("--mask-p", type=float, default=0.15, help="fraction of each segment hidden",
+        range=flags.Range(0, 1, low_open=True, high_open=True))
     add("--bf16", action="store_true", help="score under bfloat16 autocast (faster on a GPU). "
         "Default: float32")
-    add("--batch-size", type=int, default=64, help="segments per batch")
-    add("--seed", type=int, default=0, help="seed of the hidden positions (default 0)")
+    add("--batch-size", type=int, default=64, help="segments per batch", range=flags.at_least(1))
+    add("--seed", type=int, default=0, range=flags.at_least(0),
+        help="seed of the hidden positions (default 0)")
     device(m)
     m.set_defaults(func=masked_lm)
 
@@ -520,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--task", required=True,
         help=f"{', '.join(TASKS)}, or any name with MSGS-style files (sentence, label; MCC)")
     add("--data-dir", required=True, help="folder with TASK.train.jsonl and TASK.valid.jsonl")
-    add("--seeds", type=ints, default=[1],
+    add("--seeds", range=flags.at_least(0), type=ints, default=[1],
         help="comma-separated fine-tuning seeds; mean ± std over them (default 1)")
     add("--recipe", default="nanomlm", choices=list(RECIPES),
         help="defaults for the flags below: nanomlm (ours: lr 5e-5, batch 32, 10 epochs, "
@@ -528,23 +533,26 @@ def build_parser() -> argparse.ArgumentParser:
         "2025 pipeline's: lr 3e-5, batch 32 (16 for boolq, multirc), 10 epochs (30 for wsc), no "
         "early stopping, 512 tokens, cosine to 0.1 after 6%% warm-up, no clipping, its head) "
         "(default nanomlm)")
-    add("--lr", type=float, default=None, help="AdamW learning rate (default: the recipe's)")
-    add("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    add("--batch-size", type=int, default=None, help="examples per batch (default: the recipe's)")
+    add("--lr", type=float, default=None, range=flags.at_least(0),
+        help="AdamW learning rate (default: the recipe's)")
+    add("--weight-decay", type=float, default=0.01, range=flags.at_least(0),
+        help="AdamW weight decay")
+    add("--batch-size", type=int, default=None, range=flags.at_least(1),
+        help="examples per batch (default: the recipe's)")
     add("--epochs", type=int, default=None, help="at most this many epochs (default: the "
-        "recipe's)")
+        "recipe's)", range=flags.at_least(1))
     add("--patience", type=int, default=None,
         help="stop after this many epochs without a better validation score (default: the "
-        "recipe's; babylm2025 has none)")
+        "recipe's; babylm2025 has none)", range=flags.at_least(0))
     add("--holdout", type=float, default=0.0, help="choose the epoch on this fraction of the "
         "training set instead of on the validation set it reports (default 0: as the BabyLM "
-        "pipeline)")
+        "pipeline)", range=flags.Range(0, 1, high_open=True))
     add("--group-by-length", action=argparse.BooleanOptionalAction, default=None,
         help="training batches of similar lengths, so less of each is padding (default: on for "
         "nanomlm; --no-group-by-length: plain shuffled batches)")
     add("--max-len", type=int, default=None,
         help="tokens per example, longer pairs truncated longest-first (default: the recipe's, "
-        "128 or 512)")
+        "128 or 512)", range=flags.at_least(3))
     device(f)
     f.set_defaults(func=finetune)
 
@@ -553,8 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = c.add_argument
     add("results", nargs="+", help="two groups of result JSONs: two folders or quoted globs, "
         "e.g. 'A/*.json' 'B/*.json'")
-    add("--nboot", type=int, default=1000, help="bootstrap resamples")
-    add("--seed", type=int, default=0, help="seed of the resampling")
+    add("--nboot", type=int, default=1000, help="bootstrap resamples", range=flags.at_least(1))
+    add("--seed", type=int, default=0, help="seed of the resampling", range=flags.at_least(0))
     add("--examples", default="examples", help="which per-example section to use; BLiMP also "
         "has examples_best_t")
     add("--out", default=None, help="also write the result to this JSON")
@@ -566,19 +574,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-# the values each numeric flag of the subcommands may take
-R = flags.Range
-RANGES = {"temperatures": R(0, low_open=True), "batch_tokens": R(1), "segments": R(1),
-          "seq_len": R(3), "mask_p": R(0, 1, True, True), "batch_size": R(1), "seed": R(0),
-          "seeds": R(0), "lr": R(0), "weight_decay": R(0), "epochs": R(1), "patience": R(0),
-          "holdout": R(0, 1, high_open=True), "max_len": R(3), "nboot": R(1), "top_k": R(1)}
 
 
 def main(argv=None):
     line_buffered()
     parser = build_parser()
     args = parser.parse_args(argv)
-    flags.check_ranges(parser, args, RANGES)
+    flags.check_ranges(parser, args)
     if getattr(args, "ckpt", None) and (Path(args.ckpt) / "ckpt.pt").is_file():
         args.ckpt = str(Path(args.ckpt) / "ckpt.pt")  # a run folder: its checkpoint
     args.func(args)

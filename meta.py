@@ -564,67 +564,74 @@ def build_parser() -> flags.Parser:
         "dropout 0.1, lr/sqrt(n), fine-tuned 100 epochs, best epoch on validation) "
         "(default nanomlm)")
     add("--steps", type=int, default=None,
-        help="pretraining steps (default: the protocol's; glue 1000)")
+        help="pretraining steps (default: the protocol's; glue 1000)", range=flags.at_least(1))
     add("--batch-size", type=int, default=None, help="unlabelled sequences per step (default: "
-        "the protocol's, 32 or 16)")
-    add("--task-batch", type=int, default=None,
+        "the protocol's, 32 or 16)", range=flags.at_least(1))
+    add("--task-batch", type=int, default=None, range=flags.at_least(1),
         help="labelled examples in each of the support and query batches (default 8; shen 4)")
     add("--lr", type=float, default=None, help="the student's AdamW learning rate, the MLM "
-        "baseline's too (default 3e-3; shen 0.08 x n^-1/2)")
+        "baseline's too (default 3e-3; shen 0.08 x n^-1/2)", range=flags.at_least(0))
     add("--teacher-lr", type=float, default=None,
-        help="the teacher's AdamW learning rate (default: as --lr)")
-    add("--inner-lr", type=float, default=0.1, help="SGD learning rate eta of the unrolled steps")
+        help="the teacher's AdamW learning rate (default: as --lr)", range=flags.at_least(0))
+    add("--inner-lr", type=float, default=0.1, range=flags.at_least(0),
+        help="SGD learning rate eta of the unrolled steps")
     add("--unroll", choices=("adamw", "sgd"), default="adamw",
         help="soft labels: step (1) unrolled as the student's own AdamW step (MetaLMO's) or as "
         "an SGD step at --inner-lr")
     add("--mlm-task-p", type=float, default=None,
         help="probability that a step's labelled task is MLM on other unlabelled text (default: "
-        "0.5 for soft, as MetaLMO's soft runs; 0 otherwise)")
+        "0.5 for soft, as MetaLMO's soft runs; 0 otherwise)", range=flags.Range(0, 1))
     add("--meta-weight", type=float, default=None,
         help="weight of the meta term against the teacher's two MLM losses (default 100 for "
-        "soft and denoise labels, as MetaLMO's soft runs; 1 otherwise)")
-    add("--weight-decay", type=float, default=0.01, help="AdamW weight decay, all optimisers")
+        "soft and denoise labels, as MetaLMO's soft runs; 1 otherwise)", range=flags.at_least(0))
+    add("--weight-decay", type=float, default=0.01, range=flags.at_least(0),
+        help="AdamW weight decay, all optimisers")
     add("--clip", type=float, default=None,
-        help="gradient-norm clip of every outer step (default 1; shen 5)")
-    add("--seed", type=int, default=0, help="model init and batches (--task glue)")
-    add("--seeds", default="0,1,2", help="two_moons: one pretraining + fine-tuning per seed")
+        help="gradient-norm clip of every outer step (default 1; shen 5)", range=flags.above(0))
+    add("--seed", type=int, default=0, range=flags.at_least(0),
+        help="model init and batches (--task glue)")
+    add("--seeds", range=flags.at_least(0),
+        default="0,1,2", help="two_moons: one pretraining + fine-tuning per seed")
     add("--sizes", default="10,20,40,80,160",
         help="two_moons: labelled-set sizes (even, at most 160)")
-    add("--data-seed", type=int, default=0, help="two_moons: seed of the generated data")
+    add("--data-seed", type=int, default=0, range=flags.at_least(0),
+        help="two_moons: seed of the generated data")
     add("--labeled-points", choices=("random", "even"), default=None,
         help="two_moons: the labelled and validation points: random (drawn as the rest; the "
         "first n of one draw) or even (MetaLMO's make_moons(n): evenly spaced along each moon, "
         "then noise; one draw per size) (default random; shen even)")
-    add("--workers", type=int, default=2,
+    add("--workers", type=int, default=2, range=flags.at_least(1),
         help="two_moons on CPU: table entries computed in parallel processes")
-    add("--ft-steps", type=int, default=None,
+    add("--ft-steps", type=int, default=None, range=flags.at_least(0),
         help="two_moons, nanomlm: full-batch fine-tuning steps (default 200)")
     add("--ft-epochs", type=int, default=None,
         help="two_moons, shen: fine-tuning epochs, the best on validation kept; 0: full-batch "
-        "--ft-steps instead (default 100)")
-    add("--ft-lr", type=float, default=None,
+        "--ft-steps instead (default 100)", range=flags.at_least(0))
+    add("--ft-lr", type=float, default=None, range=flags.at_least(0),
         help="two_moons: fine-tuning AdamW learning rate (default 1e-2; shen 0.04 x n^-1/2)")
     add("--data", default="babylm_10m",
         help="glue: unlabelled corpus (a name under $NANOMLM_RAW or a folder)")
     add("--vocab-size", type=int, default=VOCAB_SIZE,
-        help="glue: tokenizer size when the corpus is prepared first")
+        help="glue: tokenizer size when the corpus is prepared first", range=flags.at_least(262))
     add("--glue-dir", default=None, help="glue: folder of TASK.train.jsonl files (default "
         "$NANOMLM_RAW/babylm_eval/full_eval/glue_filtered)")
     add("--glue-tasks", default="rte,mrpc,cola",
         help="glue: labelled tasks (TASK.train.jsonl), taking turns step by step")
-    add("--seq-len", type=int, default=128, help="glue: sequence length (two_moons: 34, fixed)")
+    add("--seq-len", type=int, default=128, range=flags.at_least(3),
+        help="glue: sequence length (two_moons: 34, fixed)")
     add("--size", choices=tuple(PRESETS), default="tiny",
         help="glue: model preset (two_moons: 2 layers, d_model 8)")
     helps = flags.field_help(ModelConfig)
     for f in MODEL_FLAGS[:-1]:
         add(f"--{f.replace('_', '-')}", type=int, default=None,
-            help=f"{helps[f]} (overrides the preset)")
+            help=f"{helps[f]} (overrides the preset)", range=flags.at_least(1))
     add("--position", choices=("relative", "absolute"), default=None, help=helps["position"])
-    add("--dropout", type=float, default=None,
+    add("--dropout", type=float, default=None, range=flags.Range(0, 1, high_open=True),
         help="dropout (default 0: small data, and exact unrolls; shen 0.1)")
     add("--log-every", type=int, default=50,
-        help="glue: steps between log lines and teacher samples")
-    add("--save-every", type=int, default=500, help="glue: steps between checkpoints")
+        help="glue: steps between log lines and teacher samples", range=flags.at_least(1))
+    add("--save-every", type=int, default=500, range=flags.at_least(1),
+        help="glue: steps between checkpoints")
     add("--out-dir", default=None, help="run folder (default runs/meta_<task>_<labels>)")
     add("--resume", action="store_true",
         help="continue the run in --out-dir (two_moons: skip finished cells)")
@@ -636,13 +643,6 @@ def build_parser() -> flags.Parser:
 R = flags.Range
 
 
-RANGES = {"steps": R(1), "batch_size": R(1), "task_batch": R(1), "lr": R(0), "teacher_lr": R(0),
-          "inner_lr": R(0), "mlm_task_p": R(0, 1), "meta_weight": R(0), "weight_decay": R(0),
-          "clip": R(0, low_open=True), "seed": R(0), "seeds": R(0), "data_seed": R(0),
-          "workers": R(1), "ft_steps": R(0), "ft_epochs": R(0), "ft_lr": R(0),
-          "vocab_size": R(262), "seq_len": R(3), **{f: R(1) for f in MODEL_FLAGS[:-1]},
-          "dropout": R(0, 1, high_open=True), "log_every": R(1), "save_every": R(1)}
-
 
 def main(argv=None):
     line_buffered()
@@ -650,7 +650,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.seeds = flags.integers(ap, "seeds", args.seeds)
     args.sizes = flags.integers(ap, "sizes", args.sizes)
-    flags.check_ranges(ap, args, RANGES)
+    flags.check_ranges(ap, args)
     protocol_defaults(args)
     args.labels_list = args.labels.split(",")
     bad = [x for x in args.labels_list if x not in ("hard", "soft", "denoise", "mlm", "none")]

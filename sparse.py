@@ -193,8 +193,8 @@ def fista_fixed(H, D, lam: float, iters: int = 100, L=None, momentum=None):
 
     Each momentum weight is a tensor, not a Python float: torch.compile then traces the unrolled
     steps into identical code that reads a different input, which inductor generates once. As
-    floats they were a new constant in each step, so a new kernel: one compiled call of 100 steps
-    took 58 s to compile against 25 s now on our CPU (docs/bench.md); the codes are the same."""
+    floats they were a new constant in each step, so a new kernel, and a compiled call of 100
+    steps took twice as long to compile (bench.py's `compile` row); the codes are the same."""
     if L is None:
         L = torch.linalg.matrix_norm(D, ord=2) ** 2              # = the top eigenvalue of D D^T
     if momentum is None:
@@ -267,8 +267,8 @@ def add_gram(P, A, weights, atoms):
     """P (k, k) += A^T A, for codes A (b, k) whose non-zeros all lie among (weights, atoms)
     (b, w), each row's w largest entries: as the b w^2 products of those entries, added at
     their flat positions in P, where a code has a few tens of non-zeros among thousands of
-    atoms (the dense product's b k^2 multiply-adds took 117 ms of each 1024-code mini-batch on
-    one core); as the dense product when that is the smaller. On a GPU index_add_ adds in no
+    atoms (the dense product's b k^2 multiply-adds would dominate a mini-batch); as the dense
+    product when that is the smaller. On a GPU index_add_ adds in no
     fixed order, so the last bits of P vary from run to run."""
     (b, w), k = weights.shape, P.shape[0]
     if b * w * w >= k * k:

@@ -52,9 +52,9 @@ from machinery.run_folder import REPO, RunFolder
 from machinery.storage import atomic_write
 
 
-# tokens/s of an MLM step when no run of the study has finished yet (--dry-run's estimate):
-# tiny on the 2-core CPU at 32 x 128 (issue 16's runs: 0.45 s/step); small and base on an H100
-# at 128 x 128 (issue 19's figures); two-phase objectives cost more (docs/bench.md)
+# tokens/s of an MLM step when no run of the study has finished yet (--dry-run's estimate): tiny
+# at 32 x 128 on a 2-core CPU (0.45 s a step), small and base at 128 x 128 on an H100 (the
+# figures in docs/bench_log.md); two-phase objectives cost more (docs/bench.md)
 RATES = {("cpu", "tiny"): 9.1e3, ("cuda", "small"): 4.1e5, ("cuda", "base"): 2.1e5}
 
 
@@ -78,14 +78,14 @@ def error_of(line: str) -> str:
     return line.split("error: ", 1)[-1].split("; see ", 1)[0]
 
 
-def preflight(spec, scale_name, jobs, path) -> dict:
+def preflight(study, scale_name, jobs, path) -> dict:
     """{job name: the settings train.py resolved for its first step}; raises StudyError."""
-    scale = spec["scales"][scale_name]
+    scale = study["scales"][scale_name]
     where = lambda job: (f"arms.{job.arm}" if job.arm else
                          f"arms (source) / scales.{scale_name}.source" if job.name.startswith(
                              "source") else f"scales.{scale_name}.corpora")
     fail = lambda key, why: StudyError(f"error: {path}: {key}: {why}")
-    for i, m in enumerate(spec.get("metrics", [])):
+    for i, m in enumerate(study.get("metrics", [])):
         known = metric_names(scale)
         if m not in known:
             raise fail(f"metrics[{i}]", f"unknown metric {m!r} (this study's: {', '.join(known)})")
@@ -308,44 +308,45 @@ def build_parser() -> flags.Parser:
     add("study", help="the study file, e.g. studies/better_together.toml")
     add("--scale", default="cpu", help="which of the file's scales")
     add("--only", default=None, help="comma-separated arms to run (default all)")
-    add("--seeds", default=None, help="comma-separated seeds to run (default the scale's)")
+    add("--seeds", default=None, range=flags.at_least(0),
+        help="comma-separated seeds to run (default the scale's)")
     add("--dry-run", action="store_true", help="print the plan and its estimated cost, run nothing")
     add("--report", action="store_true", help="only rebuild REPORT.md from results/")
-    add("--parallel", type=int, default=1, help="runs at once (several GPUs: one each; on one "
-        "GPU four small runs together were no faster than one after another)")
+    add("--parallel", type=int, default=1, range=flags.at_least(1),
+        help="runs at once (several GPUs: one each; on one GPU four small runs together "
+        "were no faster than one after another)")
     add("--out", default=None, help="the study folder (default runs/STUDY/SCALE)")
-    add("--nboot", type=int, default=1000, help="bootstrap resamples per comparison")
+    add("--nboot", type=int, default=1000, range=flags.at_least(1),
+        help="bootstrap resamples per comparison")
     add("--no-figures", action="store_true", help="no PNGs even when matplotlib is installed")
     return ap
 
-
-RANGES = {"parallel": flags.Range(1), "nboot": flags.Range(1), "seeds": flags.Range(0)}
 
 
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
     args.seeds = flags.integers(ap, "seeds", args.seeds) if args.seeds else None
-    flags.check_ranges(ap, args, RANGES)
+    flags.check_ranges(ap, args)
     path = Path(args.study)
-    spec = load_study(path)
-    if args.scale not in spec["scales"]:
+    study = load_study(path)
+    if args.scale not in study["scales"]:
         raise StudyError(f"error: {path}: scales: no scale {args.scale!r} (the file has "
-                         f"{', '.join(spec['scales'])})")
+                         f"{', '.join(study['scales'])})")
     only = args.only.split(",") if args.only else None
     for a in only or []:
-        if a not in spec["arms"]:
+        if a not in study["arms"]:
             raise StudyError(f"error: --only {a}: {path} has no such arm "
-                             f"({', '.join(spec['arms'])})")
-    folder = Path(args.out) if args.out else REPO / "runs" / spec["name"] / args.scale
-    jobs = plan(spec, args.scale, folder, only, args.seeds)
+                             f"({', '.join(study['arms'])})")
+    folder = Path(args.out) if args.out else REPO / "runs" / study["name"] / args.scale
+    jobs = plan(study, args.scale, folder, only, args.seeds)
     if args.report:
-        print(build_report(spec, args.scale, folder, plan(spec, args.scale, folder), args.nboot,
+        print(build_report(study, args.scale, folder, plan(study, args.scale, folder), args.nboot,
                            not args.no_figures))
         return
-    resolved = preflight(spec, args.scale, jobs, path)
+    resolved = preflight(study, args.scale, jobs, path)
     if args.dry_run:
-        print(f"{spec['name']}, scale {args.scale}: {len(jobs)} jobs into {folder}")
+        print(f"{study['name']}, scale {args.scale}: {len(jobs)} jobs into {folder}")
         print("\n".join(estimate(jobs, resolved, folder)))
         for j in jobs:
             print(f"\n{j.name}:\n" + "\n".join("  " + shown(s.argv) for s in j.steps))
@@ -361,7 +362,7 @@ def main(argv=None):
     for data, vocab in sorted({(a["data"], a["vocab_size"]) for a in resolved.values()}):
         if data not in generated:
             prepare(data, vocab)
-    print(f"{spec['name']}, scale {args.scale}: {len(todo)} of {len(jobs)} jobs to run into "
+    print(f"{study['name']}, scale {args.scale}: {len(todo)} of {len(jobs)} jobs to run into "
           f"{folder}" + (f", {args.parallel} at a time" if args.parallel > 1 else ""))
     count = iter(range(1, 10 ** 6))
     counter = lambda: next(count)
@@ -398,7 +399,7 @@ def main(argv=None):
                 wave = pending
             list(pool.map(work, wave))
             pending = [j for j in pending if j not in wave]
-    text = build_report(spec, args.scale, folder, plan(spec, args.scale, folder), args.nboot,
+    text = build_report(study, args.scale, folder, plan(study, args.scale, folder), args.nboot,
                         not args.no_figures)
     print(f"\nwrote {folder / 'REPORT.md'} ({len(text.splitlines())} lines)"
           + (f"; {len(failed)} jobs failed: " + ", ".join(failed) if failed else ""))

@@ -306,7 +306,7 @@ def build_parser() -> flags.Parser:
     add("--ud", default=None, help="folder holding the UD treebanks (default $NANOMLM_RAW/ud)")
     add("--treebanks", nargs="+", default=TREEBANKS, help=f"(default {' '.join(TREEBANKS)})")
     add("--n-rels", type=int, default=20,
-        help="relations kept as nonterminals; the rest become `other`")
+        help="relations kept as nonterminals; the rest become `other`", range=flags.at_least(1))
     add("--rare", default="other", choices=["other", "drop"],
         help="relations outside the --n-rels most frequent: other (one nonterminal for them all, "
         "their subtrees kept) or drop (removed with their subtrees, most likely the blog's "
@@ -317,25 +317,24 @@ def build_parser() -> flags.Parser:
         "(default on; --no-separate-sentences: joined, as the studies before 2026-11-24)")
     add("--relex", default="zipf", choices=["zipf", "loglinear"],
         help="word distribution")
-    add("--vocab", type=int, default=5000, help="made-up words in all")
-    add("--sentences", type=int, default=1000000, help="sentences to sample")
-    add("--max-depth", type=int, default=30, help="tree depth cap")
-    add("--max-len", type=int, default=100, help="longer sentences are drawn again")
-    add("--seed", type=int, default=0, help="seed of the sampling")
+    add("--vocab", type=int, default=5000, help="made-up words in all", range=flags.at_least(1))
+    add("--sentences", type=int, default=1000000, range=flags.at_least(1),
+        help="sentences to sample")
+    add("--max-depth", type=int, default=30, help="tree depth cap", range=flags.at_least(1))
+    add("--max-len", type=int, default=100, range=flags.at_least(1),
+        help="longer sentences are drawn again")
+    add("--seed", type=int, default=0, help="seed of the sampling", range=flags.at_least(0))
     add("--out", required=True, help="corpus folder to write: synth.train, synth.dev (every 20th "
         "sentence), grammar.json, stats.json")
     return ap
 
 
-R = flags.Range
-RANGES = {"n_rels": R(1), "vocab": R(1), "sentences": R(1), "max_depth": R(1), "max_len": R(1),
-          "seed": R(0)}
 
 
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    flags.check_ranges(ap, args, RANGES)
+    flags.check_ranges(ap, args)
     ud = Path(args.ud or raw_root() / "ud")
     t0 = time.time()
     sentences = [s for f in treebank_files(ud, args.treebanks) for s in read_conllu(f)]

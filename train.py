@@ -291,10 +291,10 @@ OBJECTIVES = {
 }
 TWO_PHASE = sorted(name for name, o in OBJECTIVES.items() if o.two_phase)
 
-# Per-size defaults, under an objective's own. On an H100 (issue 17, 2026-11-22) `small` MLM at
-# LAMB lr 1e-2 with 128 x 128 batches diverged near step 1250 in two seeds, and ran 10 epochs
-# stably at 5e-3. LTG-BERT's 1e-2 goes with 8x larger batches. `base` at 5e-3 is not yet
-# confirmed by a run; `tiny` keeps the CPU sweep's 1e-2 (docs/studies/tiny_mlm.md).
+# Per-size defaults, under an objective's own. On an H100 `small` MLM at LAMB lr 1e-2 with
+# 128 x 128 batches diverged in two seeds, and ran 10 epochs stably at 5e-3; LTG-BERT's 1e-2 goes
+# with 8x larger batches (docs/objectives/mlm.md, deviation 4). `tiny` keeps the CPU sweep's 1e-2
+# (docs/studies/tiny_mlm.md).
 SIZE_DEFAULTS = {"tiny": dict(lr=1e-2), "small": dict(lr=5e-3), "base": dict(lr=5e-3)}
 
 
@@ -333,39 +333,48 @@ def build_parser():
     add("--data", default="babylm_10m", help="corpus name under $NANOMLM_RAW, a folder of text "
         "files, or a prepared folder")
     add("--vocab-size", type=int, default=VOCAB_SIZE,
-        help="sentencepiece vocabulary when the data is prepared")
+        help="sentencepiece vocabulary when the data is prepared", range=flags.at_least(262))
     add("--size", default="small", choices=PRESETS,
         help="model preset; ModelConfig flags below override it")
-    add("--seq-len", type=int, default=128, help="tokens per sequence, [CLS] and [SEP] included")
-    add("--batch-size", type=int, default=128, help="sequences per micro-batch per process")
-    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    add("--seq-len", type=int, default=128, range=flags.at_least(3),
+        help="tokens per sequence, [CLS] and [SEP] included")
+    add("--batch-size", type=int, default=128, range=flags.at_least(1),
+        help="sequences per micro-batch per process")
+    add("--grad-accum", type=int, default=1, range=flags.at_least(1),
+        help="micro-batches per optimizer step")
     add("--optim", default="lamb", choices=["adamw", "lamb"],
         help="optimizer; betas (0.9, 0.98), eps 1e-6")
     add("--lr", type=float, default=1e-2, help="peak learning rate (default: tiny 1e-2, small "
-        "and base 5e-3; boot 5e-3; see docs/objectives/mlm.md)")
+        "and base 5e-3; boot 5e-3; see docs/objectives/mlm.md)", range=flags.at_least(0))
     add("--warmup", type=float, default=0.016,
-        help="warmup: a fraction of --max-steps if < 1, else steps")
+        help="warmup: a fraction of --max-steps if < 1, else steps", range=flags.at_least(0))
     add("--schedule", default="cosine", choices=["cosine", "linear"], help="decay after warmup")
-    add("--min-lr", type=float, default=0.1, help="final learning rate as a fraction of --lr")
+    add("--min-lr", type=float, default=0.1, range=flags.Range(0, 1),
+        help="final learning rate as a fraction of --lr")
     add("--weight-decay", type=float, default=0.1, help="decoupled weight decay on weight "
-        "matrices (default 0.1; boot 0.02, rising to 0.2)")
-    add("--weight-decay-end", type=float, default=None, help="cosine weight decay from "
+        "matrices (default 0.1; boot 0.02, rising to 0.2)", range=flags.at_least(0))
+    add("--weight-decay-end", type=float, default=None, range=flags.at_least(0),
+        help="cosine weight decay from "
         "--weight-decay to this over the phase (default: constant; boot 0.2)")
-    add("--clip", type=float, default=2.0, help="gradient-norm clipping, 0 = off")
-    add("--spike", type=float, default=10.0, help="stop a diverging run: when a log interval's "
+    add("--clip", type=float, default=2.0, range=flags.at_least(0),
+        help="gradient-norm clipping, 0 = off")
+    add("--spike", type=float, default=10.0, range=flags.at_least(0),
+        help="stop a diverging run: when a log interval's "
         "mean gradient norm exceeds this multiple of its median over the phase so far, or its "
         "loss stays 1 nat above the phase's lowest for two log lines; 0 = off")
-    add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict")
+    add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict",
+        range=flags.Range(0, 1, low_open=True, high_open=True))
     add("--masking", default="span", choices=["span", "token", "uniform"], help="span: "
         "LTG-BERT's spans, 80/10/10 per span; token: BERT's, each token chosen alone, 80/10/10 "
         "(the synthetic-language blog's); uniform: int(p T) tokens per sequence, all [MASK], as "
         "the MLSM code (default span; kd, kd+mlm, mlsm, mlsm+mlm uniform)")
-    add("--max-steps", type=int, default=None,
+    add("--max-steps", type=int, default=None, range=flags.at_least(1),
         help="optimizer steps (default: --epochs of the training data at the global batch)")
     add("--epochs", type=float, default=10.0, help="the budget when --max-steps is not given: "
         "passes over the training segments, rounded down to whole steps (default 10, BabyLM's "
-        "limit: 7,246 steps of 128 x 128 on babylm_10m)")
-    add("--seed", type=int, default=0, help="seed for init, data order, masks and dropout")
+        "limit: 7,246 steps of 128 x 128 on babylm_10m)", range=flags.above(0))
+    add("--seed", type=int, default=0, range=flags.at_least(0),
+        help="seed for init, data order, masks and dropout")
     add_device_flag(add, "where to train")
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the model (default: on with CUDA, off on the CPU)")
@@ -385,11 +394,14 @@ def build_parser():
         "then differ), positions; comma-separated")
     add("--freeze", default="", help="parts that get no updates: embeddings (the token "
         "embeddings, so the tied output too)")
-    add("--log-every", type=int, default=50, help="steps between log lines")
-    add("--eval-every", type=int, default=500, help="steps between validations")
+    add("--log-every", type=int, default=50, range=flags.at_least(1),
+        help="steps between log lines")
+    add("--eval-every", type=int, default=500, range=flags.at_least(1),
+        help="steps between validations")
     add("--eval-batches", type=int, default=20,
-        help="validation batches, always the same ones")
-    add("--save-every", type=int, default=1000, help="steps between checkpoints")
+        help="validation batches, always the same ones", range=flags.at_least(1))
+    add("--save-every", type=int, default=1000, range=flags.at_least(1),
+        help="steps between checkpoints")
     add("--save-words", default="", type=save_words_flag, help="also keep the weights when "
         "this many training words have been seen, as chck_<N>.pt in the run folder (export.py "
         "makes them the BabyLM pipeline's folders): a list such as 1M,2M,500K, or babylm "
@@ -397,67 +409,72 @@ def build_parser():
     add("--check", action="store_true", help="check the flags, print the settings they resolve "
         "to (defaults applied) as JSON, and exit without training (study.py's pre-flight)")
     add("--stop-at", type=int, default=None, help="checkpoint and exit after this step; the "
-        "schedule still runs to --max-steps (for time-limited jobs)")
-    b = p.add_argument_group("boot (latent bootstrapping, Samuel 2023)").add_argument
-    b("--lb-weight", type=float, default=1.0,
-      help="weight of the latent-bootstrapping loss; 0 removes it")
-    b("--mlm-weight", type=float, default=1.0, help="weight of the MLM loss in kd+mlm, mlsm+mlm "
-      "and boot (default 1; boot 0.1, its decoder's)")
-    b("--ema-start", type=float, default=0.996, help="mean-teacher EMA decay at the first step")
-    b("--ema-end", type=float, default=1.0, help="EMA decay at the last step, reached linearly")
-    b("--decoder-layers", type=int, default=None, help="layers of the student's decoder "
-      "(default: a third of --n-layer, at least 1; the paper's 4 on 12)")
-    b("--boot-student", default="mae", choices=["mae", "bert"], help="mae: the encoder sees the "
-      "kept tokens only; bert: the whole masked input (ablation)")
-    k = p.add_argument_group("kd, kd+mlm, mlsm, mlsm+mlm, mlm --two-phase (a phase of MLM, then "
-                             "the objective, taught by that model; Berend 2023)").add_argument
-    k("--phase1-steps", type=float, default=0.2,
-      help="MLM steps of phase 1: a fraction of --max-steps if < 1, else steps")
-    k("--two-phase", action="store_true", help="mlm only: train in kd's two phases, the second "
-      "restarting optimizer and warm-up from the phase-1 weights (Better Together's baseline)")
-    k("--teacher", default=None, help="distil from this checkpoint instead of training a phase 1")
-    k("--student-init", default="continued", choices=["continued", "scratch"],
-      help="phase 2 starts from the phase-1 weights, or from a fresh init")
-    k("--kd-temperature", type=float, default=1.0,
-      help="softmax temperature T; the KL is scaled by T^2")
-    k("--kd-teacher-input", default="clean", choices=["clean", "masked"],
-      help="what the teacher reads")
-    k("--dict", default=None, help="mlsm: a dictionary from sparse.py (default: learn one from "
-      "the teacher into RUN/dict.pt)")
-    flags.add_fields(k, sparse.DictConfig, DICT_FLAGS, prefix="mlsm: ")
-    k("--mlsm-coder", default="fista100", choices=["fista100", "exact"],
-      help="mlsm: the targets' codes: fista100, 100 plain FISTA steps from zero as the MLSM code "
-      "(denser, softer); exact, the working-set FISTA run to --mlsm-tol")
-    k("--mlsm-iters", type=int, default=200,
-      help="mlsm --mlsm-coder exact: FISTA iteration cap per batch of targets")
-    k("--mlsm-tol", type=float, default=1e-2, help="mlsm --mlsm-coder exact: FISTA stops when "
-      "its gradient mapping is below tol*lam")
-    m = p.add_argument_group("model (ModelConfig fields; default: the --size preset)")
-    flags.add_fields(m.add_argument, ModelConfig, {f.name: f.name for f in fields(ModelConfig)
-                                                   if f.name != "vocab_size"},  # the tokenizer's
-                     preset=True, choices={"position": ("relative", "absolute")})
+        "schedule still runs to --max-steps (for time-limited jobs)", range=flags.at_least(1))
+    add_boot = p.add_argument_group("boot (latent bootstrapping, Samuel 2023)").add_argument
+    add_boot("--lb-weight", type=float, default=1.0, range=flags.at_least(0),
+             help="weight of the latent-bootstrapping loss; 0 removes it")
+    add_boot("--mlm-weight", type=float, default=1.0, range=flags.at_least(0),
+             help="weight of the MLM loss in kd+mlm, mlsm+mlm and boot (default 1; boot 0.1, "
+             "its decoder's)")
+    add_boot("--ema-start", type=float, default=0.996, range=flags.Range(0, 1),
+             help="mean-teacher EMA decay at the first step")
+    add_boot("--ema-end", type=float, default=1.0, range=flags.Range(0, 1),
+             help="EMA decay at the last step, reached linearly")
+    add_boot("--decoder-layers", type=int, default=None, range=flags.at_least(1),
+             help="layers of the student's decoder (default: a third of --n-layer, at least 1; "
+             "the paper's 4 on 12)")
+    add_boot("--boot-student", default="mae", choices=["mae", "bert"],
+             help="mae: the encoder sees the kept tokens only; bert: the whole masked input "
+             "(ablation)")
+    add_phased = p.add_argument_group(
+        "kd, kd+mlm, mlsm, mlsm+mlm, mlm --two-phase (a phase of MLM, then the objective, taught "
+        "by that model; Berend 2023)").add_argument
+    add_phased("--phase1-steps", type=float, default=0.2, range=flags.above(0),
+               help="MLM steps of phase 1: a fraction of --max-steps if < 1, else steps")
+    add_phased("--two-phase", action="store_true",
+               help="mlm only: train in kd's two phases, the second restarting optimizer and "
+               "warm-up from the phase-1 weights (Better Together's baseline)")
+    add_phased("--teacher", default=None,
+               help="distil from this checkpoint instead of training a phase 1")
+    add_phased("--student-init", default="continued", choices=["continued", "scratch"],
+               help="phase 2 starts from the phase-1 weights, or from a fresh init")
+    add_phased("--kd-temperature", type=float, default=1.0, range=flags.above(0),
+               help="softmax temperature T; the KL is scaled by T^2")
+    add_phased("--kd-teacher-input", default="clean", choices=["clean", "masked"],
+               help="what the teacher reads")
+    add_phased("--dict", default=None, help="mlsm: a dictionary from sparse.py (default: learn "
+               "one from the teacher into RUN/dict.pt)")
+    flags.add_fields(add_phased, sparse.DictConfig, DICT_FLAGS, prefix="mlsm: ")
+    add_phased("--mlsm-coder", default="fista100", choices=["fista100", "exact"],
+               help="mlsm: the targets' codes: fista100, 100 plain FISTA steps from zero as the "
+               "MLSM code (denser, softer); exact, the working-set FISTA run to --mlsm-tol")
+    add_phased("--mlsm-iters", type=int, default=200, range=flags.at_least(1),
+               help="mlsm --mlsm-coder exact: FISTA iteration cap per batch of targets")
+    add_phased("--mlsm-tol", type=float, default=1e-2, range=flags.above(0),
+               help="mlsm --mlsm-coder exact: FISTA stops when its gradient mapping is below "
+               "tol*lam")
+    add_model = p.add_argument_group(
+        "model (ModelConfig fields; default: the --size preset)").add_argument
+    flags.add_fields(add_model, ModelConfig, {f.name: f.name for f in fields(ModelConfig)
+                                              if f.name != "vocab_size"},  # the tokenizer's
+                     preset=True, choices={"position": ("relative", "absolute")},
+                     ranges={**dict.fromkeys(("n_layer", "n_head", "d_model", "d_ff"),
+                                             flags.at_least(1)),
+                             "dropout": flags.Range(0, 1, high_open=True),
+                             "position_buckets": flags.at_least(2),
+                             "max_position": flags.at_least(3),
+                             "layer_norm_eps": flags.above(0)})
     return p
 
 
 # the values every numeric flag may take (the dictionary's are DictConfig.check's); a vocabulary
 # holds the 5 specials and 256 byte pieces at least (sentencepiece may need more for a corpus)
-R, OPEN = flags.Range, dict(low_open=True)
-RANGES = {"vocab_size": R(262), "seq_len": R(3), "batch_size": R(1), "grad_accum": R(1),
-          "lr": R(0), "warmup": R(0), "min_lr": R(0, 1), "weight_decay": R(0),
-          "weight_decay_end": R(0), "clip": R(0), "spike": R(0), "mask_p": R(0, 1, True, True),
-          "max_steps": R(1), "epochs": R(0, **OPEN), "seed": R(0), "log_every": R(1),
-          "eval_every": R(1), "eval_batches": R(1), "save_every": R(1), "stop_at": R(1),
-          "lb_weight": R(0), "mlm_weight": R(0), "ema_start": R(0, 1), "ema_end": R(0, 1),
-          "decoder_layers": R(1), "phase1_steps": R(0, **OPEN), "kd_temperature": R(0, **OPEN),
-          "mlsm_iters": R(1), "mlsm_tol": R(0, **OPEN), "n_layer": R(1), "n_head": R(1),
-          "d_model": R(1), "d_ff": R(1), "dropout": R(0, 1, high_open=True),
-          "position_buckets": R(2), "max_position": R(3), "layer_norm_eps": R(0, **OPEN)}
 
 
 def get_args(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
-    flags.check_ranges(parser, args, RANGES)
+    flags.check_ranges(parser, args)
     mlsm_family = OBJECTIVES[args.objective].setup is setup_mlsm
     for flag, applies, to in (("teacher", args.objective in TWO_PHASE, ", ".join(TWO_PHASE)),
                               ("dict", mlsm_family, "mlsm and mlsm+mlm"),
@@ -513,8 +530,8 @@ def main(argv=None):
     run.say(describe(run, phase1_steps(args)))
     if OBJECTIVES[args.objective].note:
         run.say("note: " + OBJECTIVES[args.objective].note)
-    marks = word_marks(run)  # {step: (name, words)} of --save-words
-    net = SafetyNet(run.folder, run.device, run.ddp, args.spike, args.log_every,
+    word_saves = word_marks(run)  # {step: (name, words)} of --save-words
+    guard = SafetyNet(run.folder, run.device, run.ddp, args.spike, args.log_every,
                     last_saved=step if run.ckpt is not None else None)
     sums, since_log = {}, 0  # each stat summed over the steps since the last log line
     t_log, t_phase, t0, step0 = time.time(), time.time(), time.time(), step
@@ -523,7 +540,7 @@ def main(argv=None):
     while step < args.max_steps:
         if step == phase.end:  # phase 2 begins; phase1.pt was written as phase 1 ended
             phase = phase_at(run, step)
-            net.new_phase()
+            guard.new_phase()
             t_log = t_phase = time.time()  # its set-up (teacher, dictionary) is not a step's
         lr = set_schedule(phase.optimizer, step, args, phase.start, phase.end)
         step_loss = 0.0
@@ -540,7 +557,7 @@ def main(argv=None):
         clip = args.clip if args.clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(phase.trainee.parameters(), clip)
         sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
-        net.watch(step, step_loss, grad_norm)
+        guard.watch(step, step_loss, grad_norm)
         phase.optimizer.step()
         phase.optimizer.zero_grad(set_to_none=True)
         if "ema" in phase.extras:  # a mean teacher follows the student (BootBERT, sec. 3)
@@ -550,16 +567,16 @@ def main(argv=None):
         since_log += 1
         progress.update()
 
-        stop = net.stop_requested(step, args.max_steps)
+        stop = guard.stop_requested(step, args.max_steps)
         is_save = (step % args.save_every == 0 or step in (phase.end, args.stop_at) or stop
-                   or net.save_pending(step))
+                   or guard.save_pending(step))
         is_log = step % args.log_every == 0 or step == phase.end or is_save  # saves are checked
         is_eval = step % args.eval_every == 0 or step == phase.end
-        if is_log or is_eval or step in marks:  # the only places the loop waits for the device
-            net.check_finite()  # (so the queued step is not timed as the pause that follows)
+        if is_log or is_eval or step in word_saves:  # the only places the loop waits for the device
+            guard.check_finite()  # (so the queued step is not timed as the pause that follows)
         if is_log:  # means over the steps since the last log line, across all processes
             record = run.log_stats(step, sums, since_log, time.time() - t_log, lr)
-            net.judge(record, stop, args.lr)
+            guard.judge(record, stop, args.lr)
             # at this phase's rate: the set-up between the phases is behind, not spread
             rate = (step - max(step0, phase.start)) / max(time.time() - t_phase, 1e-9)
             run.say(log_line(record, stats, args.max_steps, (args.max_steps - step) / rate))
@@ -571,18 +588,18 @@ def main(argv=None):
             save(run, phase, step, "phase1.pt")
             if run.ddp:
                 dist.barrier()  # every process loads it as the teacher next
-        if is_save and net.may_save(must=step in (phase.end, args.stop_at) or stop):
-            net.last_saved = save(run, phase, step)
-        if step in marks:
-            save(run, phase, step, f"{marks[step][0]}.pt", words=marks[step][1])
+        if is_save and guard.may_save(must=step in (phase.end, args.stop_at) or stop):
+            guard.last_saved = save(run, phase, step)
+        if step in word_saves:
+            save(run, phase, step, f"{word_saves[step][0]}.pt", words=word_saves[step][1])
         t_log += time.time() - paused  # (not reset: the steps since the last log line still count)
         if stop:
             progress.close()
-            net.stop(step, run.rank, run.folder.path)
+            guard.stop(step, run.rank, run.folder.path)
         if step == args.stop_at:
             break
     progress.close()
-    net.release()
+    guard.release()
     run.say(summary(run, step, step - step0, time.time() - t0))
     if run.ddp:
         dist.destroy_process_group()

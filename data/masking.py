@@ -56,7 +56,7 @@ def mask_capacity(B, T, p, mean_span=None) -> int:
     Given the spans, the count is a sum of independent [chosen] * length terms, so its variance
     is p (1 - p) times the sum of squared span lengths, about n (2m - 1) for geometric lengths
     of mean m (a little less: rows cut their last span short). Computed exactly (a dynamic
-    program over a row's spans, 2026-11-25), a batch exceeds the bound with probability 6e-12
+    program over a row's spans), a batch exceeds the bound with probability 6e-12
     at 128 x 128 tokens (where it is 1.30x the mean count) and 4e-10 at the tests' 8 x 32; a
     single short row with few masks more often (1 x 64 tokens at p 0.05: 2e-6). span_mask
     then leaves the tokens beyond it unchosen."""

@@ -47,7 +47,7 @@ def load_study(path: Path) -> dict:
     def fail(key, why):
         raise StudyError(f"error: {path}: {key}: {why}")
     try:
-        spec = tomllib.loads(path.read_text())
+        study = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise StudyError(f"error: no study file at {path}")
     except tomllib.TOMLDecodeError as e:
@@ -70,14 +70,14 @@ def load_study(path: Path) -> dict:
                     check(body, f"{name}.{child}", f"{key}.*")
             elif isinstance(value, dict):
                 check(value, name, sub)
-    check(spec, "", "")
-    arms, scales = spec.get("arms", {}), spec.get("scales", {})
+    check(study, "", "")
+    arms, scales = study.get("arms", {}), study.get("scales", {})
     if not arms:
         fail("arms", "a study needs at least one arm")
     if not scales:
         fail("scales", "a study needs at least one scale")
-    if spec.get("baseline") not in arms:
-        fail("baseline", f"{spec.get('baseline')!r} is not one of the arms ({', '.join(arms)})")
+    if study.get("baseline") not in arms:
+        fail("baseline", f"{study.get('baseline')!r} is not one of the arms ({', '.join(arms)})")
     for name, arm in arms.items():
         if "objective" not in arm:
             fail(f"arms.{name}", "has no objective")
@@ -92,10 +92,10 @@ def load_study(path: Path) -> dict:
                 fail(f"scales.{name}.arm_flags.{arm}", "not one of the arms")
         if any("source" in a for a in arms.values()) and "source" not in scale:
             fail(f"scales.{name}", "arms have a source, so the scale needs a [source] budget")
-    spec.setdefault("name", path.stem)
-    spec["path"] = os.path.relpath(path.resolve(), REPO) if path.resolve().is_relative_to(
+    study.setdefault("name", path.stem)
+    study["path"] = os.path.relpath(path.resolve(), REPO) if path.resolve().is_relative_to(
         REPO) else str(path)
-    return spec
+    return study
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,12 +137,12 @@ def shown(argv) -> str:
                                 .replace(repo, "") for a in argv)
 
 
-def plan(spec: dict, scale_name: str, folder: Path, only=None, seeds=None) -> list[Job]:
-    scale, arms = spec["scales"][scale_name], spec["arms"]
+def plan(study: dict, scale_name: str, folder: Path, only=None, seeds=None) -> list[Job]:
+    scale, arms = study["scales"][scale_name], study["arms"]
     ev = scale.get("evaluate", {})
     device = ["--device", scale["device"]] if "device" in scale else []
     raw = lambda p: str(raw_path(p))
-    corpora = {name: folder / "corpora" / f"{name}.{spec['name']}.{scale_name}"
+    corpora = {name: folder / "corpora" / f"{name}.{study['name']}.{scale_name}"
                for name in scale.get("corpora", {})}
     data = lambda name: str(corpora.get(name, name))
     jobs = {}

@@ -37,13 +37,13 @@ def subset(ex: dict, keep: np.ndarray) -> dict:
             "pred": ex["pred"][:, keep]}
 
 
-def compare_arms(spec, scale_name, results, nboot) -> dict:
+def compare_arms(study, scale_name, results, nboot) -> dict:
     """{metric: {arm: multibootstrap(baseline, arm)}} and per BLiMP phenomenon."""
-    base = spec["baseline"]
+    base = study["baseline"]
     out, phen = {}, {}
     if base not in results:
         return {"metrics": out, "phenomena": phen}
-    names = spec.get("metrics") or metric_names(spec["scales"][scale_name])
+    names = study.get("metrics") or metric_names(study["scales"][scale_name])
     for m in names:
         A = [examples_of(r, m, f"{base} s{r['seed']}") for r in results[base] if m in r]
         for arm, rs in results.items():
@@ -77,24 +77,24 @@ def ran_in(results: dict) -> Path | None:
     return None
 
 
-def build_report(spec, scale_name, folder, jobs, nboot, figures=True) -> str:
-    scale = spec["scales"][scale_name]
-    arms = list(spec["arms"])
+def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
+    scale = study["scales"][scale_name]
+    arms = list(study["arms"])
     planned = {(j.arm, j.seed): j.fingerprint for j in jobs if j.arm}
     results, stale, failed = read_results(folder, planned)
-    comp = compare_arms(spec, scale_name, results, nboot)
-    base = spec["baseline"]
+    comp = compare_arms(study, scale_name, results, nboot)
+    base = study["baseline"]
     held = sum(len(v) for v in results.values())
-    lines = [f"# Study `{spec['name']}`, scale `{scale_name}`", ""]
-    if spec.get("about"):
-        lines += [spec["about"].strip(), ""]
+    lines = [f"# Study `{study['name']}`, scale `{scale_name}`", ""]
+    if study.get("about"):
+        lines += [study["about"].strip(), ""]
     devices = sorted({r["compute"]["device"] for rs in results.values() for r in rs})
     dates = sorted({r["compute"]["date"] for rs in results.values() for r in rs})
     lines += [f"Holds {held} of the {len(planned)} runs planned ({len(arms)} arms x "
               f"{len(scale['seeds'])} seeds {scale['seeds']}); made on {', '.join(devices) or '-'}"
               f", {', '.join(dates) or '-'}. Baseline: `{base}`. Built by `python study.py "
-              f"{spec['path']} --scale {scale_name} --report"
-              + ("" if folder == REPO / "runs" / spec["name"] / scale_name else
+              f"{study['path']} --scale {scale_name} --report"
+              + ("" if folder == REPO / "runs" / study["name"] / scale_name else
                  f" --out {os.path.relpath(folder.resolve(), REPO)}") + "` from "
               "`results/` alone.", ""]
     if scale.get("notes"):
@@ -177,7 +177,7 @@ def build_report(spec, scale_name, folder, jobs, nboot, figures=True) -> str:
               f"{scale['seeds'][0]}; the other seeds change `--seed` and the folders):", ""]
     # corpus and source runs keep no result file: plan them again where the arms ran
     root = ran_in(results)
-    as_ran = {j.name: j for j in plan(spec, scale_name, root)} if root else {}
+    as_ran = {j.name: j for j in plan(study, scale_name, root)} if root else {}
     for j in jobs:
         if j.seed == scale["seeds"][0] or (j.arm is None and j.name.endswith(
                 f"s{scale['seeds'][0]}")) or j.name.startswith("corpus"):
@@ -186,9 +186,9 @@ def build_report(spec, scale_name, folder, jobs, nboot, figures=True) -> str:
                 shown(s.argv) for s in as_ran.get(j.name, j).steps]
             lines += [f"`{j.name}`:", "```bash", *commands, "```"]
     if figures:
-        lines += ["", *draw_figures(folder, spec, results, comp)]
+        lines += ["", *draw_figures(folder, study, results, comp)]
     (folder / "report.json").write_text(json.dumps(
-        {"study": spec["name"], "scale": scale_name, "runs": held, "planned": len(planned),
+        {"study": study["name"], "scale": scale_name, "runs": held, "planned": len(planned),
          "stale": stale, "failed": failed, **comp}, indent=1, default=float))
     text = "\n".join(lines) + "\n"
     (folder / "REPORT.md").write_text(text)
@@ -209,7 +209,7 @@ def mlm_curve(records) -> tuple[list, list]:
     return xs, ys
 
 
-def draw_figures(folder, spec, results, comp) -> list[str]:
+def draw_figures(folder, study, results, comp) -> list[str]:
     """curves.png and blimp.png when matplotlib is there; the report's lines about them."""
     try:
         import matplotlib
@@ -220,7 +220,7 @@ def draw_figures(folder, spec, results, comp) -> list[str]:
                 "`--report`."]
     out = ["## Figures", ""]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for arm in spec["arms"]:
+    for arm in study["arms"]:
         curves = [mlm_curve(r["curve"]) for r in results.get(arm, [])]
         curves = [c for c in curves if len(c[0]) > 1]  # mlsm: phase 1's last point alone
         if not curves:
@@ -240,7 +240,7 @@ def draw_figures(folder, spec, results, comp) -> list[str]:
             "tokens for every arm.", ""]
     for m, by_phen in comp["phenomena"].items():
         phens = list(by_phen)
-        arms = [a for a in spec["arms"] if a != spec["baseline"] and a in by_phen[phens[0]]]
+        arms = [a for a in study["arms"] if a != study["baseline"] and a in by_phen[phens[0]]]
         if not arms:
             continue
         fig, ax = plt.subplots(figsize=(7, 0.35 * len(phens) * max(1, len(arms)) / 2 + 1.5))
@@ -253,7 +253,7 @@ def draw_figures(folder, spec, results, comp) -> list[str]:
             ax.errorbar(d, y, xerr=[d - lo, hi - d], fmt="o", ms=3, capsize=2, label=a)
         ax.axvline(0, color="k", lw=0.8)
         ax.set_yticks(np.arange(len(phens)) + 0.4 - height / 2, phens, fontsize=7)
-        ax.set(xlabel=f"accuracy B - {spec['baseline']} (points), 95% interval",
+        ax.set(xlabel=f"accuracy B - {study['baseline']} (points), 95% interval",
                title=f"{m} per phenomenon")
         ax.legend(fontsize=7)
         fig.tight_layout()

@@ -2,12 +2,9 @@
 encoder of a run, opened fresh or resumed with its saved settings; a phase made ready to train
 (its objective's parts, the trainee wrapped for DDP and compiled, a fresh or restored optimizer);
 its checkpoints; the steps at which --save-words keeps the weights. Nothing here knows an
-objective: train.py hands each phase its objective's loss and setup.
-
-A run folder holds args.json, config.json, data.json (the corpus' meta.json), log.jsonl (every
-logged figure), ckpt.pt (model, heads, optimizer, config, args, step, RNG states, data position,
-code version, tokenizer, checksum), code/ (every source file of the repository the run imported:
-run_folder.repo_sources) and lock (held by the one process training there).
+objective: train.py hands each phase its objective's loss and setup. What a run folder holds:
+machinery/run_folder.py. A checkpoint (ckpt.pt) holds the model, heads, optimizer, config, args,
+step, RNG states, data position, code version, tokenizer and a checksum (save, below).
 """
 import argparse
 import math
@@ -242,23 +239,24 @@ def open_run(args, code: list[str], defaults: dict, check_steps: Callable) -> Ru
     return run
 
 
-def start_phase(run: Run, step: int, objective: str, start: int, end: int, spec) -> Phase:
+def start_phase(run: Run, step: int, objective: str, start: int, end: int, entry) -> Phase:
     """The phase [start, end) of `objective` that `step` belongs to, ready to train: the parts
-    of its spec (train.Objective: its loss and setup), the trainee wrapped for DDP and compiled
-    as asked, a fresh optimizer; restored from the checkpoint when resuming inside the phase.
+    of its OBJECTIVES entry (train.Objective: its loss and setup), the trainee wrapped for DDP
+    and compiled as asked, a fresh optimizer; restored from the checkpoint when resuming inside
+    the phase.
     Phase 2 with --student-init scratch starts from a fresh encoder."""
     args = run.args
     if step == start > 0 and args.student_init == "scratch":
         torch.manual_seed(seed_of(args.seed, step))
         run.encoder.init_weights()
-    parts = (spec.setup(run.encoder, args, run.folder.path, run.device) if spec.setup
+    parts = (entry.setup(run.encoder, args, run.folder.path, run.device) if entry.setup
              else ObjectiveParts())
     if step == start > 0:
         init = "scratch" if args.student_init == "scratch" else "the phase-1 weights"
         teacher = args.teacher or run.folder.path / "phase1.pt"
         run.say(f"step {step}: phase 2, {objective} from {init}, a fresh optimizer and warm-up"
-                + (f", taught by {teacher}" if spec.setup else ""))
-    trainee = Trainee(run.encoder, parts.heads.to(run.device), spec.loss)
+                + (f", taught by {teacher}" if entry.setup else ""))
+    trainee = Trainee(run.encoder, parts.heads.to(run.device), entry.loss)
     model = trainee
     if run.ddp:
         ids = [run.device.index] if run.device.type == "cuda" else None
@@ -326,28 +324,28 @@ def nothing_to_do(run: Run) -> bool:
     return said is not None
 
 
-def word_counts(spec: str) -> list[int]:
+def word_counts(entry: str) -> list[int]:
     """--save-words: "1M,2M,500K" or "babylm" -> the word counts (ValueError if unreadable)."""
-    if spec == "babylm":
+    if entry == "babylm":
         return [m * 10 ** 6 for m in BABYLM_WORDS]
     try:
         counts = [round(float(c[:-1]) * {"K": 1e3, "M": 1e6}[c[-1].upper()])
-                  for c in spec.split(",")] if spec else []
+                  for c in entry.split(",")] if entry else []
     except (KeyError, ValueError, IndexError):
         counts = [0]
     if any(n <= 0 for n in counts):
-        raise ValueError(f"{spec!r}: give positive counts such as 1M,2M,500K, or babylm")
+        raise ValueError(f"{entry!r}: give positive counts such as 1M,2M,500K, or babylm")
     return counts
 
 
-def save_words_flag(spec: str) -> str:
-    """--save-words' type: the spec as given, once readable (refused by the parser, in one
+def save_words_flag(entry: str) -> str:
+    """--save-words' type: the entry as given, once readable (refused by the parser, in one
     line, before anything runs)."""
     try:
-        word_counts(spec)
+        word_counts(entry)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return spec
+    return entry
 
 
 def check_warmup(args, phases: list[int]) -> None:

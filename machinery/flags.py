@@ -1,11 +1,13 @@
 """The command line as every script builds it: errors in one line, help that shows each flag's
 default, flags made from a config dataclass's fields (their help is the field's comment, so the
-two never drift apart), the range of every numeric flag checked in one place, and which flags a
-user typed.
+two never drift apart), the range of every numeric flag declared with the flag and checked in
+one place, and which flags a user typed.
 
     p = flags.Parser(description=__doc__)
-    flags.add_fields(p.add_argument, ModelConfig, preset=True)    # --n-layer, --d-model, ...
-    flags.check_ranges(p, p.parse_args(), {"lr": flags.Range(0, low_open=True)})
+    p.add_argument("--lr", type=float, default=1e-3, range=flags.above(0))
+    flags.add_fields(p.add_argument, ModelConfig, preset=True,     # --n-layer, --d-model, ...
+                     ranges={"n_layer": flags.at_least(1)})
+    flags.check_ranges(p, p.parse_args())
 """
 import argparse
 import inspect
@@ -24,6 +26,16 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", Help)  # subcommands' parsers too
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$", re.I)
+
+    def add_argument(self, *args, range=None, **kwargs):
+        """argparse's, plus `range`: the Range its values must fall in (check_ranges)."""
+        return with_range(super().add_argument(*args, **kwargs), range)
+
+    def add_argument_group(self, *args, **kwargs):
+        group = super().add_argument_group(*args, **kwargs)
+        add = group.add_argument
+        group.add_argument = lambda *a, range=None, **kw: with_range(add(*a, **kw), range)
+        return group
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
@@ -49,16 +61,19 @@ def field_help(cls) -> dict[str, str]:
 
 
 def add_fields(add, cls, dests: dict[str, str] | None = None, preset: bool = False,
-               choices: dict | None = None, prefix: str = "") -> None:
-    """A flag for each field of the dataclass `cls`, added by `add` (a parser's or a group's
+               choices: dict | None = None, prefix: str = "", ranges: dict | None = None) -> None:
+    """A flag for each field of the dataclass `cls`, added by `add` (a Parser's or a group's
     add_argument): `dests` {flag destination: field} picks and renames them (default: every field
     under its own name). With `preset`, a flag's default is None, the preset deciding, and a
-    boolean field gets --x/--no-x; otherwise the field's default is the flag's."""
+    boolean field gets --x/--no-x; otherwise the field's default is the flag's. `ranges`
+    {field: Range} and `choices` {field: values}: what a field's flag accepts."""
     helps, defaults = field_help(cls), {f.name: f.default for f in fields(cls)}
     for dest, name in (dests or {f: f for f in defaults}).items():
         default, flag = defaults[name], "--" + dest.replace("_", "-")
         kind = (dict(action=argparse.BooleanOptionalAction) if preset and isinstance(default, bool)
                 else dict(type=type(default), choices=(choices or {}).get(name)))
+        if name in (ranges or {}):
+            kind["range"] = ranges[name]
         add(flag, default=None if preset else default, help=prefix + helps[name], **kind)
 
 
@@ -82,15 +97,36 @@ class Range:
                 f"{')' if self.high_open else ']'}")
 
 
-def check_ranges(parser, args, ranges: dict[str, Range]) -> None:
-    """Refuse a value outside its range ({destination: Range}; None passes: not given; a flag
-    the parser lacks passes too, for subcommands), in one line that names the flag, its range
-    and the value."""
-    for name, allowed in ranges.items():
-        given = getattr(args, name, None)
-        for value in given if isinstance(given, list) else [given]:  # a list: each of its values
-            if value is not None and value not in allowed:
-                parser.error(f"--{name.replace('_', '-')} must be {allowed}, not {value:g}")
+def at_least(low: float) -> Range:
+    return Range(low)
+
+
+def above(low: float) -> Range:
+    return Range(low, low_open=True)
+
+
+def with_range(action: argparse.Action, allowed: Range | None) -> argparse.Action:
+    action.range = allowed
+    return action
+
+
+def actions(parser) -> list[argparse.Action]:
+    """Every flag of a parser and of its subcommands' parsers."""
+    subs = [p for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+            for p in a.choices.values()]
+    return [a for p in [parser, *subs] for a in p._actions]
+
+
+def check_ranges(parser, args) -> None:
+    """Refuse a value outside its flag's range (None passes: not given; a flag of another
+    subcommand passes too), in one line that names the flag, its range and the value. A list
+    (a comma-separated flag, read by integers()) is checked value by value."""
+    for action in actions(parser):
+        allowed, given = getattr(action, "range", None), getattr(args, action.dest, None)
+        for value in given if isinstance(given, list) else [given]:
+            if allowed is not None and value is not None and value not in allowed:
+                parser.error(f"--{action.dest.replace('_', '-')} must be {allowed}, "
+                             f"not {value:g}")
 
 
 def fill_unset(args, values: dict, typed: list[str] | None = None) -> None:

@@ -1,7 +1,12 @@
 """A run folder, the same for every script (train.py, meta.py): its lock (one process per
 folder), its JSON settings, its log.jsonl, the code that ran and its version.
 
-    runs/NAME/  args.json  config.json ...  code/  log.jsonl  *.pt  lock
+    runs/NAME/  args.json config.json data.json  the settings, the model, the corpus' meta.json
+                log.jsonl    every logged figure, one JSON record a line
+                ckpt.pt ...  checkpoints (train.py: phase1.pt, dict.pt, chck_*.pt too)
+                code/        every source file of the repository the run imported, at its path
+                lock         held by the one process writing there
+                eval/        evaluate.py's results, next to the checkpoint
 """
 import hashlib
 import json
@@ -39,9 +44,8 @@ def code_version(files) -> dict:
 
 
 class RunFolder:
-    """What a run leaves behind, the same for every script:
-        runs/NAME/  args.json  config.json ...  code/ (the source that ran)  log.jsonl  *.pt  lock
-    Only the master process writes: under DDP the other ranks hold one whose writes do nothing."""
+    """What a run leaves behind (the layout above). Only the master process writes: under DDP
+    the other ranks hold one whose writes do nothing."""
 
     def __init__(self, path, master: bool = True):
         self.path, self.master = Path(path), master

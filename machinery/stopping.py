@@ -16,8 +16,9 @@ def diverging(history: list[dict], record: dict, factor: float) -> tuple[str, bo
     (before clipping) above `factor` times its median so far, or a training loss 1 nat above the
     lowest so far in this line and the one before (one noisy line is not enough: a line with
     only this one above is suspect, and its state is not saved until the next line clears it).
-    It is the failure seen at `small` on a GPU (issue 17): with LAMB at lr 1e-2 the gradient
-    norm went 0.8 -> 38 -> 446 within 500 steps and the loss rose from 4.7 to 6.6, for good."""
+    It is the failure seen at `small` on a GPU (docs/objectives/mlm.md): with LAMB at lr 1e-2
+    the gradient norm went 0.8 -> 38 -> 446 within 500 steps and the loss rose from 4.7 to 6.6,
+    for good."""
     if factor <= 0 or len(history) < 5:
         return "", False
     norms = sorted(h["grad_norm"] for h in history)

@@ -240,17 +240,22 @@ def test_known_shift_is_detected():
     assert r["p"] == 1 / 1000 and r["p_floored"]  # no resample the other way: p < 1/nboot
 
 
-def test_tiny_case_matches_brute_force_enumeration():
-    """2 seeds x 2 examples each, unpaired seeds, paired examples: 4 x 4 x 4 equally likely
-    draws."""
-    A = [result(1, [1, 0]), result(2, [1, 1])]
-    B = [result(3, [0, 1]), result(4, [1, 1])]
+def enumerated_p(A, B, lower_is_better=False) -> float:
+    """The Multi-Bootstrap's p for 2 seeds x 2 examples a side (unpaired seeds, paired
+    examples), by enumerating its 4 x 4 x 4 equally likely draws: how often B is not better than
+    A, ties counting half."""
     diffs = []
     for sa, sb, ex in itertools.product(itertools.product(range(2), repeat=2), repeat=3):
-        acc = lambda side, seeds: np.mean([side[s]["pred"][0][list(ex)].mean() for s in seeds])
-        diffs.append(acc(B, sb) - acc(A, sa))
-    diffs = np.array(diffs)
-    exact_p = (diffs < 0).mean() + 0.5 * (diffs == 0).mean()
+        mean = lambda side, seeds: np.mean([side[s]["pred"][0][list(ex)].mean() for s in seeds])
+        diffs.append(mean(B, sb) - mean(A, sa))
+    worse = -np.array(diffs) if lower_is_better else np.array(diffs)
+    return (worse < 0).mean() + 0.5 * (worse == 0).mean()
+
+
+def test_tiny_case_matches_brute_force_enumeration():
+    A = [result(1, [1, 0]), result(2, [1, 1])]
+    B = [result(3, [0, 1]), result(4, [1, 1])]
+    exact_p = enumerated_p(A, B)
     r = multibootstrap.multibootstrap(A, B, nboot=40000, block=5000)
     assert r["p"] == pytest.approx(exact_p, abs=0.01)
     assert r["diff"] == pytest.approx(0.75 - 0.75)  # point estimates on all data: both 0.75
@@ -526,12 +531,7 @@ def test_mean_metric_matches_brute_force_enumeration():
                              "better": "lower", "path": "x"}
     A = [value(1, [3.0, 2.0]), value(2, [2.5, 2.5])]
     B = [value(3, [2.0, 2.4]), value(4, [2.6, 2.2])]
-    diffs = []
-    for sa, sb, ex in itertools.product(itertools.product(range(2), repeat=2), repeat=3):
-        mean = lambda side, seeds: np.mean([side[s]["pred"][0][list(ex)].mean() for s in seeds])
-        diffs.append(mean(B, sb) - mean(A, sa))
-    diffs = np.array(diffs)
-    exact_p = (diffs > 0).mean() + 0.5 * (diffs == 0).mean()  # B not better: a higher loss
+    exact_p = enumerated_p(A, B, lower_is_better=True)  # B not better: a higher loss
     r = multibootstrap.multibootstrap(A, B, nboot=40000, block=5000)
     assert r["mean_a"] == pytest.approx(2.5) and r["mean_b"] == pytest.approx(2.3)
     assert r["better"] == "lower" and r["p"] == pytest.approx(exact_p, abs=0.01)
