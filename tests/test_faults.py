@@ -98,8 +98,8 @@ def test_sigterm_saves_and_resumes_bit_identically_and_one_run_per_folder(prepar
 
 def test_a_killed_process_lock_is_taken_over(tmp_path):
     code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); "
-            f"from run_folder import RunFolder; f = RunFolder({str(tmp_path)!r}); f.lock(); "
-            f"print('held', flush=True); time.sleep(600)")
+            f"from machinery.run_folder import RunFolder; f = RunFolder({str(tmp_path)!r}); "
+            f"f.lock(); print('held', flush=True); time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(SystemExit, match=f"in use by process {holder.pid} "):

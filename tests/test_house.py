@@ -67,7 +67,7 @@ def test_imports_point_down_only(path):
 def test_no_stage_launches_another_for_internal_work():
     """bench.py times train.py's and synth.py's commands as users run them, on purpose; study.py
     runs each step of a study as the command a user would type (and its report lists);
-    run_folder.py asks git for the code's version. Nothing else starts a process."""
+    machinery/run_folder.py asks git for the code's version. Nothing else starts a process."""
     users = {str(p.relative_to(REPO)) for p in sources() if "subprocess" in imported(p)}
     assert users == {"bench.py", "machinery/run_folder.py", "study.py"}
     calls = re.findall(r"subprocess\.run\(\[([^,\]]+)",
