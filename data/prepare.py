@@ -286,6 +286,11 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
     settings = word_level(raw) or tokenizer_settings(vocab_size)
     made_of = json.dumps([VERSION, sources, settings], sort_keys=True).encode()
     out = base.with_name(f"{base.name}-{hashlib.sha256(made_of).hexdigest()[:10]}")
+    legacy = HERE / out.name  # where prepared folders lived before data/prepared/
+    if out.parent == HERE / "prepared" and not out.exists() and (legacy / "meta.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        legacy.rename(out)
+        say(f"data: moved the prepared {legacy} to {out}")
     if (out / "meta.json").exists() and not force:
         return out
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

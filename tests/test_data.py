@@ -100,6 +100,22 @@ def test_reuse_or_a_new_folder_keyed_by_content(one_file, tmp_path, monkeypatch)
         P.prepare(one_file.name, vocab_size=700)
 
 
+def test_a_folder_prepared_where_they_used_to_live_is_moved_not_remade(one_file, tmp_path,
+                                                                       monkeypatch):
+    """Prepared folders lived in data/ itself before data/prepared/: one found there is moved
+    (the same files, not prepared again); with NANOMLM_DATA set, data/ is not looked at."""
+    made = P.prepare(str(one_file), vocab_size=800, quiet=True)       # under NANOMLM_DATA
+    here = tmp_path / "repo_data"                                     # stands for data/
+    here.mkdir()
+    made.rename(here / made.name)
+    stamp = (here / made.name / "train.bin").stat().st_mtime_ns
+    monkeypatch.setattr(P, "HERE", here)
+    monkeypatch.delenv("NANOMLM_DATA")
+    out = P.prepare(str(one_file), vocab_size=800, quiet=True)
+    assert out == here / "prepared" / made.name and not (here / made.name).exists()
+    assert (out / "train.bin").stat().st_mtime_ns == stamp
+
+
 def test_plain_and_gzip_read_alike_and_holdout(tmp_path):
     lines = [f"line {i} with some words" for i in range(45)]
     (tmp_path / "x.txt").write_text("\n".join(lines[:30]) + "\n\n   \n")
