@@ -312,11 +312,11 @@ def bench_pll(args, device, tmp):
     seqs = [[CLS, *torch.randint(len(SPECIALS), V, (L,), generator=g).tolist(), SEP]
             for L in lengths]
     starts = torch.ones(V, dtype=torch.bool)  # word starts: unused by the plain PLL scorer
-    batched = lambda: evaluate.pll(model, seqs, [1.0], False, evaluate.BATCH_TOKENS[device.type],
+    batched = lambda: evaluate.pll(model, seqs, [1.0], "pll", evaluate.BATCH_TOKENS[device.type],
                                    device, starts, progress=False)
     for size in args.sizes:
         model = Encoder(ModelConfig(**PRESETS[size], vocab_size=V)).to(device).eval()
-        _, _, lp = evaluate.token_logprobs(model, seqs, [1.0], False,
+        _, _, lp = evaluate.token_logprobs(model, seqs, [1.0], "pll",
                                            evaluate.BATCH_TOKENS[device.type], device, starts,
                                            progress=False)
         err = float(abs(lp[:, 0] - pll_naive(model, seqs, device)).max())

@@ -18,7 +18,9 @@ result, so that `compare` can resample examples as well as pretraining seeds.
 BLiMP: a pair counts as correct iff PLL(good) > PLL(bad), ties wrong. PLL (Salazar et al. 2020)
 masks every token in turn ([CLS]/[SEP] never) and sums the log-probabilities of the masked
 tokens; `--scorer word-l2r` (Kauf & Ivanova 2023) also hides the later pieces of the word being
-scored. Temperature: scores under logits/T for a grid of T; the best T is chosen on one half of
+scored. A gpt-bert model is scored as the BabyLM 2025 pipeline scores GPT-BERT: `mntp` (its
+default here; each token masked in turn, read at the position before it) or `causal` (one
+causal forward). Temperature: scores under logits/T for a grid of T; the best T is chosen on one half of
 the pairs (a fixed split by pair id) and reported on the other half only.
 """
 import argparse
@@ -42,7 +44,7 @@ from machinery.multibootstrap import compare
 from machinery.progress import bar, duration, line_buffered
 from machinery.results import write_lines, write_result
 from machinery.storage import hold_lock, one_line_os_errors
-from model import load_checkpoint
+from model import Encoder, load_checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,17 +100,25 @@ def word_starts(tok) -> torch.Tensor:
     return torch.tensor([starts(i) for i in range(tok.get_piece_size())])
 
 
+# How a sentence's tokens are scored (--scorer): pll, each token masked in turn and read where it
+# is; word-l2r, also hiding the later pieces of its word; mntp, masked in turn but read at the
+# position before it (GPT-BERT's masked next-token prediction: the BabyLM 2025 pipeline's mntp
+# backend); causal, one causal forward, each token read at the position before it (its causal
+# backend). The first three need a copy of the sentence per token, causal one forward.
+SCORERS = ("pll", "word-l2r", "mntp", "causal")
+
+
 @torch.no_grad()
-def token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progress=True,
+def token_logprobs(model, seqs, temps, scorer, batch_tokens, device, starts, progress=True,
                    bf16=False):
     """Log-probability of every scored token of every sequence, under every temperature.
 
-    seqs: token-id lists, [CLS] ... [SEP]. Returns (sentence index (C,), position (C,),
-    log-probs (C, len(temps))) for the C = sum(len - 2) masked copies. Copies of equal length
-    share a batch of at most `batch_tokens` tokens, so nothing is padded and no Python loop runs
-    per token. With l2r, a copy also masks the target's later pieces in the same word. Scored in
-    float32 unless bf16: in bf16 near-ties flip from one GPU kind to another, and BLiMP pairs
-    are decided by such differences.
+    seqs: token-id lists, [CLS] ... [SEP]; every token between them is scored, the first from
+    [CLS]'s state under mntp and causal. Returns (sentence index (C,), position (C,), log-probs
+    (C, len(temps))) for the C = sum(len - 2) scored tokens, by sentence, then position. Inputs
+    of equal length share a batch of at most `batch_tokens` tokens, so nothing is padded and no
+    Python loop runs per token. Scored in float32 unless bf16: in bf16 near-ties flip from one
+    GPU kind to another, and BLiMP pairs are decided by such differences.
     """
     L = np.array([len(s) for s in seqs])
     ids = pad(seqs)
@@ -117,33 +127,45 @@ def token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progre
     sent = np.repeat(np.arange(len(seqs)), n)                    # copy -> its sentence
     pos = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n) + 1  # copy -> the position it masks
     out = np.zeros((len(sent), len(temps)))
+    causal = scorer == "causal"
+    items = np.arange(len(seqs)) if causal else sent            # what a batch row holds
     batches = []
     for length in np.unique(L):
-        copies = np.flatnonzero(L[sent] == length)
-        parts = math.ceil(len(copies) * length / batch_tokens)
-        batches += [(length, c) for c in np.array_split(copies, parts)]
+        rows = np.flatnonzero(L[items] == length)
+        parts = math.ceil(len(rows) * length / batch_tokens)
+        batches += [(length, c) for c in np.array_split(rows, parts)]
+    first = np.cumsum(n) - n                                     # a sentence's first copy
     for length, c in bar(batches, desc="PLL", unit="batch", leave=False,
                          disable=None if progress else True):
-        rows = torch.from_numpy(ids[sent[c], :length]).to(device)
-        word = torch.from_numpy(words[sent[c], :length]).to(device)  # (n, length) word index
-        p = torch.from_numpy(pos[c]).to(device)[:, None]
-        ar = torch.arange(length, device=device)
-        target = ar == p                                             # (n, length)
-        hide = target | ((ar > p) & (word == word.gather(1, p))) if l2r else target
-        with autocast(device, bf16):
-            _, logits = model(rows.masked_fill(hide, MASK), predict=target)  # (n, V), row order
-        z = logits.float()
-        z_target = z.gather(1, rows.gather(1, p))                      # (n, 1)
+        rows = torch.from_numpy(ids[items[c], :length]).to(device)
+        if causal:  # (r, length): positions 0..length-3 predict tokens 1..length-2
+            with autocast(device, bf16):
+                z = model.logits(rows, causal=True)[:, :-2].float().flatten(0, 1)
+            targets = rows[:, 1:-1].reshape(-1, 1)
+            c = (first[c][:, None] + np.arange(length - 2)).ravel()   # their copies, in order
+        else:
+            word = torch.from_numpy(words[sent[c], :length]).to(device)  # (n, length) word index
+            p = torch.from_numpy(pos[c]).to(device)[:, None]
+            ar = torch.arange(length, device=device)
+            target = ar == p                                             # (n, length)
+            hide = target | ((ar > p) & (word == word.gather(1, p))) if scorer == "word-l2r" \
+                else target
+            read = ar == p - 1 if scorer == "mntp" else target       # where the prediction is
+            with autocast(device, bf16):
+                _, logits = model(rows.masked_fill(hide, MASK), predict=read)  # (n, V)
+            z, targets = logits.float(), rows.gather(1, p)
+        z_target = z.gather(1, targets)                                # (n, 1)
         lp = [z_target[:, 0] / t - (z / t).logsumexp(-1) for t in temps]  # log softmax(z/t)[target]
         out[c] = torch.stack(lp, 1).double().cpu().numpy()
     return sent, pos, out
 
 
-def pll(model, seqs, temps, l2r, batch_tokens, device, starts, progress=True,
+def pll(model, seqs, temps, scorer, batch_tokens, device, starts, progress=True,
         bf16=False) -> np.ndarray:
-    """(len(seqs), len(temps)) pseudo-log-likelihoods: the sums of token_logprobs per sentence."""
-    sent, _, lp = token_logprobs(model, seqs, temps, l2r, batch_tokens, device, starts, progress,
-                                 bf16)
+    """(len(seqs), len(temps)) log-likelihoods by `scorer` (SCORERS): the sums of token_logprobs
+    per sentence."""
+    sent, _, lp = token_logprobs(model, seqs, temps, scorer, batch_tokens, device, starts,
+                                 progress, bf16)
     scores = np.zeros((len(seqs), len(temps)))
     np.add.at(scores, sent, lp)
     return scores
@@ -223,8 +245,15 @@ def blimp(args):
         raise SystemExit(f"error: a sentence has {max(map(len, seqs))} tokens, more than the "
                          f"model's {model.config.max_position}")
     batch_tokens = args.batch_tokens or BATCH_TOKENS[device.type]
-    l2r = args.scorer == "word-l2r"
-    out = Path(args.out or Path(args.ckpt).parent / "eval" / f"blimp{'_l2r' if l2r else ''}.json")
+    # the model's own scorer by default: gpt-bert predicts a masked token from the position
+    # before it, every other objective where it is; blimp.json holds that one
+    own = "mntp" if model.train_args.get("objective") == "gpt-bert" else "pll"
+    args.scorer = args.scorer or own
+    if args.scorer == "causal" and not isinstance(model, Encoder):
+        raise SystemExit(f"error: --scorer causal needs an encoder; {args.ckpt} predicts through "
+                         f"a decoder")
+    suffix = "" if args.scorer == own else "_" + args.scorer.replace("word-", "")
+    out = Path(args.out or Path(args.ckpt).parent / "eval" / f"blimp{suffix}.json")
     # scores kept chunk by chunk as they are made, so that an interrupted run goes on from there;
     # the fingerprint: what they depend on (a checkpoint's size and time stand for its weights)
     partial = out.with_name(out.name + ".partial")
@@ -249,7 +278,7 @@ def blimp(args):
         if i in done:
             scores[rows] = done[i]
             continue
-        s = pll(model, [seqs[r] for r in rows], temps, l2r, batch_tokens, device, starts,
+        s = pll(model, [seqs[r] for r in rows], temps, args.scorer, batch_tokens, device, starts,
                 bf16=args.bf16)
         with one_line_os_errors(partial), open(partial, "a") as f:
             f.write(json.dumps({"chunk": i, "scores": s.tolist()}) + "\n")
@@ -487,8 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
     add = b.add_argument
     add("--blimp-dir", required=True, nargs="+",
         help="folder(s) of BLiMP-style *.jsonl, one paradigm per file")
-    add("--scorer", default="pll", choices=["pll", "word-l2r"],
-        help="PLL (Salazar et al.) or PLL-word-l2r (Kauf & Ivanova)")
+    add("--scorer", default=None, choices=SCORERS,
+        help="pll (Salazar et al.), word-l2r (Kauf & Ivanova), mntp or causal (the BabyLM 2025 "
+        "pipeline's backends for GPT-BERT); default: mntp for a gpt-bert model, else pll; "
+        "a scorer other than the model's own writes blimp_SCORER.json")
     add("--temperatures", type=floats, default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0],
         range=flags.above(0),
         help="comma-separated grid; 1 is always added (default 0.5,0.75,1,1.5,2,3)")

@@ -123,7 +123,7 @@ class Attention(nn.Module):
         self.flex = False  # use_flex: relative attention through flex_relative
 
     def forward(self, x, bias, rel=None, idx=None):
-        # x (B, T, D); bias (B, 1, 1, T): 0 at real keys, -inf at padding;
+        # x (B, T, D); bias (B, 1, 1 or T, T): 0 at real keys, -inf at padding (and later keys);
         # relative only: rel (R, D) position vectors, idx (B or 1, 1, T, T) bucket of each pair
         B, T, D = x.shape
         H, hd = self.n_head, self.head_dim
@@ -143,7 +143,8 @@ class Attention(nn.Module):
         # flex where it computes exactly this: no probability to drop, and on the CPU nothing
         # to differentiate
         flex = (self.flex and self.relative and not (self.training and self.p > 0)
-                and (x.device.type != "cpu" or not torch.is_grad_enabled()))
+                and (x.device.type != "cpu" or not torch.is_grad_enabled())
+                and bias.shape[-2] == 1)  # flex_relative masks keys alone: not causal
         if self.relative and not flex:
             bias = bias + relative_scores(q, k, qp, kp, idx) * self.scale  # (B, H, T, T)
         if flex:
@@ -236,13 +237,17 @@ class Encoder(nn.Module):
         init_linears(normal, self.head_in[1])
         self.head_bias.zero_()
 
-    def attention_inputs(self, attention_mask, positions=None):
+    def attention_inputs(self, attention_mask, positions=None, causal=False):
         """What every layer's attention needs, computed once: bias (B, 1, 1, T), 0 at real keys and
-        -inf at padding; for relative positions the normalised position vectors rel (R, D) and
-        each pair's bucket idx (B or 1, 1, T, T), from the tokens' positions (default 0..T-1)."""
+        -inf at padding, (B, 1, T, T) with causal (-inf at every later key too); for relative
+        positions the normalised position vectors rel (R, D) and each pair's bucket idx (B or 1,
+        1, T, T), from the tokens' positions (default 0..T-1)."""
         B, T = attention_mask.shape
         bias = torch.zeros(B, 1, 1, T, device=attention_mask.device)
         bias = bias.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+        if causal:  # GPT-BERT's causal batches: the same relative attention, masked
+            later = torch.ones(T, T, dtype=torch.bool, device=bias.device).triu(1)
+            bias = bias.masked_fill(later, float("-inf"))
         if self.config.position == "absolute":
             return bias, None, None
         if positions is None:
@@ -252,7 +257,7 @@ class Encoder(nn.Module):
         return bias, self.rel_norm(self.rel), idx
 
     def forward(self, input_ids, attention_mask=None, predict=None, all_layers=False,
-                positions=None):
+                positions=None, causal=False):
         """input_ids (B, T) long, or soft tokens (B, T, V) float: a distribution over the
         vocabulary per position, embedded as its expected word vector (meta.py's soft-label
         teacher writes these); attention_mask (B, T), 1 = real token, 0 = padding (default all
@@ -262,7 +267,8 @@ class Encoder(nn.Module):
         norm, where the config has one). With predict, the positions to score: a (B, T) bool, or
         (N,) long flat positions row * T + column (a fixed N keeps a compiled step's shapes
         static: data/masking.py's predicted_slots); returns (hidden, logits (N, V)) for those N
-        positions, a bool's in row-major order (the MLM head runs on those alone)."""
+        positions, a bool's in row-major order (the MLM head runs on those alone). causal: each
+        position attends to itself and those before it only."""
         B, T = input_ids.shape[:2]
         longest = self.config.max_position
         assert T <= longest, f"sequence of {T} > max_position {longest}"
@@ -272,7 +278,7 @@ class Encoder(nn.Module):
         if self.config.position == "absolute":
             x = x + (self.pos.weight[:T] if positions is None else self.pos(positions))
         x = self.drop(self.word_norm(x))
-        att = self.attention_inputs(attention_mask, positions)
+        att = self.attention_inputs(attention_mask, positions, causal)
         hidden = [x]
         for layer in self.layers:
             hidden.append(layer(hidden[-1], *att))
@@ -287,9 +293,9 @@ class Encoder(nn.Module):
         """MLM head: (..., D) -> (..., V) logits."""
         return F.linear(self.head_in(h), self.word.weight, self.head_bias)
 
-    def logits(self, input_ids, attention_mask=None):
+    def logits(self, input_ids, attention_mask=None, causal=False):
         """(B, T, V) logits at every position."""
-        return self.head(self(input_ids, attention_mask))
+        return self.head(self(input_ids, attention_mask, causal=causal))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

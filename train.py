@@ -93,6 +93,51 @@ def mlm(model, batch, extras):
     return cross_entropy(logits, batch["targets"]), {"acc": slot_accuracy(logits, batch["targets"])}
 
 
+def causal_rows(B: int, fraction: float) -> int:
+    """How many of a batch's B rows are causal: round(B f), but at least one for f > 0 and at
+    most B - 1 for f < 1, so that a small batch keeps both objectives. A Python int, from flags
+    alone: the split is static, one graph."""
+    return min(max(round(B * fraction), int(fraction > 0)), B - int(fraction < 1))
+
+
+def gpt_bert(model, batch, extras):
+    """GPT-BERT's hybrid (Charpentier & Samuel 2024, "GPT or BERT: why not both?", sec. 2): the
+    first rows of the batch are masked next-token prediction (MNTP), the last B_c causal LM
+    (B_c = causal_rows), in the same encoder and its relative attention.
+      MNTP:   bidirectional, masked as for MLM; a masked token at t is predicted from the state
+              at t - 1, the position before it, so the head predicts the next token in both.
+              [CLS] (t = 0) is never masked, so t - 1 stays in the row.
+      causal: the clean text under a causal mask; the state at t predicts the token at t + 1.
+    loss = (1 - c) L_mntp + c L_clm, c = B_c / B, each a mean over its own tokens (gpt-bert
+    gives each GPU one objective and averages the GPUs' means: the same weighting), plus
+    gpt-bert's z-loss 1e-4 mean(logsumexp(logits)^2) on every scored position."""
+    B, T = batch["input_ids"].shape
+    n = B - causal_rows(B, extras["args"].causal_fraction)                 # MNTP rows: [0, n)
+    losses, stats = [], {}
+    if n > 0:
+        slots, targets = batch["slots"], batch["targets"]                  # (C,)
+        mine = (targets != -100) & (slots < n * T)  # masked, rows [0, n)
+        before = torch.where(mine, slots - 1, 0)                           # (C,) t - 1, same row
+        _, logits = model.encoder(batch["inputs"][:n], batch["attention_mask"][:n],
+                                  predict=before)                          # (C, V)
+        targets = torch.where(mine, targets, -100)
+        losses.append((n / B, cross_entropy(logits, targets), logits, targets != -100))
+        stats["mntp_acc"] = slot_accuracy(logits, targets)
+    if n < B:
+        ids, mask = batch["input_ids"][n:], batch["attention_mask"][n:]   # (B_c, T)
+        h = model.encoder(ids, mask, causal=True)                          # (B_c, T, D)
+        logits = model.encoder.head(h[:, :-1]).flatten(0, 1)               # (B_c (T-1), V)
+        targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100).flatten()
+        losses.append(((B - n) / B, cross_entropy(logits, targets), logits, targets != -100))
+        stats["clm_acc"] = slot_accuracy(logits, targets)
+    loss = sum(share * part for share, part, _, _ in losses)
+    z = sum(share * slot_mean(torch.logsumexp(lg.float(), -1) ** 2, scored)
+            for share, _, lg, scored in losses)
+    for (share, part, _, _), name in zip(losses, ["mntp", "clm"] if n > 0 else ["clm"]):
+        stats[f"{name}_loss"] = part.detach()
+    return loss + 1e-4 * z, {**stats, "z_loss": z.detach()}
+
+
 def boot(model, batch, extras):
     """Latent bootstrapping (Samuel 2023, "Mean BERTs make erratic language teachers", sec. 3).
 
@@ -275,6 +320,7 @@ class Objective(NamedTuple):
 UNIFORM = dict(masking="uniform")  # Berend 2023's masking, in both phases (szegedai/MLSM)
 OBJECTIVES = {
     "mlm": Objective(mlm),
+    "gpt-bert": Objective(gpt_bert),
     "boot": Objective(boot, setup_boot, defaults=dict(lr=5e-3, weight_decay=0.02,
                                                       weight_decay_end=0.2, mlm_weight=0.1,
                                                       final_norm=True)),
@@ -326,6 +372,16 @@ def phase_at(run: Run, step: int) -> Phase:
 # Arguments
 
 
+# GPT-BERT's mixes, named as the BabyLM 2025 baselines: gpt-bert trains 15 masked : 1 causal
+# (hybrid_numerator/denominator 15/16); the baselines' own shares are not published (recipe card)
+MIXES = {"masked-focus": 1 / 16, "mixed": 1 / 2, "causal-focus": 15 / 16}
+
+
+def causal_fraction(text: str) -> float:
+    """--causal-fraction: a named mix, or a number."""
+    return MIXES[text] if text in MIXES else float(text)
+
+
 def build_parser():
     p = flags.Parser(prog="train.py", description=__doc__, allow_abbrev=False)
     add = p.add_argument
@@ -364,6 +420,10 @@ def build_parser():
         "loss stays 1 nat above the phase's lowest for two log lines; 0 = off")
     add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict",
         range=flags.Range(0, 1, low_open=True, high_open=True))
+    add("--causal-fraction", type=causal_fraction, default=1 / 16, range=flags.Range(0, 1),
+        help="gpt-bert: the share of each batch trained causally, the rest masked next-token "
+        "prediction; a fraction, or masked-focus (1/16, gpt-bert's 15:1), mixed (1/2) or "
+        "causal-focus (15/16) (default masked-focus)")
     add("--masking", default="span", choices=["span", "token", "uniform"], help="span: "
         "LTG-BERT's spans, 80/10/10 per span; token: BERT's, each token chosen alone, 80/10/10 "
         "(the synthetic-language blog's); uniform: int(p T) tokens per sequence, all [MASK], as "
@@ -494,6 +554,8 @@ def get_args(argv):
     if args.out_dir is None:
         args.out_dir = str(REPO / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
     args.given = flags.typed(parser, argv)  # a resumed run refuses those that differ
+    if "causal_fraction" in args.given and args.objective != "gpt-bert":
+        parser.error("--causal-fraction only applies to gpt-bert")
     preset = {**SIZE_DEFAULTS[args.size], **(OBJECTIVES[args.objective].defaults or {})}
     flags.fill_unset(args, preset, typed=args.given)
     if args.masking == "uniform" and int(args.mask_p * args.seq_len) < 1:

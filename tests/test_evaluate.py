@@ -19,7 +19,7 @@ from data.tasks import read_task
 from helpers import finetune
 from machinery import device as device_module
 from machinery import multibootstrap, optim, results
-from machinery.storage import save_checkpoint
+from machinery.storage import read_checkpoint, save_checkpoint
 from model import PRESETS, BootHeads, BootPredictor, Encoder, ModelConfig
 
 
@@ -47,30 +47,74 @@ def sentences(prepared):
     return [[CLS] + s + [SEP] for s in tok.encode(texts)]
 
 
-def naive_pll(model, seq, temps, l2r, starts):
-    """Salazar et al. (2020) as written: for each token in turn, one copy with it masked (and, for
-    word-l2r, the later pieces of its word), one forward pass, its log-probability."""
+def naive_pll(model, seq, temps, scorer, starts):
+    """Each scorer as written, one forward per scored token. pll (Salazar et al. 2020): a copy
+    with the token masked (word-l2r: and the later pieces of its word), its log-probability
+    where it is; mntp: the same copy, read at the position before it; causal: a causal forward
+    of the tokens before it alone, read at its last position."""
     words = starts[torch.tensor(seq)].cumsum(0)
     total = np.zeros(len(temps))
     for i in range(1, len(seq) - 1):
         x = torch.tensor(seq)
         hide = torch.arange(len(seq)) == i
-        if l2r:
+        if scorer == "word-l2r":
             hide |= (torch.arange(len(seq)) > i) & (words == words[i])
-        z = model.logits(x.masked_fill(hide, MASK)[None])[0, i]
+        if scorer == "causal":
+            z = model.logits(x[None, :i], causal=True)[0, -1]
+        else:
+            z = model.logits(x.masked_fill(hide, MASK)[None])[0, i - (scorer == "mntp")]
         total += [torch.log_softmax(z / t, -1)[seq[i]].item() for t in temps]
     return total
 
 
-@pytest.mark.parametrize("scorer", ["pll", "word-l2r"])
+def pipeline_logprob(model, tokens, backend, temperature):
+    """The BabyLM 2025 pipeline's log-probability of a sentence, transcribed from
+    evaluation_pipeline/sentence_zero_shot (commit bf55c11): tokens as its tokenizer gives them,
+    [CLS] ... [SEP], whose special tokens have empty offsets and are never scored.
+    mntp (process_mntp_sentences, compute_mlm_results): prepend = 1 (a cls token exists); one
+    copy per phrase token with that token masked; the logits at indices - 1; summed.
+    causal (process_causal_sentences, the causal collate, compute_causal_results): inputs
+    tokens[:-1], targets tokens[1:], the phrase mask shifted with them; summed."""
+    phrase = [0] + [1] * (len(tokens) - 2) + [0]                      # offset end > 0
+    if backend == "mntp":
+        prepend = 1
+        phrase_indices = [i for i, p in enumerate(phrase) if p and (i != 0 or prepend != 0)]
+        copies = torch.tensor(tokens).repeat(len(phrase_indices), 1)
+        copies[torch.arange(len(phrase_indices)), phrase_indices] = MASK
+        indices = torch.tensor(phrase_indices) - 1
+        logits = model.logits(copies)                                  # (copies, T, V)
+        masked_logits = logits[torch.arange(len(indices)), indices]
+        targets = torch.tensor(tokens)[phrase_indices]
+        lp = torch.log_softmax(masked_logits / temperature, -1).gather(1, targets[:, None])
+        return lp.sum().item()
+    padded = torch.tensor([tokens])
+    inputs, targets, mask = padded[:, :-1], padded[:, 1:], torch.tensor([phrase])[:, 1:]
+    logits = model.logits(inputs, causal=True)
+    lp = torch.log_softmax(logits / temperature, -1).gather(-1, targets[..., None])[..., 0]
+    return (lp * mask).sum().item()
+
+
+@pytest.mark.parametrize("scorer", E.SCORERS)
 def test_batched_pll_equals_naive_loop(ckpt, sentences, scorer):
     model, tok = E.load_checkpoint(ckpt)
     starts = E.word_starts(tok)
     temps = [0.5, 1.0, 2.0]
     # a small token budget: many batches, several per length
-    got = E.pll(model, sentences, temps, scorer == "word-l2r", 64, torch.device("cpu"), starts,
+    got = E.pll(model, sentences, temps, scorer, 64, torch.device("cpu"), starts,
                 progress=False)
-    want = np.array([naive_pll(model, s, temps, scorer == "word-l2r", starts) for s in sentences])
+    want = np.array([naive_pll(model, s, temps, scorer, starts) for s in sentences])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["mntp", "causal"])
+def test_gpt_bert_scorers_are_the_pipelines_rules(ckpt, sentences, backend):
+    """--scorer mntp and causal against a transcription of the BabyLM 2025 pipeline's code for
+    its backends of the same names, at two temperatures."""
+    model, tok = E.load_checkpoint(ckpt)
+    got = E.pll(model, sentences, [0.5, 1.0], backend, 256, torch.device("cpu"),
+                E.word_starts(tok), progress=False)
+    with torch.no_grad():
+        want = [[pipeline_logprob(model, s, backend, t) for t in (0.5, 1.0)] for s in sentences]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
@@ -121,7 +165,7 @@ def test_boot_is_scored_through_its_decoder(boot_ckpt, sentences, scorer):
     starts = E.word_starts(tok)
     seen = []  # every token id the encoder embeds
     model.encoder.word.register_forward_pre_hook(lambda m, a: seen.append(a[0].flatten()))
-    got = E.pll(model, sentences, [1.0], scorer == "word-l2r", 64, torch.device("cpu"), starts,
+    got = E.pll(model, sentences, [1.0], scorer, 64, torch.device("cpu"), starts,
                 progress=False)
     assert not (torch.cat(seen) == MASK).any()  # [MASK] never reaches the encoder
     seen.clear()
@@ -135,10 +179,10 @@ def test_boot_is_scored_through_its_decoder(boot_ckpt, sentences, scorer):
 def test_word_l2r_differs_only_inside_multi_piece_words(ckpt, sentences):
     model, tok = E.load_checkpoint(ckpt)
     starts = E.word_starts(tok)
-    run = lambda l2r: E.token_logprobs(model, sentences, [1.0], l2r, 256, torch.device("cpu"),
-                                       starts, progress=False)
-    sent, pos, plain = run(False)
-    _, _, l2r = run(True)
+    run = lambda scorer: E.token_logprobs(model, sentences, [1.0], scorer, 256,
+                                          torch.device("cpu"), starts, progress=False)
+    sent, pos, plain = run("pll")
+    _, _, l2r = run("word-l2r")
     # a copy's input changes only if its target has later pieces in the same word
     nxt = np.array([sentences[s][p + 1] for s, p in zip(sent, pos)])
     continued = ~starts[torch.from_numpy(nxt)].numpy()
@@ -409,6 +453,26 @@ def test_finetune_can_choose_epochs_without_seeing_validation(ckpt, tmp_path, mo
     assert runs[True]["metrics"]["mcc"] == pytest.approx(-runs[False]["metrics"]["mcc"])
 
 
+def test_a_gpt_bert_model_is_scored_by_its_own_rule(ckpt, tmp_path):
+    """A gpt-bert checkpoint's blimp.json is scored by mntp, the pipeline's rule for it; another
+    scorer writes its own file; a decoder model cannot be scored causally."""
+    state = read_checkpoint(ckpt)
+    run = tmp_path / "run"
+    run.mkdir()
+    save_checkpoint({**state, "args": {**state["args"], "objective": "gpt-bert"}},
+                    run / "ckpt.pt")
+    src = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
+    folder = tmp_path / "mini"
+    folder.mkdir()
+    lines = (src / "anaphor_gender_agreement.jsonl").read_text().splitlines(True)
+    (folder / "anaphor_gender_agreement.jsonl").write_text("".join(lines[:6]))
+    for scorer in ([], ["--scorer", "causal"], ["--scorer", "pll"]):
+        E.main(["blimp", "--ckpt", str(run / "ckpt.pt"), "--blimp-dir", str(folder), *scorer,
+                "--device", "cpu"])
+    said = {f.name: json.loads(f.read_text())["scorer"] for f in (run / "eval").glob("*.json")}
+    assert said == {"blimp.json": "mntp", "blimp_causal.json": "causal", "blimp_pll.json": "pll"}
+
+
 def test_blimp_then_compare(ckpt, tmp_path, capsys):
     src = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
     folder = tmp_path / "mini"
@@ -660,7 +724,7 @@ def test_scores_are_float32_unless_bf16_is_asked(ckpt, monkeypatch):
     model, tok = E.load_checkpoint(ckpt)
     seqs = [[2, *tok.encode("the cat sat on the mat"), 3], [2, *tok.encode("a dog ran"), 3]]
     starts = E.word_starts(tok)
-    score = lambda **k: E.pll(model, seqs, [1.0], False, 64, torch.device("cpu"), starts,
+    score = lambda **k: E.pll(model, seqs, [1.0], "pll", 64, torch.device("cpu"), starts,
                               progress=False, **k)
     with torch.autocast("cpu", enabled=False):
         want = score(bf16=False)

@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import lasso_exact as lasso
 import sparse
 import train as T
 from conftest import REPO, TINY, run_train, run_trains
-from data.masking import make_batch
+from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
 from helpers import training_run
 from helpers.training_run import Trainee
@@ -156,14 +157,16 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     assert "step 10/10 | loss" in r.stdout
 
 
-@pytest.mark.parametrize("objective,stop", [("mlm", 20), ("boot", 20), ("kd", 10), ("kd+mlm", 25),
-                                            ("mlsm+mlm", 25)])
-def test_resume_is_exact(prepared, tmp_path, objective, stop):
+@pytest.mark.parametrize("objective,stop,mix", [
+    ("mlm", 20, None), ("boot", 20, None), ("kd", 10, None), ("kd+mlm", 25, None),
+    ("mlsm+mlm", 25, None), ("gpt-bert", 20, "masked-focus"), ("gpt-bert", 15, "mixed"),
+    ("gpt-bert", 25, "causal-focus")])
+def test_resume_is_exact(prepared, tmp_path, objective, stop, mix):
     """40 steps in one go == `stop` steps, stop, resume, the rest: same parameters, optimizer and
     teacher state and logged losses, bit for bit (dropout is on). kd stops exactly where phase 1
-    ends (step 10 of 40), kd+mlm and mlsm+mlm inside phase 2."""
+    ends (step 10 of 40), kd+mlm and mlsm+mlm inside phase 2; gpt-bert in each of its mixes."""
     common = ["--data", prepared, "--max-steps", 40, "--objective", objective,
-              "--phase1-steps", 0.25, *TINY]
+              *(["--causal-fraction", mix] if mix else ["--phase1-steps", 0.25]), *TINY]
     if objective.startswith("mlsm"):
         common += MLSM_DICT
     whole, first = run_trains([*common, "--out-dir", tmp_path / "a"],
@@ -559,6 +562,84 @@ def test_kd_loss(temperature):
     kd_mlm = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["kd+mlm"].loss)
     mixed, mfigs = kd_mlm(batch, extras)
     assert mixed.item() == pytest.approx(mfigs["kd"].item() + mfigs["mlm"].item())
+
+
+def test_a_causal_position_reads_no_later_token():
+    """Encoder(causal=True): changing the token at k leaves every output before k exactly as it
+    was, and changes those from k on; without causal the change reaches back (so the check can
+    fail). And a causal forward of the first k tokens alone gives those outputs too."""
+    torch.manual_seed(0)
+    enc = Encoder(ModelConfig(**{**PRESETS["tiny"], "vocab_size": 300, "d_model": 32,
+                                 "d_ff": 48, "dropout": 0.0})).eval()
+    ids, k = torch.randint(5, 300, (2, 16)), 9
+    other = ids.clone()
+    other[:, k] = 5 + (ids[:, k] - 5 + 1) % 295
+    with torch.no_grad():
+        a, b = enc(ids, causal=True), enc(other, causal=True)
+        assert torch.equal(a[:, :k], b[:, :k]) and not torch.allclose(a[:, k:], b[:, k:])
+        torch.testing.assert_close(enc(ids[:, :k], causal=True), a[:, :k])
+        a, b = enc(ids), enc(other)
+        assert not torch.allclose(a[:, :k], b[:, :k])
+
+
+def test_gpt_bert_predicts_a_masked_token_from_the_position_before():
+    """By hand: masked tokens at (row 0, t 3), (1, 1), (1, 6) of 2 x 8, every row masked next-
+    token prediction (--causal-fraction 0): the head reads flat positions 2, 8, 13, the state
+    before each (b T + t - 1), and nothing of a padding slot is scored."""
+    trainee, extras, _ = objective_setup("gpt-bert", causal_fraction=0.0)
+    ids = torch.randint(5, 300, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = CLS
+    labels = torch.full_like(ids, -100)
+    inputs = ids.clone()
+    for b, t in ((0, 3), (1, 1), (1, 6)):
+        labels[b, t], inputs[b, t] = ids[b, t], MASK
+    slots = predicted_slots(labels, 5)                                     # 3 + 2 padding
+    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), inputs=inputs,
+                 labels=labels, slots=slots, targets=labels.flatten()[slots])
+    read, forward = [], trainee.encoder.forward
+    trainee.encoder.forward = lambda *a, predict=None, **kw: (
+        read.append(predict), forward(*a, predict=predict, **kw))[1]
+    trainee.eval()
+    loss, stats = trainee(batch, extras)
+    assert read[0][batch["targets"] != -100].tolist() == [2, 8, 13] and "clm_loss" not in stats
+    logits = trainee.encoder.logits(inputs)                                # (2, 8, V)
+    scored = torch.stack([logits[0, 2], logits[1, 0], logits[1, 5]])
+    want = F.cross_entropy(scored, torch.stack([ids[0, 3], ids[1, 1], ids[1, 6]]))
+    z = (torch.logsumexp(scored, -1) ** 2).mean()
+    torch.testing.assert_close(loss, want + 1e-4 * z)
+
+
+@pytest.mark.parametrize("mix", sorted(T.MIXES))
+def test_gpt_bert_loss_against_a_loop_over_positions(mix):
+    """Each masked-next-token row: the token masked at t scored from the logits at t - 1 of the
+    masked row; each causal row: the token at t scored from the last logits of a causal forward
+    of the prefix 0..t-1 alone (the mask itself: the test above). Weighted by the rows' shares,
+    plus the z-loss."""
+    trainee, extras, batch = objective_setup("gpt-bert", causal_fraction=T.MIXES[mix])
+    trainee.eval()
+    enc, (B, n_tok) = trainee.encoder, batch["input_ids"].shape
+    n = B - T.causal_rows(B, T.MIXES[mix])
+    assert 0 < n < B                          # both objectives, even at the tests' 4 rows
+    parts = {"mntp": [], "clm": []}           # (cross-entropy, z) per scored token
+    with torch.no_grad():
+        for b in range(B):
+            for t in range(1, n_tok):
+                if b < n and batch["labels"][b, t] != -100:
+                    lg, part = enc.logits(batch["inputs"][b:b + 1])[0, t - 1], "mntp"
+                elif b >= n:
+                    prefix = enc(batch["input_ids"][b:b + 1, :t], causal=True)
+                    lg, part = enc.head(prefix)[0, -1], "clm"
+                else:
+                    continue
+                ce = F.cross_entropy(lg, batch["input_ids"][b, t])
+                parts[part].append(torch.stack([ce, torch.logsumexp(lg, -1) ** 2]))
+        loss, stats = trainee(batch, extras)
+    # (a row may hold no masked token: then its objective adds 0, as a slot mean over nothing)
+    mean = {k: torch.stack(v).mean(0) if v else torch.zeros(2) for k, v in parts.items()}
+    want = n / B * mean["mntp"] + (B - n) / B * mean["clm"]
+    torch.testing.assert_close(loss, want[0] + 1e-4 * want[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats["mntp_loss"], mean["mntp"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats["clm_loss"], mean["clm"][0], rtol=1e-5, atol=1e-6)
 
 
 def test_kd_from_a_boot_teacher_hides_what_it_predicts():
