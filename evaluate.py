@@ -20,8 +20,8 @@ masks every token in turn ([CLS]/[SEP] never) and sums the log-probabilities of 
 tokens; `--scorer word-l2r` (Kauf & Ivanova 2023) also hides the later pieces of the word being
 scored. A gpt-bert model is scored as the BabyLM 2025 pipeline scores GPT-BERT: `mntp` (its
 default here; each token masked in turn, read at the position before it) or `causal` (one
-causal forward). Temperature: scores under logits/T for a grid of T; the best T is chosen on one half of
-the pairs (a fixed split by pair id) and reported on the other half only.
+causal forward). Temperature: scores under logits/T for a grid of T; the best T is chosen on one
+half of the pairs (a fixed split by pair id) and reported on the other half only.
 """
 import argparse
 import json

@@ -100,10 +100,11 @@ def test_pll_on_cuda_matches_the_cpu(corpus):
     got = {}
     for device, bf16 in (("cpu", False), ("cuda", False), ("cuda", True)):
         m = model.to(device)
-        got[device, bf16] = evaluate.pll(m, seqs, [1.0, 2.0], "word-l2r", 4096, torch.device(device),
-                                         starts, progress=False, bf16=bf16)  # starts: on the CPU
-    default = evaluate.pll(model.to("cuda"), seqs, [1.0, 2.0], "word-l2r", 4096, torch.device("cuda"),
-                           starts, progress=False)
+        got[device, bf16] = evaluate.pll(m, seqs, [1.0, 2.0], "word-l2r", 4096,
+                                         torch.device(device), starts, progress=False,
+                                         bf16=bf16)  # starts: on the CPU
+    default = evaluate.pll(model.to("cuda"), seqs, [1.0, 2.0], "word-l2r", 4096,
+                           torch.device("cuda"), starts, progress=False)
     assert np.array_equal(default, got["cuda", False])  # float32 unless asked, on CUDA too
     scored = np.array([len(s) - 2 for s in seqs])[:, None]
     err = {bf16: np.abs(got["cuda", bf16] - got["cpu", False]) for bf16 in (False, True)}
