@@ -16,7 +16,9 @@ Then, with transformers alone:
 The model predicts through the path its objective trained (a BootBERT masked-autoencoder student
 through its decoder, as model.load_checkpoint). The tokenizer is our sentencepiece model,
 converted by transformers' SpmConverter with sentencepiece's byte fallback kept.
-AutoModelForSequenceClassification loads the same folder with evaluate.py's fine-tuning head.
+AutoModelForSequenceClassification loads the same folder with evaluate.py's fine-tuning head. A
+gpt-bert model loads through AutoModelForCausalLM too (the pipeline's `--backend causal`), and
+through AutoModelForMaskedLM for `--backend mntp`, which reads the logits before each mask.
 """
 import argparse
 import importlib
@@ -56,6 +58,8 @@ def hf_config(ckpt: dict) -> dict:
     classes = {"AutoConfig": "NanoMLMConfig", "AutoModel": "NanoMLMModel",
                "AutoModelForMaskedLM": "NanoMLMForMaskedLM",
                "AutoModelForSequenceClassification": "NanoMLMForSequenceClassification"}
+    if ckpt.get("objective") == "gpt-bert":  # trained causally too: the pipeline's causal backend
+        classes["AutoModelForCausalLM"] = "NanoMLMForCausalLM"
     return {**ckpt["config"], "boot_decoder_layers": depth, "boot_mae": mae,
             "model_type": "nanomlm", "architectures": ["NanoMLMForMaskedLM"],
             "auto_map": {k: f"modeling_nanomlm.{v}" for k, v in classes.items()},

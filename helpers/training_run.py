@@ -292,9 +292,8 @@ def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | 
             "args": {k: v for k, v in vars(run.args).items() if k != "given"}, "step": step,
             "code_version": run.version, "tokenizer": run.tokenizer,
             "data": {k: run.meta[k] for k in DATA_KEYS}}
-        if words is not None:
-            state["words_seen"] = words
-        else:
+        state["words_seen"] = round(step * words_per_step(run)) if words is None else words
+        if words is None:
             cuda = run.device.type == "cuda"
             state.update({
                 "extras_state": {k: m.state_dict() for k, m in phase.parts.saved.items()} or None,
@@ -371,16 +370,21 @@ def checked_settings(args, defaults: dict) -> dict:
     return {k: v for k, v in vars(args).items() if k not in ("given", "check")}
 
 
+def words_per_step(run: Run) -> float:
+    """Training words a step reads: global_batch segments of seq_len - 2 corpus tokens ([CLS]
+    and [SEP] are not text), at the corpus' train_words / train_tokens words per token
+    (meta.json; whitespace-separated words, as BabyLM counts)."""
+    meta = run.meta
+    return run.global_batch * (run.args.seq_len - 2) * meta["train_words"] / meta["train_tokens"]
+
+
 def word_marks(run: Run) -> dict[int, tuple[str, int]]:
     """{step: (checkpoint name, words seen)} for --save-words: the first step by which that
-    many training words have been seen. A step reads global_batch segments of seq_len - 2
-    corpus tokens ([CLS] and [SEP] are not text), and the corpus has train_words /
-    train_tokens words per token (meta.json; whitespace-separated words, as BabyLM counts)."""
+    many training words have been seen (words_per_step)."""
     counts = word_counts(run.args.save_words)  # readable: the parser checked it
     if not counts:
         return {}
-    meta, args = run.meta, run.args
-    per_step = run.global_batch * (args.seq_len - 2) * meta["train_words"] / meta["train_tokens"]
+    args, per_step = run.args, words_per_step(run)
     name = lambda n: f"chck_{n // 10 ** 6}M" if n % 10 ** 6 == 0 else f"chck_{n // 1000}K"
     marks = {math.ceil(n / per_step - 1e-9): (name(n), n) for n in sorted(counts)}
     late = [v[0] for k, v in marks.items() if k > args.max_steps]

@@ -14,7 +14,10 @@ the same function). A BootBERT checkpoint with a masked-autoencoder student pred
 the path it was trained on: the encoder reads the tokens that are not [MASK], each at its own
 position, and a light decoder reads those states with a learned vector at the [MASK]s.
 NanoMLMModel (AutoModel) gives the encoder's states; NanoMLMForSequenceClassification puts
-nanoMLM's fine-tuning head on the [CLS] state.
+nanoMLM's fine-tuning head on the [CLS] state. A gpt-bert model is also a causal LM
+(NanoMLMForCausalLM, AutoModelForCausalLM): the same weights under a causal mask, the logits at
+t predicting the token at t + 1, as the BabyLM 2025 pipeline's causal backend reads them; its
+mntp backend reads NanoMLMForMaskedLM's logits at the position before each masked token.
 """
 import math
 
@@ -22,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import (BaseModelOutput, MaskedLMOutput,
+from transformers.modeling_outputs import (BaseModelOutput, CausalLMOutput, MaskedLMOutput,
                                            SequenceClassifierOutput)
 
 
@@ -137,18 +140,22 @@ class Encoder(nn.Module):
                                      norm(D, cfg.layer_norm_eps), nn.Dropout(cfg.dropout))
         self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
-    def attention_inputs(self, attention_mask):
-        """bias (B, 1, 1, T); rel (R, D) and idx (1, 1, T, T), or None, None (absolute)."""
+    def attention_inputs(self, attention_mask, causal=False):
+        """bias (B, 1, 1, T) ((B, 1, T, T) when causal: no key after the query); rel (R, D) and
+        idx (1, 1, T, T), or None, None (absolute)."""
         B, T = attention_mask.shape
         bias = torch.zeros(B, 1, 1, T, device=attention_mask.device)
         bias = bias.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+        if causal:
+            later = torch.ones(T, T, dtype=torch.bool, device=bias.device).triu(1)
+            bias = bias.masked_fill(later, float("-inf"))
         if self.config.position == "absolute":
             return bias, None, None
         cfg = self.config
         idx = relative_buckets(T, cfg.position_buckets, cfg.max_position, bias.device)
         return bias, self.rel_norm(self.rel), idx[None, None]
 
-    def forward(self, input_ids, attention_mask):
+    def forward(self, input_ids, attention_mask, causal=False):
         T = input_ids.shape[1]
         if T > self.config.max_position:
             raise ValueError(f"sequence of {T} tokens > max_position {self.config.max_position}")
@@ -156,7 +163,7 @@ class Encoder(nn.Module):
         if self.config.position == "absolute":
             x = x + self.pos.weight[:T]
         x = self.drop(self.word_norm(x))
-        att = self.attention_inputs(attention_mask)
+        att = self.attention_inputs(attention_mask, causal)
         for layer in self.layers:
             x = layer(x, *att)
         return x if self.norm is None else self.norm(x)
@@ -259,6 +266,30 @@ class NanoMLMForMaskedLM(NanoMLMPreTrainedModel):
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                    ignore_index=-100)
         return MaskedLMOutput(loss=loss, logits=logits)
+
+
+class NanoMLMForCausalLM(NanoMLMPreTrainedModel):
+    """A gpt-bert model read causally: each position attends to itself and those before it, and
+    its logits predict the next token (no shift inside: labels are the inputs, shifted here)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.nanomlm = Encoder(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.nanomlm.word
+
+    def forward(self, input_ids, attention_mask=None, labels=None, return_dict=None, **kwargs):
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        h = self.nanomlm(input_ids, attention_mask, causal=True)
+        logits = self.nanomlm.head(h)                                           # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                   labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutput(loss=loss, logits=logits)
 
 
 class NanoMLMForSequenceClassification(NanoMLMPreTrainedModel):

@@ -17,7 +17,7 @@ for name in ("transformers", "tokenizers", "safetensors", "google.protobuf"):
     pytest.importorskip(name, reason="the export tests need pip install -r "
                                      "requirements-export.txt")
 
-from transformers import (AutoModel, AutoModelForMaskedLM,  # noqa: E402
+from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,  # noqa: E402
                           AutoModelForSequenceClassification, AutoTokenizer)
 
 import evaluate as E  # noqa: E402
@@ -143,6 +143,55 @@ def test_pll_through_the_hugging_face_api_equals_evaluate_blimp(tokenizer_bytes,
         assert pll(src["bad"]) == pytest.approx(pair["bad"][t1], abs=1e-4)
 
 
+def test_a_gpt_bert_export_scores_through_both_pipeline_backends_as_evaluate_does(
+        tokenizer_bytes, tmp_path):
+    """A gpt-bert export loaded as the BabyLM 2025 pipeline loads it for --backend mntp
+    (AutoModelForMaskedLM: one copy per token, that token masked, the logits at the position
+    before it) and for --backend causal (AutoModelForCausalLM: a right-padded batch, inputs
+    ids[:-1], targets ids[1:]) gives evaluate.py blimp's log-probabilities by the same rule."""
+    path = checkpoint(tmp_path / "ckpt.pt", tokenizer_bytes, "gpt-bert")
+    export.main(["--ckpt", str(path), "--out", str(tmp_path / "hf")])
+    folder = tmp_path / "blimp"
+    folder.mkdir()
+    for f in sorted(BLIMP.glob("*.jsonl"))[:3]:
+        (folder / f.name).write_text("".join(f.read_text().splitlines(True)[:4]))
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    by_id = {p["id"]: p for p in E.read_blimp([folder])}
+    mlm = AutoModelForMaskedLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    clm = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+
+    @torch.no_grad()
+    def mntp(text):
+        ids = torch.tensor(tok(text)["input_ids"])
+        at = torch.arange(1, len(ids) - 1)
+        copies = ids.repeat(len(at), 1)
+        copies[torch.arange(len(at)), at] = tok.mask_token_id
+        logp = mlm(input_ids=copies).logits[torch.arange(len(at)), at - 1].log_softmax(-1)
+        return float(logp[torch.arange(len(at)), ids[at]].sum())
+
+    @torch.no_grad()
+    def causal(texts):
+        batch = tok(texts, padding=True, return_tensors="pt")
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        logits = clm(input_ids=ids[:, :-1], attention_mask=mask[:, :-1]).logits
+        lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        scored = (mask[:, 1:] == 1) & (ids[:, 1:] != tok.sep_token_id)   # the sentence's tokens
+        return (lp * scored).sum(1).tolist()
+
+    for scorer in ("mntp", "causal"):
+        out = tmp_path / f"{scorer}.json"
+        E.main(["blimp", "--ckpt", str(path), "--blimp-dir", str(folder), "--device", "cpu",
+                "--scorer", scorer, "--out", str(out)])
+        result = results.read_result(out)
+        t1 = result["temperatures"].index(1.0)
+        texts = [by_id[p["id"]][side] for p in result["pairs"] for side in ("good", "bad")]
+        got = causal(texts) if scorer == "causal" else [mntp(t) for t in texts]
+        want = [p[side][t1] for p in result["pairs"] for side in ("good", "bad")]
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["objective"] == "gpt-bert" and "AutoModelForCausalLM" in config["auto_map"]
+
+
 def test_sequence_classification_loads_the_encoder_and_trains_one_step(tokenizer_bytes,
                                                                          tmp_path):
     path = checkpoint(tmp_path / "ckpt.pt", tokenizer_bytes)
@@ -197,6 +246,8 @@ def test_save_words_keeps_checkpoints_at_the_word_counts(prepared, tmp_path):
     assert {p.name for p in hf.iterdir() if p.is_dir()} == {"chck_1K", "chck_2K"}
     words = json.loads((hf / "chck_1K" / "mlm" / "config.json").read_text())["words_seen"]
     assert words == 1000
+    # the final model says what it saw too: every step's words, the last step's included
+    assert json.loads((hf / "config.json").read_text())["words_seen"] == round(last * per_step)
     # the pipeline's rule (babylm/evaluation-pipeline-2025, its zero-shot main()): results go to
     # output_dir / Path(model_path_or_name).stem / (revision_name or "main") / ...
     filed = lambda model, revision=None: Path("results") / Path(model).stem / (revision or "main")
