@@ -92,6 +92,13 @@ def read_blimp(dirs) -> list[dict]:
     return pairs
 
 
+def read_at(model, hidden):
+    """Where a model's prediction of each hidden token (B, T) bool is read: there, or for a
+    gpt-bert model (masked next-token prediction) at the position before it ([CLS] at 0 is
+    never hidden), in the same row-major order."""
+    return hidden.roll(-1, 1) if model.train_args.get("objective") == "gpt-bert" else hidden
+
+
 def word_starts(tok) -> torch.Tensor:
     """(V,) bool: does this piece begin a word? Sentencepiece marks word starts with U+2581;
     specials are words of their own; byte pieces continue the word they are in."""
@@ -385,7 +392,8 @@ def masked_lm(args):
     segments of the corpus the checkpoint trained on, each hidden by the same fixed draw for every
     model: 15% of each segment's tokens, all [MASK] (uniform_mask: no spans, no random
     replacements, so every arm, whatever masking it trained with, is asked the same question).
-    Scored through load_checkpoint's path, so a boot model predicts through its decoder. One
+    Scored through load_checkpoint's path, so a boot model predicts through its decoder, and
+    read where the model predicts (read_at: a gpt-bert model at the position before). One
     example per segment (its mean over its hidden tokens), so `compare` resamples segments."""
     device = pick_device(args.device)
     model, tok = load_checkpoint(args.ckpt, device)
@@ -404,7 +412,7 @@ def masked_lm(args):
         inputs, labels = uniform_mask(ids, args.mask_p, gen)
         hidden = labels != -100                                        # (b, T), int(p T) per row
         with autocast(device, args.bf16):  # float32 unless --bf16, as blimp: a score
-            _, logits = model(inputs, predict=hidden)                  # (b * int(p T), V)
+            _, logits = model(inputs, predict=read_at(model, hidden))  # (b * int(p T), V)
         target = labels[hidden]
         nll = F.cross_entropy(logits.float(), target, reduction="none").view(len(ids), -1)
         hit = (logits.argmax(-1) == target).float().view(len(ids), -1)
@@ -477,7 +485,7 @@ def fill(args):
                              f"most {model.config.max_position}")
     for ids in sentences:
         x = torch.tensor([ids], device=device)                                 # (1, T)
-        _, logits = model(x, predict=x == MASK)                                # (masks, V)
+        _, logits = model(x, predict=read_at(model, x == MASK))               # (masks, V)
         top = logits.float().softmax(-1).topk(min(args.top_k, logits.shape[-1]), -1)
         best = iter(top.indices[:, 0].tolist())
         print(tok.decode([next(best) if t == MASK else t for t in ids[1:-1]]))  # the top guesses

@@ -603,12 +603,18 @@ def test_mean_metric_matches_brute_force_enumeration():
         multibootstrap.multibootstrap(A, [{**b, "better": "higher"} for b in B], nboot=10)
 
 
+@pytest.mark.parametrize("objective", ["mlm", "gpt-bert"])
 def test_masked_lm_against_a_loop_over_hidden_tokens(ckpt, small_raw, prepared, tmp_path,
-                                                     monkeypatch, capsys):
+                                                     monkeypatch, capsys, objective):
     """Each segment's loss and accuracy equal a loop that reads every logit at every position
-    and scores the [MASK]ed ones one by one; int(0.15 T) hidden per segment, the same ones for
-    any model."""
+    and scores the [MASK]ed ones one by one (a gpt-bert model's at the position before each);
+    int(0.15 T) hidden per segment, the same ones for any model."""
     monkeypatch.setenv("NANOMLM_DATA", str(prepared.parent))
+    if objective == "gpt-bert":
+        state = read_checkpoint(ckpt)
+        ckpt = tmp_path / "gpt-bert.pt"
+        save_checkpoint({**state, "args": {**state["args"], "objective": "gpt-bert"}}, ckpt)
+    shift = int(objective == "gpt-bert")
     out = tmp_path / "mlm.json"
     E.main(["mlm", "--ckpt", str(ckpt), "--data", str(small_raw), "--segments", "6",
             "--seq-len", "32", "--batch-size", "4", "--device", "cpu", "--out", str(out)])
@@ -627,8 +633,8 @@ def test_masked_lm_against_a_loop_over_hidden_tokens(ckpt, small_raw, prepared, 
         for row in range(size):
             hidden = [t for t in range(32) if inputs[row, t] == MASK]
             hidden_sets.append(hidden)
-            nll = [-logits[row, t, ids[row, t]].item() for t in hidden]
-            hit = [float(logits[row, t].argmax() == ids[row, t]) for t in hidden]
+            nll = [-logits[row, t - shift, ids[row, t]].item() for t in hidden]
+            hit = [float(logits[row, t - shift].argmax() == ids[row, t]) for t in hidden]
             losses.append(np.mean(nll))
             accs.append(np.mean(hit))
     assert all(len(h) == int(0.15 * 32) and 0 not in h and 31 not in h for h in hidden_sets)
@@ -768,13 +774,18 @@ def test_bad_numbers_are_one_line_before_anything_is_read(argv, says, capsys):
     assert stopped.value.code == 2 and err.count("\n") == 1 and says in err, err
 
 
-@pytest.mark.parametrize("objective", ["mlm", "boot"])
+@pytest.mark.parametrize("objective", ["mlm", "boot", "gpt-bert"])
 def test_fill_shows_the_models_own_top_guesses(ckpt, tmp_path, objective, capsys):
     """`fill` on any checkpoint: for each [MASK], the top-k pieces and probabilities of the
     model's distribution there, as the full (B, T, V) logits give them (a path that does not
     pick positions), with every [MASK] hidden at once; the first line puts each top guess in
-    place. A boot checkpoint predicts through its decoder, as it was trained to."""
+    place. A boot checkpoint predicts through its decoder, as it was trained to; a gpt-bert one
+    at the position before each [MASK]."""
     path = ckpt
+    if objective == "gpt-bert":
+        saved = torch.load(ckpt, weights_only=False)
+        path = tmp_path / "gpt-bert.pt"
+        save_checkpoint({**saved, "args": {**saved["args"], "objective": "gpt-bert"}}, path)
     if objective == "boot":
         saved = torch.load(ckpt, weights_only=False)
         torch.manual_seed(1)
@@ -789,7 +800,8 @@ def test_fill_shows_the_models_own_top_guesses(ckpt, tmp_path, objective, capsys
     ids = [CLS, *tok.encode("the cat"), MASK, *tok.encode("on the"), MASK, *tok.encode("."), SEP]
     x = torch.tensor([ids])
     with torch.no_grad():
-        probs = model.logits(x)[0].float().softmax(-1)[x[0] == MASK]          # (2, V)
+        read = (x[0] == MASK).roll(-(objective == "gpt-bert"), 0)
+        probs = model.logits(x)[0].float().softmax(-1)[read]                  # (2, V)
     top = probs.topk(3, -1)
     for m in range(2):
         want = "  ".join(f"{tok.id_to_piece(int(t)).replace('▁', ' ')!r} {100 * float(q):.1f}%"
@@ -809,7 +821,7 @@ def test_fill_shows_the_models_own_top_guesses(ckpt, tmp_path, objective, capsys
             "--device", "cpu"])
     x = torch.tensor([ids])
     with torch.no_grad():
-        probs = model.logits(x)[0].float().softmax(-1)[last]                  # (V,)
+        probs = model.logits(x)[0].float().softmax(-1)[last - (objective == "gpt-bert")]
     q, t = probs.max(-1)
     assert capsys.readouterr().out.splitlines()[1] == (
         f"  [MASK] 1: {tok.id_to_piece(int(t)).replace('▁', ' ')!r} {100 * float(q):.1f}%")
