@@ -107,7 +107,9 @@ def gpt_bert(model, batch, extras):
       MNTP:   bidirectional, masked as for MLM; a masked token at t is predicted from the state
               at t - 1, the position before it, so the head predicts the next token in both.
               [CLS] (t = 0) is never masked, so t - 1 stays in the row.
-      causal: the clean text under a causal mask; the state at t predicts the token at t + 1.
+      causal: the clean text under a causal mask; the state at t predicts the token at t + 1,
+              [CLS]'s the first, up to the last token of the window (its closing [SEP] marks
+              only where the window was cut: gpt-bert has no such target).
     loss = (1 - c) L_mntp + c L_clm, c = B_c / B, each a mean over its own tokens (gpt-bert
     gives each GPU one objective and averages the GPUs' means: the same weighting), plus
     gpt-bert's z-loss 1e-4 mean(logsumexp(logits)^2) on every scored position."""
@@ -126,8 +128,9 @@ def gpt_bert(model, batch, extras):
     if n < B:
         ids, mask = batch["input_ids"][n:], batch["attention_mask"][n:]   # (B_c, T)
         h = model.encoder(ids, mask, causal=True)                          # (B_c, T, D)
-        logits = model.encoder.head(h[:, :-1]).flatten(0, 1)               # (B_c (T-1), V)
-        targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100).flatten()
+        # every token of the text a target, not the [SEP] that closes the window
+        logits = model.encoder.head(h[:, :-2]).flatten(0, 1)               # (B_c (T-2), V)
+        targets = ids[:, 1:-1].masked_fill(mask[:, 1:-1] == 0, -100).flatten()
         losses.append(((B - n) / B, cross_entropy(logits, targets), logits, targets != -100))
         stats["clm_acc"] = slot_accuracy(logits, targets)
     loss = sum(share * part for share, part, _, _ in losses)

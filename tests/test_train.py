@@ -612,9 +612,9 @@ def test_gpt_bert_predicts_a_masked_token_from_the_position_before():
 @pytest.mark.parametrize("mix", sorted(T.MIXES))
 def test_gpt_bert_loss_against_a_loop_over_positions(mix):
     """Each masked-next-token row: the token masked at t scored from the logits at t - 1 of the
-    masked row; each causal row: the token at t scored from the last logits of a causal forward
-    of the prefix 0..t-1 alone (the mask itself: the test above). Weighted by the rows' shares,
-    plus the z-loss."""
+    masked row; each causal row: each token of the text (not the closing [SEP]) scored from the
+    last logits of a causal forward of the tokens before it alone (the mask itself: the test
+    above). Weighted by the rows' shares, plus the z-loss."""
     trainee, extras, batch = objective_setup("gpt-bert", causal_fraction=T.MIXES[mix])
     trainee.eval()
     enc, (B, n_tok) = trainee.encoder, batch["input_ids"].shape
@@ -626,7 +626,7 @@ def test_gpt_bert_loss_against_a_loop_over_positions(mix):
             for t in range(1, n_tok):
                 if b < n and batch["labels"][b, t] != -100:
                     lg, part = enc.logits(batch["inputs"][b:b + 1])[0, t - 1], "mntp"
-                elif b >= n:
+                elif b >= n and t < n_tok - 1:       # not the window's closing [SEP]
                     prefix = enc(batch["input_ids"][b:b + 1, :t], causal=True)
                     lg, part = enc.head(prefix)[0, -1], "clm"
                 else:
