@@ -127,6 +127,7 @@ def token_logprobs(model, seqs, temps, scorer, batch_tokens, device, starts, pro
     Python loop runs per token. Scored in float32 unless bf16: in bf16 near-ties flip from one
     GPU kind to another, and BLiMP pairs are decided by such differences.
     """
+    assert scorer in SCORERS, scorer
     L = np.array([len(s) for s in seqs])
     ids = pad(seqs)
     words = starts[torch.from_numpy(ids)].cumsum(1).numpy()      # (S, Lmax) word index per position
@@ -142,7 +143,7 @@ def token_logprobs(model, seqs, temps, scorer, batch_tokens, device, starts, pro
         parts = math.ceil(len(rows) * length / batch_tokens)
         batches += [(length, c) for c in np.array_split(rows, parts)]
     first = np.cumsum(n) - n                                     # a sentence's first copy
-    for length, c in bar(batches, desc="PLL", unit="batch", leave=False,
+    for length, c in bar(batches, desc=scorer, unit="batch", leave=False,
                          disable=None if progress else True):
         rows = torch.from_numpy(ids[items[c], :length]).to(device)
         if causal:  # (r, length): positions 0..length-3 predict tokens 1..length-2
@@ -256,6 +257,9 @@ def blimp(args):
     # before it, every other objective where it is; blimp.json holds that one
     own = "mntp" if model.train_args.get("objective") == "gpt-bert" else "pll"
     args.scorer = args.scorer or own
+    if args.scorer in ("mntp", "causal") and own != "mntp":
+        print(f"note: --scorer {args.scorer} reads each token at the position before it, which "
+              f"a {model.train_args.get('objective', '?')} model was not trained to predict from")
     if args.scorer == "causal" and not isinstance(model, Encoder):
         raise SystemExit(f"error: --scorer causal needs an encoder; {args.ckpt} predicts through "
                          f"a decoder")

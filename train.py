@@ -218,6 +218,10 @@ def load_teacher(encoder, args, run_dir, device, encoder_only=False):
     predictions (a boot checkpoint's through its decoder), mlsm its encoder's states."""
     path = args.teacher or Path(run_dir) / "phase1.pt"
     teacher, _ = load_checkpoint(path, device, encoder_only)
+    if teacher.train_args.get("objective") == "gpt-bert" and not encoder_only:
+        raise SystemExit(f"error: the teacher {path} is a gpt-bert model, which predicts a masked "
+                         f"token from the position before it; kd reads a teacher where the token "
+                         f"is")
     if teacher.config.vocab_size != encoder.config.vocab_size:
         raise SystemExit(f"error: the teacher {path} has a {teacher.config.vocab_size}-token "
                          f"vocabulary, the data {encoder.config.vocab_size}")
@@ -317,13 +321,16 @@ class Objective(NamedTuple):
     setup: Callable | None = None   # (encoder, args, run_dir, device) -> ObjectiveParts
     two_phase: bool = False         # plain MLM first; then this, taught by the phase-1 model
     defaults: dict | None = None    # shared flags whose default differs, as its paper trained it
-    note: str | None = None         # said as a run starts: what a user might not expect of it
+    note: str | Callable | None = None  # said as a run starts (a function: of the args)
 
 
 UNIFORM = dict(masking="uniform")  # Berend 2023's masking, in both phases (szegedai/MLSM)
 OBJECTIVES = {
     "mlm": Objective(mlm),
-    "gpt-bert": Objective(gpt_bert),
+    "gpt-bert": Objective(gpt_bert, note=lambda args: (
+        f"gpt-bert trains {causal_rows(args.batch_size, args.causal_fraction)} of each "
+        f"micro-batch's {args.batch_size} rows causally, the rest masked next-token prediction "
+        f"(--causal-fraction {args.causal_fraction:g})")),
     "boot": Objective(boot, setup_boot, defaults=dict(lr=5e-3, weight_decay=0.02,
                                                       weight_decay_end=0.2, mlm_weight=0.1,
                                                       final_norm=True)),
@@ -425,8 +432,8 @@ def build_parser():
         range=flags.Range(0, 1, low_open=True, high_open=True))
     add("--causal-fraction", type=causal_fraction, default=1 / 16, range=flags.Range(0, 1),
         help="gpt-bert: the share of each batch trained causally, the rest masked next-token "
-        "prediction; a fraction, or masked-focus (1/16, gpt-bert's 15:1), mixed (1/2) or "
-        "causal-focus (15/16) (default masked-focus)")
+        "prediction; a decimal fraction, or masked-focus (1/16, gpt-bert's 15:1), mixed (1/2) "
+        "or causal-focus (15/16) (default masked-focus)")
     add("--masking", default="span", choices=["span", "token", "uniform"], help="span: "
         "LTG-BERT's spans, 80/10/10 per span; token: BERT's, each token chosen alone, 80/10/10 "
         "(the synthetic-language blog's); uniform: int(p T) tokens per sequence, all [MASK], as "
@@ -557,7 +564,7 @@ def get_args(argv):
     if args.out_dir is None:
         args.out_dir = str(REPO / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
     args.given = flags.typed(parser, argv)  # a resumed run refuses those that differ
-    if "causal_fraction" in args.given and args.objective != "gpt-bert":
+    if "causal_fraction" in args.given and args.objective != "gpt-bert" and not args.resume:
         parser.error("--causal-fraction only applies to gpt-bert")
     preset = {**SIZE_DEFAULTS[args.size], **(OBJECTIVES[args.objective].defaults or {})}
     flags.fill_unset(args, preset, typed=args.given)
@@ -593,8 +600,8 @@ def main(argv=None):
         return
     phase = phase_at(run, step)
     run.say(describe(run, phase1_steps(args)))
-    if OBJECTIVES[args.objective].note:
-        run.say("note: " + OBJECTIVES[args.objective].note)
+    if note := OBJECTIVES[args.objective].note:
+        run.say("note: " + (note(args) if callable(note) else note))
     word_saves = word_marks(run)  # {step: (name, words)} of --save-words
     guard = SafetyNet(run.folder, run.device, run.ddp, args.spike, args.log_every,
                     last_saved=step if run.ckpt is not None else None)

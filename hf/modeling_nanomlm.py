@@ -257,20 +257,25 @@ class NanoMLMForMaskedLM(NanoMLMPreTrainedModel):
 
     def forward(self, input_ids, attention_mask=None, labels=None, return_dict=None, **kwargs):
         """input_ids (B, T), attention_mask (B, T) (1: token, 0: padding); labels (B, T) with
-        -100 where not scored. Other arguments of the BERT API (token_type_ids...) are ignored."""
+        -100 where not scored (a gpt-bert model's loss reads each label's logits at the position
+        before it). Other arguments of the BERT API (token_type_ids...) are ignored."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         logits = self.nanomlm.head(self.states(input_ids, attention_mask))      # (B, T, V)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+            scored = logits
+            if getattr(self.config, "objective", None) == "gpt-bert":  # predicted a step before
+                scored, labels = logits[:, :-1], labels[:, 1:]
+            loss = F.cross_entropy(scored.flatten(0, 1).float(), labels.flatten(),
                                    ignore_index=-100)
         return MaskedLMOutput(loss=loss, logits=logits)
 
 
 class NanoMLMForCausalLM(NanoMLMPreTrainedModel):
     """A gpt-bert model read causally: each position attends to itself and those before it, and
-    its logits predict the next token (no shift inside: labels are the inputs, shifted here)."""
+    its logits predict the next token (no shift inside: labels are the inputs, shifted here).
+    Scoring only: no key-value cache, and no generate()."""
 
     def __init__(self, config):
         super().__init__(config)

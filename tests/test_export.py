@@ -146,9 +146,11 @@ def test_pll_through_the_hugging_face_api_equals_evaluate_blimp(tokenizer_bytes,
 def test_a_gpt_bert_export_scores_through_both_pipeline_backends_as_evaluate_does(
         tokenizer_bytes, tmp_path):
     """A gpt-bert export loaded as the BabyLM 2025 pipeline loads it for --backend mntp
-    (AutoModelForMaskedLM: one copy per token, that token masked, the logits at the position
-    before it) and for --backend causal (AutoModelForCausalLM: a right-padded batch, inputs
-    ids[:-1], targets ids[1:]) gives evaluate.py blimp's log-probabilities by the same rule."""
+    (AutoModelForMaskedLM: one copy per scored token, that token masked, the logits at the
+    position before it) and for --backend causal (AutoModelForCausalLM: a right-padded batch,
+    inputs ids[:-1], targets ids[1:]) gives evaluate.py blimp's log-probabilities. The scored
+    tokens are chosen as the pipeline chooses them: by the tokenizer's offsets (end > 0, so no
+    special token), the first from [CLS]'s state (its cls token exists: prepend = 1)."""
     path = checkpoint(tmp_path / "ckpt.pt", tokenizer_bytes, "gpt-bert")
     export.main(["--ckpt", str(path), "--out", str(tmp_path / "hf")])
     folder = tmp_path / "blimp"
@@ -160,10 +162,13 @@ def test_a_gpt_bert_export_scores_through_both_pipeline_backends_as_evaluate_doe
     mlm = AutoModelForMaskedLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
     clm = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
 
+    def phrase(enc):  # process_mntp_sentences / process_causal_sentences, start_char_idx 0
+        return [i for i, (start, end) in enumerate(enc["offset_mapping"]) if end > 0 and i != 0]
+
     @torch.no_grad()
     def mntp(text):
-        ids = torch.tensor(tok(text)["input_ids"])
-        at = torch.arange(1, len(ids) - 1)
+        enc = tok(text, return_offsets_mapping=True)
+        ids, at = torch.tensor(enc["input_ids"]), torch.tensor(phrase(enc))
         copies = ids.repeat(len(at), 1)
         copies[torch.arange(len(at)), at] = tok.mask_token_id
         logp = mlm(input_ids=copies).logits[torch.arange(len(at)), at - 1].log_softmax(-1)
@@ -173,10 +178,12 @@ def test_a_gpt_bert_export_scores_through_both_pipeline_backends_as_evaluate_doe
     def causal(texts):
         batch = tok(texts, padding=True, return_tensors="pt")
         ids, mask = batch["input_ids"], batch["attention_mask"]
+        scored = torch.zeros_like(ids)
+        for row, text in enumerate(texts):
+            scored[row, phrase(tok(text, return_offsets_mapping=True))] = 1
         logits = clm(input_ids=ids[:, :-1], attention_mask=mask[:, :-1]).logits
         lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
-        scored = (mask[:, 1:] == 1) & (ids[:, 1:] != tok.sep_token_id)   # the sentence's tokens
-        return (lp * scored).sum(1).tolist()
+        return (lp * scored[:, 1:]).sum(1).tolist()
 
     for scorer in ("mntp", "causal"):
         out = tmp_path / f"{scorer}.json"
