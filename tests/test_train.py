@@ -22,6 +22,7 @@ from data.prepare import CLS, MASK, SEP, prepare
 from helpers import training_run
 from helpers.training_run import Trainee
 from machinery import optim, stopping
+from machinery.storage import save_checkpoint
 from model import PRESETS, Encoder, ModelConfig
 
 
@@ -672,6 +673,30 @@ def test_kd_with_a_given_teacher_skips_phase_one(trained, prepared, tmp_path):
     first = torch.load(trained, weights_only=True)["model"]
     last = torch.load(out / "ckpt.pt", weights_only=True)["model"]
     assert not torch.equal(last["word.weight"], first["word.weight"])
+
+
+def test_gpt_bert_flags_and_teachers(trained, tmp_path, capsys):
+    """--causal-fraction: named mixes or a decimal, refused for another objective in one line but
+    taken by a resume (whose saved objective decides); a gpt-bert checkpoint cannot teach kd,
+    which reads a teacher where the token is."""
+    assert T.get_args(["--objective", "gpt-bert", "--causal-fraction", "mixed"]).causal_fraction \
+        == 0.5
+    assert T.get_args(["--objective", "gpt-bert", "--causal-fraction", "0.25"]).causal_fraction \
+        == 0.25
+    assert T.get_args(["--resume", "--out-dir", str(tmp_path), "--causal-fraction", "0.25"])
+    with pytest.raises(SystemExit):
+        T.get_args(["--objective", "mlm", "--causal-fraction", "mixed"])
+    assert "--causal-fraction only applies to gpt-bert" in capsys.readouterr().err
+    state = torch.load(trained, weights_only=False)
+    teacher = tmp_path / "gpt-bert.pt"
+    save_checkpoint({**state, "args": {**state["args"], "objective": "gpt-bert"}}, teacher)
+    encoder = Encoder(ModelConfig(**state["config"]))
+    args = T.get_args(["--objective", "kd", "--teacher", str(teacher)])
+    with pytest.raises(SystemExit, match="is a gpt-bert model"):
+        T.setup_kd(encoder, args, tmp_path, "cpu")
+    assert T.OBJECTIVES["gpt-bert"].note(T.get_args(["--objective", "gpt-bert",
+                                                      "--batch-size", "8"])).startswith(
+        "gpt-bert trains 1 of each micro-batch's 8 rows causally")
 
 
 def test_mae_decoder_input_is_the_kept_tokens_encoding_and_the_mask_vector():
