@@ -23,7 +23,7 @@
 #             cannot end in time is stopped (SIGTERM: it saves its step), BLiMP scores that
 #             checkpoint, and summary.json gives the step time and the projected total (with
 #             BUDGET=540 the run has a minute more, where the window allows it)
-#   rest      ~7.5 min: the six objectives compiled side by side and resume on CUDA (~2 min);
+#   rest      ~7.5 min: every objective (seven) compiled side by side and resume on CUDA (~2 min);
 #             ours against BertForMaskedLM at base (~1.5 min); mlsm+mlm at small, 300 + 100
 #             steps, the recipe's dictionary (3000 atoms from 100,000 states) learned between
 #             its phases, and phase 2's speed (~3.5 min); bench.py's ltg, attn and pll rows at
