@@ -1032,6 +1032,26 @@ def test_compiled_objectives_stop_recompiling(objective):
     assert not [node for g in graphs for node in symbolic_shapes(g)]
 
 
+@pytest.mark.parametrize("mix", sorted(T.MIXES))
+def test_gpt_bert_compiles_to_one_graph_in_each_mix(mix):
+    """Each baseline mix (1, 2 or 3 causal rows of the 4 here) traced whole into one graph with
+    no size read from the data, and equal to the eager loss."""
+    graphs = []
+
+    def keep(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+    torch._dynamo.reset()
+    trainee, extras, args = compiled_trainee("gpt-bert")
+    args.causal_fraction = T.MIXES[mix]
+    batch = fresh_batch(args, 0)
+    trainee.eval()
+    want, _ = trainee(batch, extras)
+    got, _ = torch.compile(trainee, fullgraph=True, backend=keep)(batch, extras)
+    assert len(graphs) == 1 and not [node for g in graphs for node in symbolic_shapes(g)]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_kd_from_a_boot_teacher_compiles_whole():
     """A boot checkpoint teaching kd in a compiled step (setup_kd turns its compact layout off
     when compiling): the same teacher logits as the compact layout, and 20 compiled steps in one
