@@ -272,18 +272,10 @@ class NanoMLMForMaskedLM(NanoMLMPreTrainedModel):
         return MaskedLMOutput(loss=loss, logits=logits)
 
 
-class NanoMLMForCausalLM(NanoMLMPreTrainedModel):
+class NanoMLMForCausalLM(NanoMLMModel):
     """A gpt-bert model read causally: each position attends to itself and those before it, and
     its logits predict the next token (no shift inside: labels are the inputs, shifted here).
     Scoring only: no key-value cache, and no generate()."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.nanomlm = Encoder(config)
-        self.post_init()
-
-    def get_input_embeddings(self):
-        return self.nanomlm.word
 
     def forward(self, input_ids, attention_mask=None, labels=None, return_dict=None, **kwargs):
         if attention_mask is None:
