@@ -92,11 +92,17 @@ def read_blimp(dirs) -> list[dict]:
     return pairs
 
 
+def predicts_before(model) -> bool:
+    """Whether a model predicts a hidden token at the position before it: a gpt-bert model,
+    trained by masked next-token prediction."""
+    return model.train_args.get("objective") == "gpt-bert"
+
+
 def read_at(model, hidden):
-    """Where a model's prediction of each hidden token (B, T) bool is read: there, or for a
-    gpt-bert model (masked next-token prediction) at the position before it ([CLS] at 0 is
-    never hidden), in the same row-major order."""
-    return hidden.roll(-1, 1) if model.train_args.get("objective") == "gpt-bert" else hidden
+    """Where a model's prediction of each hidden token (B, T) bool is read: there, or where it
+    predicts_before, at the position before it ([CLS] at 0 is never hidden), in the same
+    row-major order."""
+    return hidden.roll(-1, 1) if predicts_before(model) else hidden
 
 
 def word_starts(tok) -> torch.Tensor:
@@ -255,7 +261,7 @@ def blimp(args):
     batch_tokens = args.batch_tokens or BATCH_TOKENS[device.type]
     # the model's own scorer by default: gpt-bert predicts a masked token from the position
     # before it, every other objective where it is; blimp.json holds that one
-    own = "mntp" if model.train_args.get("objective") == "gpt-bert" else "pll"
+    own = "mntp" if predicts_before(model) else "pll"
     args.scorer = args.scorer or own
     if args.scorer in ("mntp", "causal") and own != "mntp":
         print(f"note: --scorer {args.scorer} reads each token at the position before it, which "

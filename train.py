@@ -115,29 +115,27 @@ def gpt_bert(model, batch, extras):
     gpt-bert's z-loss 1e-4 mean(logsumexp(logits)^2) on every scored position."""
     B, T = batch["input_ids"].shape
     n = B - causal_rows(B, extras["args"].causal_fraction)                 # MNTP rows: [0, n)
-    losses, stats = [], {}
+    parts = {}                                 # name: (its share, logits (N, V), targets (N,))
     if n > 0:
         slots, targets = batch["slots"], batch["targets"]                  # (C,)
         mine = (targets != -100) & (slots < n * T)  # masked, rows [0, n)
         before = torch.where(mine, slots - 1, 0)                           # (C,) t - 1, same row
         _, logits = model.encoder(batch["inputs"][:n], batch["attention_mask"][:n],
                                   predict=before)                          # (C, V)
-        targets = torch.where(mine, targets, -100)
-        losses.append((n / B, cross_entropy(logits, targets), logits, targets != -100))
-        stats["mntp_acc"] = slot_accuracy(logits, targets)
+        parts["mntp"] = (n / B, logits, torch.where(mine, targets, -100))
     if n < B:
         ids, mask = batch["input_ids"][n:], batch["attention_mask"][n:]   # (B_c, T)
         h = model.encoder(ids, mask, causal=True)                          # (B_c, T, D)
         # every token of the text a target, not the [SEP] that closes the window
         logits = model.encoder.head(h[:, :-2]).flatten(0, 1)               # (B_c (T-2), V)
         targets = ids[:, 1:-1].masked_fill(mask[:, 1:-1] == 0, -100).flatten()
-        losses.append(((B - n) / B, cross_entropy(logits, targets), logits, targets != -100))
-        stats["clm_acc"] = slot_accuracy(logits, targets)
-    loss = sum(share * part for share, part, _, _ in losses)
-    z = sum(share * slot_mean(torch.logsumexp(lg.float(), -1) ** 2, scored)
-            for share, _, lg, scored in losses)
-    for (share, part, _, _), name in zip(losses, ["mntp", "clm"] if n > 0 else ["clm"]):
-        stats[f"{name}_loss"] = part.detach()
+        parts["clm"] = ((B - n) / B, logits, targets)
+    loss, z, stats = 0, 0, {}
+    for name, (share, logits, targets) in parts.items():
+        part = cross_entropy(logits, targets)
+        loss = loss + share * part
+        z = z + share * slot_mean(torch.logsumexp(logits.float(), -1) ** 2, targets != -100)
+        stats[f"{name}_acc"], stats[f"{name}_loss"] = slot_accuracy(logits, targets), part.detach()
     return loss + 1e-4 * z, {**stats, "z_loss": z.detach()}
 
 
@@ -420,14 +418,14 @@ def build_parser():
     add("--weight-decay", type=float, default=0.1, help="decoupled weight decay on weight "
         "matrices (default 0.1; boot 0.02, rising to 0.2)", range=flags.at_least(0))
     add("--weight-decay-end", type=float, default=None, range=flags.at_least(0),
-        help="cosine weight decay from "
-        "--weight-decay to this over the phase (default: constant; boot 0.2)")
+        help="cosine weight decay from --weight-decay to this over the phase (default: "
+        "constant; boot 0.2)")
     add("--clip", type=float, default=2.0, range=flags.at_least(0),
         help="gradient-norm clipping, 0 = off")
     add("--spike", type=float, default=10.0, range=flags.at_least(0),
-        help="stop a diverging run: when a log interval's "
-        "mean gradient norm exceeds this multiple of its median over the phase so far, or its "
-        "loss stays 1 nat above the phase's lowest for two log lines; 0 = off")
+        help="stop a diverging run: when a log interval's mean gradient norm exceeds this "
+        "multiple of its median over the phase so far, or its loss stays 1 nat above the "
+        "phase's lowest for two log lines; 0 = off")
     add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict",
         range=flags.Range(0, 1, low_open=True, high_open=True))
     add("--causal-fraction", type=causal_fraction, default=1 / 16, range=flags.Range(0, 1),
