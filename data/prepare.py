@@ -246,6 +246,22 @@ def prepared_copies(out: Path) -> list[Path]:
     return sorted(p for p in found if load_meta(p).get("name") == out.name)
 
 
+def move_old_prepared(say) -> None:
+    """Prepared folders lived in data/ itself (data/NAME-KEY/) before data/prepared/: each one
+    found there is moved into data/prepared/, the same files, so that every lookup finds it,
+    with its raw text or without."""
+    for meta in HERE.glob("*-*/meta.json"):
+        old, new = meta.parent, HERE / "prepared" / meta.parent.name
+        if old.name.startswith(".") or new.exists():  # a preparation's temporary folder
+            continue
+        new.parent.mkdir(exist_ok=True)
+        try:
+            old.rename(new)
+        except FileNotFoundError:  # another process moved it first
+            continue
+        say(f"data: moved the prepared {old} to {new}")
+
+
 def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
             quiet: bool = False) -> Path:
     """The prepared folder of `data` (a NAME under NANOMLM_RAW or a PATH), made if need be, and
@@ -255,6 +271,8 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
     say = (lambda *a: None) if quiet else functools.partial(print, flush=True)
     if (Path(data) / "meta.json").is_file() and (Path(data) / "train.bin").is_file():
         return Path(data)  # already a prepared folder: use it as it is
+    if prepared_root() == HERE / "prepared":
+        move_old_prepared(say)
     raw, base = resolve(data)
     if not raw.is_dir() and (base / "meta.json").is_file() and not force:
         return base  # a prepared folder named in full (or by its name before keys)
@@ -286,11 +304,6 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
     settings = word_level(raw) or tokenizer_settings(vocab_size)
     made_of = json.dumps([VERSION, sources, settings], sort_keys=True).encode()
     out = base.with_name(f"{base.name}-{hashlib.sha256(made_of).hexdigest()[:10]}")
-    legacy = HERE / out.name  # where prepared folders lived before data/prepared/
-    if out.parent == HERE / "prepared" and not out.exists() and (legacy / "meta.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        legacy.rename(out)
-        say(f"data: moved the prepared {legacy} to {out}")
     if (out / "meta.json").exists() and not force:
         return out
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
