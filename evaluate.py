@@ -92,17 +92,11 @@ def read_blimp(dirs) -> list[dict]:
     return pairs
 
 
-def predicts_before(model) -> bool:
-    """Whether a model predicts a hidden token at the position before it: a gpt-bert model,
-    trained by masked next-token prediction."""
-    return model.train_args.get("objective") == "gpt-bert"
-
-
 def read_at(model, hidden):
     """Where a model's prediction of each hidden token (B, T) bool is read: there, or where it
     predicts_before, at the position before it ([CLS] at 0 is never hidden), in the same
     row-major order."""
-    return hidden.roll(-1, 1) if predicts_before(model) else hidden
+    return hidden.roll(-1, 1) if model.predicts_before else hidden
 
 
 def word_starts(tok) -> torch.Tensor:
@@ -261,7 +255,7 @@ def blimp(args):
     batch_tokens = args.batch_tokens or BATCH_TOKENS[device.type]
     # the model's own scorer by default: gpt-bert predicts a masked token from the position
     # before it, every other objective where it is; blimp.json holds that one
-    own = "mntp" if predicts_before(model) else "pll"
+    own = "mntp" if model.predicts_before else "pll"
     args.scorer = args.scorer or own
     if args.scorer in ("mntp", "causal") and own != "mntp":
         print(f"note: --scorer {args.scorer} reads each token at the position before it, which "
@@ -338,8 +332,9 @@ def blimp(args):
                    "pipeline_average": float(np.mean([won_or_tied[(groups == g) & (uid_of == u)]
                                                       .mean() for u in rows]))}
                for g, rows in paradigms.items()}
-    name_width = max(len(k) for k in [*(k for t in (paradigms, phenomena) for rows in t.values()
-                                for k in rows), *(f"{g}: over phenomena" for g in summary)])
+    name_width = max(len(k) for k in [*(k for t in (paradigms, phenomena)
+                                         for rows in t.values() for k in rows),
+                                       *(f"{g}: over phenomena" for g in summary)])
     best_head = f"half T={temps[best]:g}*"
     best_width = max(9, len(best_head))
     line = lambda name, r: (f"  {name:<{name_width}} {100 * r[0]:8.1f} {100 * r[1]:9.1f} "
@@ -621,8 +616,6 @@ def build_parser() -> argparse.ArgumentParser:
     common(w, "weights")
     w.set_defaults(func=weights)
     return ap
-
-
 
 
 def main(argv=None):

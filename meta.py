@@ -365,9 +365,6 @@ def replace_args(args, **kw):
 MOONS_MODEL = dict(n_layer=2, n_head=2, d_model=8, d_ff=32)  # Shen's Two Moons models
 
 
-MODEL_FLAGS = ("n_layer", "n_head", "d_model", "d_ff", "position")
-
-
 def model_config(args, vocab: int) -> ModelConfig:
     """Shen's Two Moons model or the --size preset, under the model flags given (as train.py)."""
     preset = MOONS_MODEL if args.task == "two_moons" else PRESETS[args.size]
@@ -424,7 +421,7 @@ def moons_cell(args, data, size, seed, device):
     train, valid = (Labeled(*(torch.as_tensor(a, device=device) for a in part))
                     for part in labeled_sets(data, size, args.labeled_points, args.data_seed))
     label_ids = torch.tensor(tok["label"], device=device)
-    unlabeled, labeled = moons_batches(data, train, size, args, device)
+    unlabeled, labeled = moons_batches(data, train, label_ids, args, device)
     written = []
 
     def show(step, x_u, x_hat, y_hat):  # keep the last thing the teacher wrote
@@ -586,7 +583,7 @@ def build_parser() -> flags.Parser:
         "soft and denoise labels, as MetaLMO's soft runs; 1 otherwise)", range=flags.at_least(0))
     add("--weight-decay", type=float, default=0.01, range=flags.at_least(0),
         help="AdamW weight decay, all optimisers")
-    add("--clip", type=float, default=None,
+    add("--clip", type=float, default=None,  # 0 would zero every gradient: no "off" here
         help="gradient-norm clip of every outer step (default 1; shen 5)", range=flags.above(0))
     add("--seed", type=int, default=0, range=flags.at_least(0),
         help="model init and batches (--task glue)")
@@ -622,7 +619,7 @@ def build_parser() -> flags.Parser:
     add("--size", choices=tuple(PRESETS), default="tiny",
         help="glue: model preset (two_moons: 2 layers, d_model 8)")
     helps = flags.field_help(ModelConfig)
-    for f in MODEL_FLAGS[:-1]:
+    for f in ("n_layer", "n_head", "d_model", "d_ff"):
         add(f"--{f.replace('_', '-')}", type=int, default=None,
             help=f"{helps[f]} (overrides the preset)", range=flags.at_least(1))
     add("--position", choices=("relative", "absolute"), default=None, help=helps["position"])
@@ -637,11 +634,6 @@ def build_parser() -> flags.Parser:
         help="continue the run in --out-dir (two_moons: skip finished cells)")
     add_device_flag(add, "where to train")
     return ap
-
-
-# the values each numeric flag may take (--clip 0 would zero every gradient: no "off" here)
-R = flags.Range
-
 
 
 def main(argv=None):

@@ -477,7 +477,9 @@ def load_checkpoint(path, device="cpu", encoder_only=False):
     hidden token by the path its objective trained: the Encoder and its MLM head, or for boot a
     BootPredictor (the student's decoder before the head). encoder_only: the Encoder alone, for
     its states (fine-tuning, dictionaries). model.train_args holds the arguments it was trained
-    with (its seed, objective, data...), model.trained_steps the step it was saved at."""
+    with (its seed, objective, data...), model.trained_steps the step it was saved at, and
+    model.predicts_before whether it predicts a hidden token at the position before it (gpt-bert's
+    masked next-token prediction)."""
     ckpt = read_checkpoint(path)
     model = Encoder(ModelConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"], strict=True)
@@ -492,4 +494,5 @@ def load_checkpoint(path, device="cpu", encoder_only=False):
         model = BootPredictor(model, boot, tok.piece_to_id("[MASK]"))
     model.train_args = ckpt.get("args", {})
     model.trained_steps = ckpt.get("step")  # what an evaluation of it records as its step
+    model.predicts_before = model.train_args.get("objective") == "gpt-bert"
     return model.to(device).eval(), tok

@@ -329,8 +329,6 @@ def build_parser() -> flags.Parser:
     return ap
 
 
-
-
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)

@@ -216,7 +216,7 @@ def load_teacher(encoder, args, run_dir, device, encoder_only=False):
     predictions (a boot checkpoint's through its decoder), mlsm its encoder's states."""
     path = args.teacher or Path(run_dir) / "phase1.pt"
     teacher, _ = load_checkpoint(path, device, encoder_only)
-    if teacher.train_args.get("objective") == "gpt-bert" and not encoder_only:
+    if teacher.predicts_before and not encoder_only:
         raise SystemExit(f"error: the teacher {path} is a gpt-bert model, which predicts a masked "
                          f"token from the position before it; kd reads a teacher where the token "
                          f"is")
@@ -396,6 +396,7 @@ def build_parser():
     add("--objective", default="mlm", choices=sorted(OBJECTIVES), help="pretraining objective")
     add("--data", default="babylm_10m", help="corpus name under $NANOMLM_RAW, a folder of text "
         "files, or a prepared folder")
+    # the 5 specials and 256 byte pieces at least (sentencepiece may need more for a corpus)
     add("--vocab-size", type=int, default=VOCAB_SIZE,
         help="sentencepiece vocabulary when the data is prepared", range=flags.at_least(262))
     add("--size", default="small", choices=PRESETS,
@@ -535,10 +536,6 @@ def build_parser():
     return p
 
 
-# the values every numeric flag may take (the dictionary's are DictConfig.check's); a vocabulary
-# holds the 5 specials and 256 byte pieces at least (sentencepiece may need more for a corpus)
-
-
 def get_args(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -602,7 +599,7 @@ def main(argv=None):
         run.say("note: " + (note(args) if callable(note) else note))
     word_saves = word_marks(run)  # {step: (name, words)} of --save-words
     guard = SafetyNet(run.folder, run.device, run.ddp, args.spike, args.log_every,
-                    last_saved=step if run.ckpt is not None else None)
+                      last_saved=step if run.ckpt is not None else None)
     sums, since_log = {}, 0  # each stat summed over the steps since the last log line
     t_log, t_phase, t0, step0 = time.time(), time.time(), time.time(), step
     progress = bar(total=args.max_steps, initial=step, disable=None if run.rank == 0 else True,

@@ -24,6 +24,8 @@ COORD, GRID = len(SPECIALS), 64  # coordinate c in [0, 64) is token COORD + c, a
 
 MOONS_TOKENS = extra_tokens(COORD + GRID, ["moon"], size=512)  # Shen's 512-token vocabulary
 MOONS_TOKENS["label"] = label_tokens(MOONS_TOKENS["task"]["moon"], 2)
+MOONS_NAMES = {MOONS_TOKENS["mlm"]: "[MLM]", MOONS_TOKENS["unl"]: "[U]",  # moons_text's
+               MOONS_TOKENS["task"]["moon"]: "[MOON]", SEP: "[SEP]", MASK: "[MASK]"}
 
 
 def on_moons(t, label):
@@ -104,14 +106,13 @@ def labeled_sets(data: dict, size: int, layout: str, data_seed: int) -> tuple:
     return tuple(Labeled(moon_examples(xy), y) for xy, y in (draw(size, 1), draw(k, 2)))
 
 
-def moons_batches(data: dict, train: Labeled, size: int, args, device):
+def moons_batches(data: dict, train: Labeled, label_ids, args, device):
     """(unlabeled, labeled), a cell's batches as meta.pretrain reads them, each (step, generator)
     -> a dict of (B, T) tensors: --batch-size unlabelled sequences and their MLM example (x_u,
-    m_u, x_m, y_m); a support and a query batch of --task-batch of the `size` labelled points
-    `train` (x_s, y_s, m_s, x_q, y_q, m_q)."""
+    m_u, x_m, y_m); a support and a query batch of --task-batch of the labelled points `train`
+    (x_s, y_s, m_s, x_q, y_q, m_q), their labels written as the tokens label_ids."""
     tok = data["tokens"]
     U = torch.as_tensor(data["unlabeled"], device=device)
-    label_ids = torch.tensor(tok["label"], device=device)
 
     def unlabeled(step, gen):
         x = U[torch.randint(len(U), (args.batch_size,), generator=gen, device=device)]
@@ -120,7 +121,7 @@ def moons_batches(data: dict, train: Labeled, size: int, args, device):
 
     def labeled(step, gen):
         out = {}
-        for s, idx in zip("sq", support_and_query(size, args.task_batch, gen)):
+        for s, idx in zip("sq", support_and_query(len(train.y), args.task_batch, gen)):
             x, y = task_batch(train.x, train.y, idx, label_ids)
             out.update({f"x_{s}": x, f"y_{s}": y, f"m_{s}": torch.ones_like(x)})
         return out
@@ -130,10 +131,7 @@ def moons_batches(data: dict, train: Labeled, size: int, args, device):
 
 def moons_text(t) -> str:
     """The first sequence of t (B, T) as text: coordinates as numbers, the meta tokens named."""
-    tok = MOONS_TOKENS
-    names = {tok["mlm"]: "[MLM]", tok["unl"]: "[U]", tok["task"]["moon"]: "[MOON]",
-             SEP: "[SEP]", MASK: "[MASK]"}
-    name = lambda i: str(i - COORD) if COORD <= i < COORD + GRID else names.get(i, f"[{i}]")
+    name = lambda i: str(i - COORD) if COORD <= i < COORD + GRID else MOONS_NAMES.get(i, f"[{i}]")
     return " ".join(map(name, t[0].tolist()))
 
 

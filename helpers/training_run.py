@@ -323,28 +323,28 @@ def nothing_to_do(run: Run) -> bool:
     return said is not None
 
 
-def word_counts(entry: str) -> list[int]:
+def word_counts(text: str) -> list[int]:
     """--save-words: "1M,2M,500K" or "babylm" -> the word counts (ValueError if unreadable)."""
-    if entry == "babylm":
+    if text == "babylm":
         return [m * 10 ** 6 for m in BABYLM_WORDS]
     try:
         counts = [round(float(c[:-1]) * {"K": 1e3, "M": 1e6}[c[-1].upper()])
-                  for c in entry.split(",")] if entry else []
+                  for c in text.split(",")] if text else []
     except (KeyError, ValueError, IndexError):
         counts = [0]
     if any(n <= 0 for n in counts):
-        raise ValueError(f"{entry!r}: give positive counts such as 1M,2M,500K, or babylm")
+        raise ValueError(f"{text!r}: give positive counts such as 1M,2M,500K, or babylm")
     return counts
 
 
-def save_words_flag(entry: str) -> str:
-    """--save-words' type: the entry as given, once readable (refused by the parser, in one
+def save_words_flag(text: str) -> str:
+    """--save-words' type: the text as given, once readable (refused by the parser, in one
     line, before anything runs)."""
     try:
-        word_counts(entry)
+        word_counts(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return entry
+    return text
 
 
 def check_warmup(args, phases: list[int]) -> None:

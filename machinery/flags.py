@@ -72,9 +72,8 @@ def add_fields(add, cls, dests: dict[str, str] | None = None, preset: bool = Fal
         default, flag = defaults[name], "--" + dest.replace("_", "-")
         kind = (dict(action=argparse.BooleanOptionalAction) if preset and isinstance(default, bool)
                 else dict(type=type(default), choices=(choices or {}).get(name)))
-        if name in (ranges or {}):
-            kind["range"] = ranges[name]
-        add(flag, default=None if preset else default, help=prefix + helps[name], **kind)
+        add(flag, default=None if preset else default, help=prefix + helps[name],
+            range=(ranges or {}).get(name), **kind)
 
 
 @dataclass(frozen=True)

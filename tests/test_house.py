@@ -100,11 +100,11 @@ def test_files_are_at_most_600_lines_and_a_stage_800(path):
 def test_the_model_file_is_the_model_and_the_loop_fits_a_screen_or_two():
     """model.py holds the model alone (no run machinery: no files, devices or processes), in at
     most 500 lines; train.main, the loop, in at most 90."""
-    assert len((REPO / "model.py").read_text().splitlines()) <= 500
-    modules = {a.name for node in ast.walk(ast.parse((REPO / "model.py").read_text()))
-               if isinstance(node, ast.Import) for a in node.names}
-    modules |= {node.module for node in ast.walk(ast.parse((REPO / "model.py").read_text()))
-                if isinstance(node, ast.ImportFrom)}
+    source = (REPO / "model.py").read_text()
+    assert len(source.splitlines()) <= 500
+    nodes = list(ast.walk(ast.parse(source)))
+    modules = {a.name for node in nodes if isinstance(node, ast.Import) for a in node.names}
+    modules |= {node.module for node in nodes if isinstance(node, ast.ImportFrom)}
     assert {m.split(".")[0] for m in modules} <= {"dataclasses", "math", "sentencepiece",
                                                   "torch", "machinery"}
     assert {m for m in modules if m.startswith("machinery")} <= {"machinery.kernels",
