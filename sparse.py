@@ -435,18 +435,29 @@ class DictConfig:
 
     def check(self, n_layer: int | None = None, flags: dict | None = None, where="the model"):
         """One line for the first setting that cannot work, named by the caller's flags (`flags`
-        maps a field to its flag; default --field-name); with n_layer, the layer too."""
+        maps a field to its flag; default --field-name): a field outside DICT_RANGES, fewer
+        vectors than atoms, and, given the model's n_layer, a layer it does not have."""
         flag = lambda f: (flags or {}).get(f, "--" + f.replace("_", "-"))
+        for name, allowed in DICT_RANGES.items():
+            if getattr(self, name) not in allowed:
+                raise SystemExit(f"error: {flag(name)} must be {allowed}, not "
+                                 f"{getattr(self, name):g}")
         for broken, why in (
-                (self.k < 1, f"{flag('k')} {self.k}: a dictionary needs at least one atom"),
                 (self.vectors < self.k, f"{flag('vectors')} {self.vectors}: fewer vectors than "
                                         f"the {self.k} atoms they start from ({flag('k')})"),
-                (self.lam <= 0, f"{flag('lam')} {self.lam}: the l1 penalty must be positive"),
-                (self.epochs < 0, f"{flag('epochs')} {self.epochs}: must be 0 or more"),
                 (n_layer is not None and not -n_layer - 1 <= self.layer <= n_layer,
                  f"{flag('layer')} {self.layer}: {where} has layers 0..{n_layer}")):
             if broken:
                 raise SystemExit(f"error: {why}")
+
+
+# What each field accepts (the flags of sparse.py and train.py's mlsm flags declare these); the
+# layer is checked against the model, whose depth the flags do not know.
+DICT_RANGES = {"k": flags.at_least(1), "lam": flags.above(0), "vectors": flags.at_least(1),
+               "epochs": flags.at_least(0), "batch_size": flags.at_least(1),
+               "max_freq": flags.Range(0, 1, low_open=True), "seq_len": flags.at_least(3),
+               "forget": flags.at_least(0), "iters": flags.at_least(1), "tol": flags.at_least(0),
+               "seed": flags.at_least(0)}
 
 
 def learn_from_checkpoint(ckpt_path, data, cfg: DictConfig, device, out) -> dict:
@@ -535,18 +546,24 @@ def load_dictionary(path, d_model: int, n_layer: int) -> tuple[torch.Tensor, int
     return D.float(), saved["layer"]
 
 
-def main(argv=None):
-    line_buffered()
+def build_parser() -> flags.Parser:
     p = flags.Parser(prog="sparse.py", description=__doc__)
     p.add_argument("--ckpt", required=True, help="checkpoint whose hidden states are coded (a "
                    "train.py ckpt.pt or phase1.pt)")
     p.add_argument("--data", default=None,
                    help="corpus it was trained on (default: the checkpoint's --data)")
-    flags.add_fields(p.add_argument, DictConfig)
+    flags.add_fields(p.add_argument, DictConfig, ranges=DICT_RANGES)
     add_device_flag(p.add_argument)
     p.add_argument("--out", required=True, help="where to write the dictionary (a torch file: "
                    "D (d, k) and how it was made)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    line_buffered()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    flags.check_ranges(parser, args)
     cfg = DictConfig(**{f.name: getattr(args, f.name) for f in fields(DictConfig)})
     cfg.check()
     learn_from_checkpoint(args.ckpt, args.data, cfg, pick_device(args.device), args.out)

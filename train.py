@@ -513,7 +513,8 @@ def build_parser():
                help="what the teacher reads")
     add_phased("--dict", default=None, help="mlsm: a dictionary from sparse.py (default: learn "
                "one from the teacher into RUN/dict.pt)")
-    flags.add_fields(add_phased, sparse.DictConfig, DICT_FLAGS, prefix="mlsm: ")
+    flags.add_fields(add_phased, sparse.DictConfig, DICT_FLAGS, prefix="mlsm: ",
+                     ranges=sparse.DICT_RANGES)
     add_phased("--mlsm-coder", default="fista100", choices=["fista100", "exact"],
                help="mlsm: the targets' codes: fista100, 100 plain FISTA steps from zero as the "
                "MLSM code (denser, softer); exact, the working-set FISTA run to --mlsm-tol")

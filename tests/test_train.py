@@ -1087,6 +1087,8 @@ def test_kd_from_a_boot_teacher_compiles_whole():
     (["--kd-temperature", "0"], "--kd-temperature must be > 0, not 0"),
     (["--ema-start", "1.5"], "--ema-start must be in [0, 1], not 1.5"),
     (["--batch-size", "0"], "--batch-size must be >= 1, not 0"),
+    (["--mlsm-lam", "0"], "--mlsm-lam must be > 0, not 0"),
+    (["--dict-max-freq", "1.5"], "--dict-max-freq must be in (0, 1], not 1.5"),
     (["--lrr", "3"], "unrecognized arguments: --lrr 3"),
 ])
 def test_bad_flags_are_one_line_before_anything_runs(argv, says, capsys):
