@@ -12,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import warm_python  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 
 
@@ -52,14 +53,29 @@ def prepared(small_raw, tmp_path_factory) -> Path:
         return prepare(str(small_raw), vocab_size=2000, quiet=True)
 
 
+def run_script(script, *args, cwd=REPO, env=None, timeout=600) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` (SCRIPT: a path under the repository) in a process of its own, with
+    the tests' environment and env's variables added; returns the finished process, its output
+    captured. The process is a warm one (warm_python.py): torch is imported before the command
+    comes, which is most of a tiny run's time."""
+    return warm_python.run([REPO / script, *args], cwd, {**os.environ, **(env or {})}, timeout)
+
+
 def run_train(*args, cwd=REPO, launcher=None, timeout=600,
               env=None) -> subprocess.CompletedProcess:
-    """train.py in a fresh process, as a user runs it (env: variables to add); returns the
-    finished process."""
-    cmd = (launcher or [sys.executable]) + [str(REPO / "train.py"), *map(str, args)]
+    """train.py in a process of its own, as a user runs it (env: variables to add; launcher: a
+    command that starts it, torchrun say, in a cold process); returns the finished process."""
     # OMP_NUM_THREADS: 2 gloo processes on 2 cores, no oversubscription
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    if launcher is None:
+        return run_script("train.py", *args, cwd=cwd, env=env, timeout=timeout)
+    cmd = launcher + [str(REPO / "train.py"), *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    warm_python.stop()
 
 
 def run_trains(*commands, **kw) -> list[subprocess.CompletedProcess]:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, shared_data
+from conftest import run_script, shared_data
 from data import masking, tasks
 from data import prepare as P
 
@@ -214,8 +214,6 @@ def test_prepared_folder_must_not_be_the_raw_folder(one_file, monkeypatch):
 
 def test_breton_corpus_split_is_fixed_and_disjoint(tmp_path):
     import random
-    import subprocess
-    import sys
     from data import breton
     sents = breton.sentences(shared_data())
     assert all(len(v) > 500 for v in sents.values()), {k: len(v) for k, v in sents.items()}
@@ -226,8 +224,7 @@ def test_breton_corpus_split_is_fixed_and_disjoint(tmp_path):
     assert 0.08 < len(dev) / (len(train) + len(dev)) < 0.12
     random.Random(0).shuffle(flat)
     assert set(breton.split(flat)[1]) == set(dev)  # the split does not depend on order
-    r = subprocess.run([sys.executable, str(REPO / "data" / "breton.py"), "--raw", shared_data(),
-                        "--out", tmp_path / "br"], capture_output=True, text=True, timeout=120)
+    r = run_script("data/breton.py", "--raw", shared_data(), "--out", tmp_path / "br", timeout=120)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "br" / "breton.dev").read_text(encoding="utf-8").splitlines() == dev
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import evaluate as E
-from conftest import shared_data
+from conftest import run_script, shared_data
 from data.masking import uniform_mask
 from data.prepare import CLS, MASK, SEP, load_tokenizer
 from data.tasks import read_task
@@ -545,8 +545,6 @@ def test_a_run_folder_stands_for_its_checkpoint(ckpt, tmp_path):
 
 
 def test_cli_errors_are_one_line(ckpt, tmp_path):
-    import subprocess
-    import sys
     (tmp_path / "rte.train.jsonl").write_text("")
     (tmp_path / "rte.valid.jsonl").write_text('{"sentence1": "a", "sentence2": "b", "label": 1}\n')
     rte = ["--task", "rte", "--data-dir", str(tmp_path)]
@@ -559,8 +557,7 @@ def test_cli_errors_are_one_line(ckpt, tmp_path):
               r"no rtee\.train\.jsonl in .* \(the tasks there: rte\)"),
              (["fill", "--ckpt", str(ckpt), "no mask here"], "'no mask here' has no \\[MASK\\]")]
     for argv, pattern in cases:
-        r = subprocess.run([sys.executable, str(Path(E.__file__)), *argv], capture_output=True,
-                           text=True)
+        r = run_script("evaluate.py", *argv)
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert __import__("re").search(pattern, r.stderr.strip().splitlines()[-1]), r.stderr
 

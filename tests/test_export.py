@@ -3,8 +3,6 @@ computes (logits, tokens, PLL), fine-tunes, and train.py --save-words keeps the 
 pipeline's intermediate checkpoints. Needs requirements-export.txt; skipped without it."""
 import gzip
 import json
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
 
 import evaluate as E  # noqa: E402
 import export  # noqa: E402
-from conftest import run_train, shared_data  # noqa: E402
+from conftest import run_script, run_train, shared_data  # noqa: E402
 from data.prepare import MASK  # noqa: E402
 from machinery import results  # noqa: E402
 from machinery.storage import read_checkpoint, save_checkpoint  # noqa: E402
@@ -291,6 +289,5 @@ def test_export_errors_are_one_line(tokenizer_bytes, tmp_path):
     for out, says in ((tmp_path / "afile", "is a file, not a folder"),
                       (tmp_path / "afile" / "sub", "cannot write"),
                       (Path("/proc/nanomlm_export"), "cannot write /proc/nanomlm_export")):
-        r = subprocess.run([sys.executable, "export.py", "--ckpt", str(path), "--out", str(out)],
-                           cwd=export.REPO, capture_output=True, text=True)
+        r = run_script("export.py", "--ckpt", path, "--out", out)
         assert r.returncode == 1 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr

@@ -1,8 +1,6 @@
 """sparse.py: non-negative sparse coding against exact references, and dictionary learning on a
 planted problem; the CLI on a real checkpoint."""
 import itertools
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -12,7 +10,6 @@ from scipy.optimize import linear_sum_assignment
 
 import lasso_exact as lasso
 import sparse as S
-from conftest import REPO
 
 
 def problem(d, k, n, seed, dtype=torch.float64):
@@ -207,22 +204,20 @@ def test_unused_atoms_are_resampled_from_the_data():
 
 
 def test_cli_learns_a_dictionary_from_a_checkpoint(prepared, tmp_path):
-    from conftest import TINY, run_train
+    from conftest import TINY, run_script, run_train
     run = tmp_path / "run"
     assert run_train("--data", prepared, "--out-dir", run, "--max-steps", 3, *TINY).returncode == 0
     out = tmp_path / "dict.pt"
-    cli = [sys.executable, str(REPO / "sparse.py"), "--ckpt", run / "ckpt.pt", "--data", prepared]
-    r = subprocess.run([*cli, "--layer", "1", "--k", "40", "--vectors", "400", "--epochs", "2",
-                        "--batch-size", "100", "--seq-len", "32", "--max-freq", "0.05",
-                        "--device", "cpu", "--out", out],
-                       capture_output=True, text=True, timeout=300)
+    cli = ["sparse.py", "--ckpt", run / "ckpt.pt", "--data", prepared]
+    r = run_script(*cli, "--layer", "1", "--k", "40", "--vectors", "400", "--epochs", "2",
+                   "--batch-size", "100", "--seq-len", "32", "--max-freq", "0.05", "--device",
+                   "cpu", "--out", out, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "non-zeros per code" in r.stdout and "all-zero codes" in r.stdout
     saved = torch.load(out, weights_only=True)
     assert saved["D"].shape == (64, 40) and saved["layer"] == 1 and len(saved["history"]) == 3
     assert (saved["D"].norm(dim=0) <= 1 + 1e-6).all()
-    bad = subprocess.run([*cli, "--layer", "5", "--out", out], capture_output=True, text=True,
-                         timeout=300)
+    bad = run_script(*cli, "--layer", "5", "--out", out, timeout=300)
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines()[-1].startswith("error: --layer 5")
 

@@ -5,14 +5,12 @@ one line naming the file and the key."""
 import json
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 import evaluate as E
 import study
-from conftest import REPO, TINY, run_train, shared_data
+from conftest import REPO, TINY, run_script, run_train, shared_data
 from helpers import study_plan, study_report
 from machinery import results
 
@@ -55,9 +53,7 @@ blimp = ["{blimp}"]
 
 
 def run_study(*args):
-    p = subprocess.run([sys.executable, str(REPO / "study.py"), *map(str, args), "--nboot",
-                        "300", "--no-figures"], cwd=REPO, capture_output=True, text=True,
-                       timeout=900)
+    p = run_script("study.py", *args, "--nboot", "300", "--no-figures", timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     return p.stdout
 
@@ -199,10 +195,8 @@ def test_a_failed_run_is_reported_and_the_others_go_on(env, tmp_path):
     only training finds out) is listed in REPORT.md; the baseline's run still finishes."""
     extra = '[scales.cpu.arm_flags]\nkd = "--init-from /nowhere/ckpt.pt"\n'
     path = study_file(tmp_path, env, extra=extra, evaluations=False)
-    p = subprocess.run([sys.executable, str(REPO / "study.py"), str(path), "--out",
-                        tmp_path / "s", "--seeds", "0", "--no-figures", "--nboot", "50",
-                        "--parallel", "2"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    p = run_script("study.py", path, "--out", tmp_path / "s", "--seeds", "0", "--no-figures",
+                   "--nboot", "50", "--parallel", "2")
     assert p.returncode == 1 and "1 jobs failed: kd s0" in p.stdout, p.stdout[-3000:]
     md = (tmp_path / "s" / "REPORT.md").read_text()
     assert "`kd` seed 0 failed: train exited with 1: error:" in md

@@ -1,15 +1,13 @@
 """synth.py: the CoNLL-U reader, the grammar read off dependency trees, the batched sampler and
 the relexicalisations, against hand-computed examples and the statistics they promise."""
 import json
-import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
 import pytest
 
 import synth as S
-from conftest import REPO, TINY, run_train, shared_data
+from conftest import TINY, run_script, run_train, shared_data
 
 EDGE = """# sent_id = 1
 # text = a made-up line
@@ -141,9 +139,8 @@ def test_relexicalisation_statistics(french):
 
 def test_cli_writes_a_corpus_folder_that_trains_word_by_word(tmp_path, monkeypatch):
     out = tmp_path / "synth"
-    r = subprocess.run([sys.executable, str(REPO / "synth.py"), "--ud", shared_data() / "ud",
-                        "--sentences", "2000", "--out", out], capture_output=True, text=True,
-                       timeout=300)
+    r = run_script("synth.py", "--ud", shared_data() / "ud", "--sentences", "2000", "--out", out,
+                   timeout=300)
     assert r.returncode == 0, r.stderr
     train = (out / "synth.train").read_text().splitlines()
     dev = (out / "synth.dev").read_text().splitlines()
