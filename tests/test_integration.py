@@ -11,7 +11,8 @@ def test_tiny_mlm_learns_past_the_unigram_entropy(small_raw, tmp_path, monkeypat
     out = tmp_path / "run"
     r = run_train("--data", small_raw, "--vocab-size", 2000, "--size", "tiny", "--seq-len", 64,
                   "--batch-size", 32, "--max-steps", 200, "--lr", 1e-2, "--eval-every", 100,
-                  "--eval-batches", 4, "--log-every", 50, "--device", "cpu", "--out-dir", out)
+                  "--eval-batches", 4, "--log-every", 50, "--device", "cpu", "--out-dir", out,
+                  env={"OMP_NUM_THREADS": "2"})  # one run at a time: both of CI's cores
     assert r.returncode == 0, r.stderr
     meta = json.loads((out / "data.json").read_text())  # the prepared corpus' meta.json
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]

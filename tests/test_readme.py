@@ -2,18 +2,15 @@
 evaluate.py's and export.py's flags are parsed by their own parsers (train.py's resolved as
 `--check` does), study.py's `--dry-run` runs whole, and the other scripts' flags are ones their
 --help lists."""
-import os
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
 
 import evaluate
 import export
 import train
-from conftest import REPO, shared_data
+from conftest import REPO, run_script, shared_data
 
 
 def readme_commands(blocks=None) -> list[tuple[dict, list[str]]]:
@@ -65,12 +62,10 @@ def test_each_readme_command_runs_as_written(env, argv, capsys):
         shared_data()  # one clear failure if ../shared is not beside the repository
         if "NANOMLM_RAW" in env:
             env["NANOMLM_RAW"] = str((REPO / env["NANOMLM_RAW"]).resolve())
-        p = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
-                           env={**os.environ, **env}, timeout=300)
+        p = run_script(*argv, env=env, timeout=300)
         assert p.returncode == 0, p.stderr[-2000:]
     else:  # the rest would train or sample for long: their flags are ones they have
-        said = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True,
-                              text=True, timeout=120).stdout
+        said = run_script(script, "--help", timeout=120).stdout
         assert said, f"{script} --help printed nothing"
         for flag in (a.split("=")[0] for a in args if a.startswith("--")):
             assert flag in said, f"{script} has no {flag}"
@@ -86,7 +81,7 @@ def test_the_cpu_demo_runs_end_to_end(small_raw, tmp_path):
                                     "export.py"], demo
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "babylm_10m").symlink_to(small_raw)
-    env = {**os.environ, "NANOMLM_RAW": str(tmp_path / "raw"),
+    env = {"NANOMLM_RAW": str(tmp_path / "raw"),
            "NANOMLM_DATA": str(tmp_path / "prepared"), "OMP_NUM_THREADS": "1"}
     for argv in demo:
         argv = [a.replace("runs/", f"{tmp_path}/runs/").replace("hf/", f"{tmp_path}/hf/")
@@ -100,8 +95,7 @@ def test_the_cpu_demo_runs_end_to_end(small_raw, tmp_path):
             argv += ["--out", str(tmp_path / "curves.png")]
         if argv[0] == "export.py":
             pytest.importorskip("transformers")
-        p = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
-                           env=env, timeout=600)
+        p = run_script(*argv, env=env, timeout=600)
         assert p.returncode == 0, (argv, p.stderr[-2000:])
         if argv[1:2] == ["fill"]:
             assert p.stdout.splitlines()[1].startswith("  [MASK] 1: ")

@@ -91,8 +91,11 @@ def run(argv: list, cwd, env: dict, timeout: float) -> subprocess.CompletedProce
                    "stdout": str(out), "stderr": str(err)}
         zygote.stdin.write(json.dumps(command) + "\n")
         zygote.stdin.flush()
-        json.loads(zygote.stdout.readline())  # the child's pid
-        reply = json.loads(zygote.stdout.readline())
+        said = [zygote.stdout.readline() for _ in range(2)]  # the child's pid, then its status
+        if not said[1]:
+            raise RuntimeError(f"the warm interpreter for {argv[0]} died (exit {zygote.wait()}); "
+                               f"its error is on the tests' stderr")
+        reply = json.loads(said[1])
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     with _lock:
         _idle[key].append(zygote)
