@@ -440,8 +440,7 @@ class DictConfig:
         flag = lambda f: (flags or {}).get(f, "--" + f.replace("_", "-"))
         for name, allowed in DICT_RANGES.items():
             if getattr(self, name) not in allowed:
-                raise SystemExit(f"error: {flag(name)} must be {allowed}, not "
-                                 f"{getattr(self, name):g}")
+                raise SystemExit(f"error: {allowed.refusal(flag(name), getattr(self, name))}")
         for broken, why in (
                 (self.vectors < self.k, f"{flag('vectors')} {self.vectors}: fewer vectors than "
                                         f"the {self.k} atoms they start from ({flag('k')})"),

@@ -95,6 +95,10 @@ class Range:
         return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
                 f"{')' if self.high_open else ']'}")
 
+    def refusal(self, flag: str, value) -> str:
+        """The line that refuses `value` for `flag`."""
+        return f"{flag} must be {self}, not {value:g}"
+
 
 def at_least(low: float) -> Range:
     return Range(low)
@@ -124,8 +128,7 @@ def check_ranges(parser, args) -> None:
         allowed, given = getattr(action, "range", None), getattr(args, action.dest, None)
         for value in given if isinstance(given, list) else [given]:
             if allowed is not None and value is not None and value not in allowed:
-                parser.error(f"--{action.dest.replace('_', '-')} must be {allowed}, "
-                             f"not {value:g}")
+                parser.error(allowed.refusal(f"--{action.dest.replace('_', '-')}", value))
 
 
 def fill_unset(args, values: dict, typed: list[str] | None = None) -> None:

@@ -8,8 +8,8 @@ its own, as `python SCRIPT ARGS` makes one: it takes the command's folder, envir
 writes to its own stdout and stderr (files the caller reads), reseeds what a fresh interpreter
 seeds from the OS (random, numpy's global generator), runs the script as __main__ with the
 script's folder first on sys.path, and exits through the interpreter's own shutdown, with the
-script's status. The zygote reports the child's pid, waits for it, kills it at the timeout, and
-reports its status as subprocess does (-N: killed by signal N).
+script's status. The zygote waits for it, kills it at the timeout, and reports its status as
+subprocess does (-N: killed by signal N).
 
 What the two imports read from the environment (OMP_*, TORCH*, PYTHON*, ...) is the zygote's
 environment, so a zygote serves only commands whose environment is the same but for the
@@ -51,7 +51,6 @@ for line in sys.stdin:
     pid = os.fork()
     if pid == 0:
         child(command)  # raises SystemExit (or the script's exception) out of this loop
-    print(json.dumps({"pid": pid}), flush=True)
     deadline = time.monotonic() + command["timeout"]
     while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -86,16 +85,17 @@ def run(argv: list, cwd, env: dict, timeout: float) -> subprocess.CompletedProce
     argv = [str(a) for a in argv]
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        out.touch(), err.touch()
+        out.touch()
+        err.touch()
         command = {"argv": argv, "cwd": str(cwd), "env": env, "timeout": timeout,
                    "stdout": str(out), "stderr": str(err)}
         zygote.stdin.write(json.dumps(command) + "\n")
         zygote.stdin.flush()
-        said = [zygote.stdout.readline() for _ in range(2)]  # the child's pid, then its status
-        if not said[1]:
+        said = zygote.stdout.readline()  # the child's status
+        if not said:
             raise RuntimeError(f"the warm interpreter for {argv[0]} died (exit {zygote.wait()}); "
                                f"its error is on the tests' stderr")
-        reply = json.loads(said[1])
+        reply = json.loads(said)
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     with _lock:
         _idle[key].append(zygote)
