@@ -81,7 +81,8 @@ def bench_step(args, device, tmp):
     whatever the atoms). Beside tokens/s: the recompilations torch.compile logged (dynamo's
     TORCH_LOGS=recompiles), mfu (the encoder's own MLM training FLOPs per token: a teacher's
     forward or mlsm's coder is work it does not count) and, for mlsm, a batch's coding time
-    alone (coder_ms) and its share of a step's time (code_share; coder_seconds). A run that
+    alone (coder_ms) and its share of a step's time (code_share; coder_seconds); wall_s, the
+    whole run (start, compile, steps, its end-of-phase validation and save). A run that
     fails, or outlasts --row-timeout, is a row with its error's last lines, and the next
     objective goes on."""
     k = max(1, args.steps // 5)  # steps per log interval: 5 intervals, the first not timed
@@ -111,6 +112,7 @@ def bench_step(args, device, tmp):
                     flags.append(f"--{flag}" if getattr(args, flag) else f"--no-{flag}")
             env = {**os.environ, "TORCH_LOGS": ",".join(filter(None, (
                 os.environ.get("TORCH_LOGS"), "recompiles")))}
+            t0 = time.time()
             r = subprocess.Popen([sys.executable, str(REPO / "train.py"), *flags], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  start_new_session=True)  # its compile workers in its group
@@ -134,7 +136,8 @@ def bench_step(args, device, tmp):
             # the head reads C slots: the two-phase objectives' uniform masking, else spans
             slots = mask_capacity(B, T, 0.15, None if two_phase else 3.0)
             flops = flops_per_token(cfg, T, slots / (B * T), B * T)
-            extra = {"peak_mem_gb": max((e.get("peak_mem_gb", 0) for e in log), default=0),
+            extra = {"wall_s": time.time() - t0,  # the whole run: start, compile, its steps
+                     "peak_mem_gb": max((e.get("peak_mem_gb", 0) for e in log), default=0),
                      "recompiles": r.stderr.count("Recompiling function"),
                      "mfu": mfu(flops, statistics.median(tps), device)}
             if objective.startswith("mlsm"):  # the coder timed alone, not inside the step
