@@ -63,7 +63,7 @@ from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
 from helpers.bench_models import bench_bert, bench_ltg, flops_per_token, mfu
 from helpers.bench_ops import bench_attn, bench_ema
 from machinery import flags
-from machinery.device import add_device_flag, pick_device, use_compile
+from machinery.device import add_device_flag, pick_device, use_compile, use_tf32
 from machinery.run_folder import REPO, RunFolder
 from machinery.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
 from model import PRESETS, Encoder, ModelConfig, use_flex
@@ -77,14 +77,14 @@ V = VOCAB_SIZE
 
 def bench_step(args, device, tmp):
     """One train.py run per (size, objective); mlm first, whose checkpoint the two-phase
-    objectives distil from (mlsm: a dictionary of random unit atoms; fista100 takes 100 steps
-    whatever the atoms). Beside tokens/s: the recompilations torch.compile logged (dynamo's
-    TORCH_LOGS=recompiles), mfu (the encoder's own MLM training FLOPs per token: a teacher's
-    forward or mlsm's coder is work it does not count) and, for mlsm, a batch's coding time
-    alone (coder_ms) and its share of a step's time (code_share; coder_seconds); wall_s, the
-    whole run (start, compile, steps, its end-of-phase validation and save). A run that
-    fails, or outlasts --row-timeout, is a row with its error's last lines, and the next
-    objective goes on."""
+    objectives (kd, mlsm) distil from (mlsm: a dictionary of random unit atoms; fista100 takes
+    100 steps whatever the atoms). Beside tokens/s: the recompilations torch.compile logged
+    (dynamo's TORCH_LOGS=recompiles), mfu (the encoder's own MLM training FLOPs per token: a
+    teacher's forward, mlsm's coder or the head on gpt-bert's causal rows is work it does not
+    count), wall_s (the whole run: start, compile, steps, the validation and save at its end)
+    and, for mlsm, a batch's coding time alone (coder_ms) and its share of a step's time
+    (code_share; coder_seconds). A run that fails, or outlasts --row-timeout, is a row with its
+    error's last lines, and the next objective goes on."""
     k = max(1, args.steps // 5)  # steps per log interval: 5 intervals, the first not timed
     B, T = args.batch_size, args.seq_len
     reference = {}  # size -> mlm's tokens/s: the other objectives' reference
@@ -98,7 +98,7 @@ def bench_step(args, device, tmp):
                      "--max-steps", str(5 * k), "--log-every", str(k),
                      "--eval-every", "100000", "--save-every", "100000",
                      "--device", device.type, "--out-dir", str(run)]
-            two_phase = objective not in ("mlm", "boot")
+            two_phase = objective.split("+")[0] in ("kd", "mlsm")  # taught by a phase-1 model
             if two_phase:  # phase 2 alone
                 flags += ["--teacher", str(Path(tmp) / f"mlm_{size}" / "ckpt.pt")]
             if objective.startswith("mlsm"):
@@ -461,6 +461,7 @@ def main(argv=None):
         print(table(saved))
         return saved["rows"]
     device = pick_device(args.device)
+    use_tf32(device)  # as train.py computes: the coder_seconds row times its FISTA coder
     cpu = device.type == "cpu"
     args.sizes = (args.sizes or ("tiny" if args.quick or cpu else "tiny,small,base")).split(",")
     args.objectives = args.objectives.split(",")

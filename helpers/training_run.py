@@ -22,7 +22,7 @@ from tqdm import tqdm
 from data.masking import make_batch
 from data.prepare import Segments, load_meta, prepare, raw_root
 from machinery.device import (autocast, peak_memory_gb, pick_device, seed_of, use_compile,
-                              use_deterministic)
+                              use_deterministic, use_tf32)
 from machinery.optim import make_optimizer
 from machinery.progress import duration
 from machinery.run_folder import RunFolder, code_version
@@ -188,7 +188,7 @@ def open_run(args, code: list[str], defaults: dict, check_steps: Callable) -> Ru
     amp = autocast(device, args.bf16)  # as typed now, like --device: not the resumed run's setting
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    use_tf32(device)
     folder = RunFolder(args.out_dir, master=rank == 0)
     ckpt = None
     if args.resume:

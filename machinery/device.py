@@ -43,6 +43,14 @@ def autocast(device: torch.device, bf16: bool | None = None):
     return torch.autocast(device.type, torch.bfloat16, enabled=use_bf16(device, bf16))
 
 
+def use_tf32(device: torch.device) -> None:
+    """On a GPU, float32 matrix products (what runs outside bf16 autocast: mlsm's FISTA coder,
+    float32 losses) on the tensor cores as TF32, for this process: train.py's setting, which
+    bench.py must share to time what train.py runs."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+
+
 def use_deterministic():
     """Deterministic kernels only, from here on: a GPU's backward passes that add with atomics
     (in an order that varies from run to run) take their deterministic versions, at some cost

@@ -20,15 +20,16 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NANOMLM_RAW", str(shared_data()))  # the sampler reads UD treebanks there
     out = tmp_path / "bench.json"
     rows = bench.main(["--quick", "--device", "cpu", "--data", str(prepared), "--objectives",
-                       "mlm,kd+mlm,mlsm+mlm", "--profile", "--out", str(out)])
+                       "mlm,kd+mlm,mlsm+mlm,gpt-bert", "--profile", "--out", str(out)])
     text = capsys.readouterr().out
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and saved["device"] == "cpu"
     benches = [r["bench"] for r in rows]
     for name in ("step", "ltg", "attn", "ema", "pll", "sparse", "sampler", "compile"):
         assert name in benches
-    assert [r["case"].split()[0] for r in rows if r["bench"] == "step"] == ["mlm", "kd+mlm",
-                                                                           "mlsm+mlm"]
+    steps = [r for r in rows if r["bench"] == "step"]
+    assert [r["case"].split()[0] for r in steps] == ["mlm", "kd+mlm", "mlsm+mlm", "gpt-bert"]
+    assert all(r["wall_s"] > 0 for r in steps)
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(rows)                                   # header + one line per row
     for r, line in zip(rows, table[1:]):
