@@ -6,32 +6,37 @@
 #                                              # BLiMP, a study's evaluation data, the commit)
 #     bash gpu_check.sh verify                 # there, one device command each, .gpu_data carried
 #     bash gpu_check.sh headline
+#     bash gpu_check.sh objectives
+#     bash gpu_check.sh compare
 #     bash gpu_check.sh rest
 #     bash gpu_check.sh study FILE ARM SEED [SCALE]   # e.g. studies/bootbert.toml boot 0
 #     bash gpu_check.sh --smoke TIER [ARGS]    # here, the same on the CPU at tiny sizes
 #
 # Run the first tier not yet recorded in docs/bench.md for today's code, then study jobs. Times
-# are estimates from the H100 figures of 2026-11-22 (../shared/GPU.md: about 40 s of
-# torch.compile per process, small MLM at 410k tokens/s, kd+mlm 260k, mlsm+mlm 45k, BLiMP's
-# 130k sentences in 28 s), not yet measured for today's code:
-#   verify    ~7.5 min: the CUDA sync and PLL tests (~1.5 min); bench.py's step rows at small,
-#             mlm, mlsm+mlm, boot, kd+mlm compiled for 100 steps each (~1, 2, 1, 1 min;
-#             tokens/s against mlm, recompilations, mfu); ours against BertForMaskedLM at
-#             small, both compiled as train.py compiles its step (~1 min)
-#   headline  ~7.5 min: train.py mlm with the defaults (small, 10 epochs of babylm_10m, 7,246
-#             steps: ~6.5 min), then BLiMP filtered and supplement (~0.5 min). Training that
-#             cannot end in time is stopped (SIGTERM: it saves its step), BLiMP scores that
-#             checkpoint, and summary.json gives the step time and the projected total (with
-#             BUDGET=540 the run has a minute more, where the window allows it)
-#   rest      ~7.5 min: every objective (seven) compiled side by side and resume on CUDA (~2 min);
-#             ours against BertForMaskedLM at base (~1.5 min); mlsm+mlm at small, 300 + 100
-#             steps, the recipe's dictionary (3000 atoms from 100,000 states) learned between
-#             its phases, and phase 2's speed (~3.5 min); bench.py's ltg, attn and pll rows at
-#             small (~0.5 min)
-#   study     one job of a study (FILE ARM SEED) at its gpu scale, or SCALE: its portable
-#             result results/ARM/sSEED.json.gz, to commit and merge with study.py --report.
-#             The job must fit the budget (its run folder does not outlive the machine): the
-#             studies' gpu scales, 10 epochs and then fine-tuning, do not yet
+# are from the H200 runs of 2026-11-26 (docs/bench.md): a compiled train.py run at small takes
+# 70 to 100 s whatever its steps (start and torch.compile; 100 steps are 4 s of it), ours
+# against BertForMaskedLM at small 104 s, the CUDA tests of verify 55 s; the rest are estimates:
+#   verify      ~7 min: the CUDA sync and PLL tests (~1 min); bench.py's step rows at small,
+#               mlm, mlsm+mlm, boot, kd+mlm compiled for 100 steps each (~6 min; tokens/s
+#               against mlm, recompilations, mfu, wall_s)
+#   headline    ~7 min: train.py mlm with the defaults (small, 10 epochs of babylm_10m, 7,246
+#               steps: ~5.5 min at 456k tokens/s), then BLiMP filtered and supplement (~0.5
+#               min). Training that cannot end in time is stopped (SIGTERM: it saves its step),
+#               BLiMP scores that checkpoint, and summary.json gives the step time and the
+#               projected total (with BUDGET=540 the run has a minute more, where the window
+#               allows it)
+#   objectives  ~7.5 min: every objective (seven) compiled side by side at a tiny size and
+#               resume on CUDA (~1.5 min); the step rows of the objectives verify leaves out,
+#               mlm (their reference and teacher), kd, mlsm, gpt-bert (~6 min)
+#   compare     ~5 min: ours against BertForMaskedLM at small and base, both compiled as
+#               train.py compiles its step (tokens/s, mfu)
+#   rest        ~5.5 min: mlsm+mlm at small, 300 + 100 steps, the recipe's dictionary (3000
+#               atoms from 100,000 states) learned between its phases, and phase 2's speed
+#               (~4 min); bench.py's ltg, attn and pll rows at small (~1.5 min)
+#   study       one job of a study (FILE ARM SEED) at its gpu scale, or SCALE: its portable
+#               result results/ARM/sSEED.json.gz, to commit and merge with study.py --report.
+#               The job must fit the budget (its run folder does not outlive the machine): the
+#               studies' gpu scales, 10 epochs and then fine-tuning, do not yet
 # Each tier works within $BUDGET seconds (default 460); each part within its own limit and what
 # is left of the budget, under `timeout -k 20`: 8 minutes at most. A part that no longer fits
 # is skipped and says so. Back in $OUT (at most 8 files, two folders deep):
@@ -52,9 +57,9 @@ fi
 tier=${1:-}
 shift
 case $tier in
-    carry|verify|headline|rest|study) ;;
-    *) echo "error: no tier '${tier}' (carry, verify, headline, rest, study FILE ARM SEED" \
-            "[SCALE]); see the top of gpu_check.sh" >&2; exit 2 ;;
+    carry|verify|headline|objectives|compare|rest|study) ;;
+    *) echo "error: no tier '${tier}' (carry, verify, headline, objectives, compare, rest," \
+            "study FILE ARM SEED [SCALE]); see the top of gpu_check.sh" >&2; exit 2 ;;
 esac
 G=$(abs "${GPU_DATA:-.gpu_data}")
 mkdir -p "$G"
@@ -169,6 +174,7 @@ if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few st
     dev=(--device cpu)
     tiny=(--size tiny --n-layer 1 --d-model 64 --n-head 2 --d-ff 128 --seq-len 32 --batch-size 8)
     steps=(--quick --sizes tiny --objectives mlm --steps 5)
+    more_steps=(--quick --sizes tiny --objectives mlm,gpt-bert --steps 5)
     bert=(--quick --sizes tiny) bert_base=(--quick --sizes tiny)
     kernels=(--quick --sizes tiny)
     # stopped at step 10 of 1000, as a run too long for the budget is stopped by SIGTERM
@@ -178,7 +184,8 @@ if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few st
     scale=${SCALE:-cpu}
 else
     dev=(--device cuda)
-    steps=(--sizes small --objectives mlm,mlsm+mlm,boot,kd+mlm --steps 100 --row-timeout 120)
+    steps=(--sizes small --objectives mlm,mlsm+mlm,boot,kd+mlm --steps 100 --row-timeout 150)
+    more_steps=(--sizes small --objectives mlm,kd,mlsm,gpt-bert --steps 100 --row-timeout 150)
     bert=(--sizes small) bert_base=(--sizes base)
     kernels=(--sizes small --profile)
     headline=()
@@ -190,10 +197,8 @@ tests=("$py" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py)
 case $tier in
     verify)
         part tests "$O/tests.log" 150 "${tests[@]}" -k "never_waits or pll"
-        part steps "$O/bench.log" 330 "$py" bench.py "${dev[@]}" \
-            --only step "${steps[@]}" --data "$data" --out "$O/steps.json"
-        part bert "$O/bench.log" 120 "$py" bench.py "${dev[@]}" --only bert "${bert[@]}" \
-            --out "$O/bert.json" ;;
+        part steps "$O/bench.log" 420 "$py" bench.py "${dev[@]}" \
+            --only step "${steps[@]}" --data "$data" --out "$O/steps.json" ;;
     headline)  # what is left of the budget, less BLiMP's share
         part train "$O/train.log" $(( END - SECONDS - (smoke ? 5 : 75) )) "$py" train.py \
             --objective mlm --data "$data" "${dev[@]}" "${headline[@]}" --out-dir "$W/headline"
@@ -238,10 +243,16 @@ except Exception:
 print(json.dumps(out, indent=1))
 EOF
         say "summary: exit $?" ;;
-    rest)
+    objectives)
         part tests "$O/tests.log" 150 "${tests[@]}" -k "compiled_in_bf16 or resume"
-        part bert "$O/bench.log" 120 "$py" bench.py "${dev[@]}" --only bert "${bert_base[@]}" \
+        part steps "$O/bench.log" 420 "$py" bench.py "${dev[@]}" \
+            --only step "${more_steps[@]}" --data "$data" --out "$O/steps.json" ;;
+    compare)  # one size per command: each writes its row as it is measured
+        part bert "$O/bench.log" 180 "$py" bench.py "${dev[@]}" --only bert "${bert[@]}" \
             --out "$O/bert.json"
+        part bert_base "$O/bench.log" 240 "$py" bench.py "${dev[@]}" --only bert \
+            "${bert_base[@]}" --out "$O/bert_base.json" ;;
+    rest)
         part dictionary "$O/dictionary.log" 240 "$py" train.py --objective mlsm+mlm \
             --data "$data" "${dev[@]}" "${dictionary[@]}" --out-dir "$W/dictionary"
         cp "$W/dictionary/log.jsonl" "$O/dictionary.jsonl" 2>/dev/null

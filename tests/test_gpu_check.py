@@ -68,10 +68,11 @@ def carried(small_raw, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def ran(carried, tmp_path_factory) -> dict:
-    """{tier: (its CompletedProcess, its $OUT)}: the four tiers with --smoke, two at a time
+    """{tier: (its CompletedProcess, its $OUT)}: the six tiers with --smoke, two at a time
     (each is mostly one single-threaded process after another; the tests' machine has 2 cores)."""
     study = Path(carried["GPU_DATA"]).parent / "tiny.toml"  # carried with its evaluation data
-    tiers = {"verify": [], "study": [study, "mlm", 0], "rest": [], "headline": []}
+    tiers = {"verify": [], "study": [study, "mlm", 0], "rest": [], "headline": [],
+             "objectives": [], "compare": []}
 
     def run(tier):
         out = tmp_path_factory.mktemp(tier)
@@ -108,14 +109,12 @@ def test_verify(ran):
     r, tmp_path = ran["verify"]
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     assert set(back(tmp_path)) == {"env.txt", "progress.txt", "tests.log", "bench.log",
-                                   "steps.json", "bert.json"}
+                                   "steps.json"}
     done = parts(tmp_path)
-    assert all(": exit 0 in " in done[p] for p in ("tests", "steps", "bert")), done
+    assert all(": exit 0 in " in done[p] for p in ("tests", "steps")), done
     assert "skipped" in (tmp_path / "tests.log").read_text()  # no CUDA here: it skips
     steps = json.loads((tmp_path / "steps.json").read_text())["rows"]
     assert [r["case"].split()[0] for r in steps] == ["mlm"] and steps[0]["recompiles"] == 0
-    bert = json.loads((tmp_path / "bert.json").read_text())["rows"]
-    assert bert and bert[0]["reference"] == "BertForMaskedLM"
     env = (tmp_path / "env.txt").read_text()
     assert "tier: verify (smoke)" in env and "torch " in env and "commit: " in env
 
@@ -137,12 +136,32 @@ def test_headline(ran):
     assert len(blimp["pairs"]) == 2 * 2 * 16 and blimp["ckpt"].endswith("ckpt.pt")
 
 
+def test_objectives(ran):
+    r, tmp_path = ran["objectives"]
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "tests.log", "bench.log",
+                                   "steps.json"}
+    assert "skipped" in (tmp_path / "tests.log").read_text()  # no CUDA here: it skips
+    steps = json.loads((tmp_path / "steps.json").read_text())["rows"]
+    assert [r["case"].split()[0] for r in steps] == ["mlm", "gpt-bert"]
+    assert steps[1]["reference"] == "mlm" and steps[1]["ours"] > 0 and "failed" not in steps[1]
+
+
+def test_compare(ran):
+    r, tmp_path = ran["compare"]
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "bench.log", "bert.json",
+                                   "bert_base.json"}
+    for name in ("bert.json", "bert_base.json"):
+        rows = json.loads((tmp_path / name).read_text())["rows"]
+        assert rows and all(r["reference"] == "BertForMaskedLM" for r in rows)
+
+
 def test_rest(ran):
     r, tmp_path = ran["rest"]
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "tests.log", "bench.log",
-                                   "bert.json", "dictionary.log", "dictionary.jsonl",
-                                   "kernels.json"}
+    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "bench.log", "dictionary.log",
+                                   "dictionary.jsonl", "kernels.json"}
     said = (tmp_path / "dictionary.log").read_text()
     assert "dictionary: 48 atoms" in said and "done: 10 steps" in said
     assert {r["bench"] for r in json.loads((tmp_path / "kernels.json").read_text())["rows"]} == {
@@ -161,7 +180,7 @@ def test_study_brings_back_the_jobs_result(ran):
 
 def test_a_cut_tier_leaves_what_it_measured_before_the_cut(carried, tmp_path):
     """verify killed outright (as a device call past its limit is) once its first bench row is
-    written, about half way: the tests' log, the row and the progress lines are in $OUT."""
+    written: the tests' log, the row and the progress lines are in $OUT."""
     p = subprocess.Popen(["bash", str(REPO / "gpu_check.sh"), "--smoke", "verify"], cwd=REPO,
                          env={**carried, "OUT": str(tmp_path)}, start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -175,7 +194,6 @@ def test_a_cut_tier_leaves_what_it_measured_before_the_cut(carried, tmp_path):
     assert json.loads(steps.read_text())["rows"][0]["case"].startswith("mlm")
     assert "skipped" in (tmp_path / "tests.log").read_text()
     assert "tests: exit 0" in (tmp_path / "progress.txt").read_text()
-    assert not (tmp_path / "bert.json").exists()
 
 
 def test_without_the_carried_corpus_a_tier_stops_at_once_with_one_line(carried, tmp_path):
