@@ -29,7 +29,8 @@
 #               resume on CUDA (~1.5 min); the step rows of the objectives verify leaves out,
 #               mlm (their reference and teacher), kd, mlsm, gpt-bert (~6 min)
 #   compare     ~5 min: ours against BertForMaskedLM at small and base, both compiled as
-#               train.py compiles its step (tokens/s, mfu)
+#               train.py compiles its step (tokens/s, mfu), and at small the top operators of
+#               one step of each (torch.profiler, in bert.json): where ours loses its time
 #   rest        ~5.5 min: mlsm+mlm at small, 300 + 100 steps, the recipe's dictionary (3000
 #               atoms from 100,000 states) learned between its phases, and phase 2's speed
 #               (~4 min); bench.py's ltg, attn and pll rows at small (~1.5 min)
@@ -175,7 +176,7 @@ if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few st
     tiny=(--size tiny --n-layer 1 --d-model 64 --n-head 2 --d-ff 128 --seq-len 32 --batch-size 8)
     steps=(--quick --sizes tiny --objectives mlm --steps 5)
     more_steps=(--quick --sizes tiny --objectives mlm,gpt-bert --steps 5)
-    bert=(--quick --sizes tiny) bert_base=(--quick --sizes tiny)
+    bert=(--quick --sizes tiny --profile) bert_base=(--quick --sizes tiny)
     kernels=(--quick --sizes tiny)
     # stopped at step 10 of 1000, as a run too long for the budget is stopped by SIGTERM
     headline=("${tiny[@]}" --max-steps 1000 --stop-at 10 --log-every 5 --eval-every 10)
@@ -186,7 +187,7 @@ else
     dev=(--device cuda)
     steps=(--sizes small --objectives mlm,mlsm+mlm,boot,kd+mlm --steps 100 --row-timeout 150)
     more_steps=(--sizes small --objectives mlm,kd,mlsm,gpt-bert --steps 100 --row-timeout 150)
-    bert=(--sizes small) bert_base=(--sizes base)
+    bert=(--sizes small --profile) bert_base=(--sizes base)  # profile: where ours loses
     kernels=(--sizes small --profile)
     headline=()
     dictionary=(--size small --max-steps 400 --phase1-steps 300 --log-every 20)

@@ -155,6 +155,8 @@ def test_compare(ran):
     for name in ("bert.json", "bert_base.json"):
         rows = json.loads((tmp_path / name).read_text())["rows"]
         assert rows and all(r["reference"] == "BertForMaskedLM" for r in rows)
+    profiles = json.loads((tmp_path / "bert.json").read_text())["profiles"]  # the first size's
+    assert [set(p) for p in profiles.values()] == [{"ours", "BertForMaskedLM"}]
 
 
 def test_rest(ran):
