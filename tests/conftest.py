@@ -89,3 +89,42 @@ def run_trains(*commands, **kw) -> list[subprocess.CompletedProcess]:
 TINY = ["--size", "tiny", "--n-layer", "1", "--d-model", "64", "--n-head", "2", "--d-ff", "128",
         "--seq-len", "32", "--batch-size", "8", "--log-every", "5", "--eval-every", "1000",
         "--eval-batches", "2", "--device", "cpu"]
+
+
+# Seconds each file took in one run of tests/parallel.sh on CI's 2-core machine (2026-11-26, two
+# shards). They only balance the shards; a file missing here counts as 10 s.
+FILE_SECONDS = {"test_train.py": 377, "test_gpu_check.py": 182, "test_integration.py": 156,
+                "test_bench.py": 140, "test_study.py": 124, "test_readme.py": 75,
+                "test_faults.py": 75, "test_evaluate.py": 62, "test_export.py": 38,
+                "test_model.py": 29, "test_sparse.py": 28, "test_synth.py": 22, "test_meta.py": 21,
+                "test_data.py": 17, "test_plot.py": 14, "test_warm_python.py": 13,
+                "test_house.py": 1, "test_cuda.py": 1, "test_parallel.py": 1}
+
+
+def shard_of_files(names, n: int) -> dict:
+    """{file name: its shard in range(n)}: files, longest first, each to the shard with the least
+    FILE_SECONDS so far (a file missing there counts as 10 s)."""
+    seconds = lambda name: FILE_SECONDS.get(name, 10)
+    load, owner = [0] * n, {}
+    for name in sorted(set(names), key=lambda f: (-seconds(f), f)):
+        owner[name] = load.index(min(load))
+        load[owner[name]] += seconds(name)
+    return owner
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", metavar="I/N", help="run only shard I of N (0 <= I < N), by "
+                     "whole test files: tests/parallel.sh runs the N at once")
+
+
+def pytest_collection_modifyitems(config, items):
+    """--shard I/N: only shard I's tests, by whole files (so that a module fixture is built
+    once), each of the N processes with about 1/N of the time. An option, not a variable of
+    the environment, so that a pytest the tests start (gpu_check.sh's) runs whole."""
+    shard = config.getoption("--shard")
+    if not shard:
+        return
+    i, n = map(int, shard.split("/"))
+    owner = shard_of_files([t.path.name for t in items], n)
+    config.hook.pytest_deselected(items=[t for t in items if owner[t.path.name] != i])
+    items[:] = [t for t in items if owner[t.path.name] == i]

@@ -1,0 +1,18 @@
+"""tests/parallel.sh's split of the suite (--shard, conftest.shard_of_files): every test file in
+exactly one shard, and the shards' loads balanced as the longest-first rule guarantees."""
+from conftest import FILE_SECONDS, REPO, shard_of_files
+
+
+def test_every_file_runs_in_one_shard_and_the_shards_are_balanced():
+    files = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
+    assert set(FILE_SECONDS) <= set(files), "FILE_SECONDS names a file that is gone"
+    for n in (1, 2, 3, 4):
+        owner = shard_of_files(files + files[:3], n)  # a name seen twice is still one file
+        assert set(owner) == set(files) and set(owner.values()) == set(range(n))
+        load = [sum(FILE_SECONDS.get(f, 10) for f in files if owner[f] == k) for k in range(n)]
+        # longest first, to the lightest: no shard exceeds the mean by more than the file that
+        # was added to it last, itself no longer than the longest file
+        assert max(load) <= sum(load) / n + max(FILE_SECONDS.values()), (n, load)
+    # by hand: train 377 | gpu_check 182, then study (124) to the lighter side, 182 < 377
+    assert shard_of_files(["test_train.py", "test_gpu_check.py", "test_study.py"], 2) == {
+        "test_train.py": 0, "test_gpu_check.py": 1, "test_study.py": 1}
