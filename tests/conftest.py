@@ -92,8 +92,9 @@ TINY = ["--size", "tiny", "--n-layer", "1", "--d-model", "64", "--n-head", "2", 
 
 
 # Seconds each file took in one run of tests/parallel.sh on CI's 2-core machine (2026-11-26, two
-# shards). They only balance the shards; a file missing here counts as 10 s.
-FILE_SECONDS = {"test_train.py": 377, "test_gpu_check.py": 182, "test_integration.py": 156,
+# shards; test_integration.py's with one thread). They only balance the shards; a file missing
+# here counts as 10 s.
+FILE_SECONDS = {"test_train.py": 377, "test_gpu_check.py": 182, "test_integration.py": 75,
                 "test_bench.py": 140, "test_study.py": 124, "test_readme.py": 75,
                 "test_faults.py": 75, "test_evaluate.py": 62, "test_export.py": 38,
                 "test_model.py": 29, "test_sparse.py": 28, "test_synth.py": 22, "test_meta.py": 21,

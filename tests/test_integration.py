@@ -1,6 +1,7 @@
 """End to end on real BabyLM text: raw folder -> prepare -> train.py -> a model that has learned
 something a unigram model cannot."""
 import json
+import os
 
 from conftest import run_train
 
@@ -12,7 +13,9 @@ def test_tiny_mlm_learns_past_the_unigram_entropy(small_raw, tmp_path, monkeypat
     r = run_train("--data", small_raw, "--vocab-size", 2000, "--size", "tiny", "--seq-len", 64,
                   "--batch-size", 32, "--max-steps", 200, "--lr", 1e-2, "--eval-every", 100,
                   "--eval-batches", 4, "--log-every", 50, "--device", "cpu", "--out-dir", out,
-                  env={"OMP_NUM_THREADS": "2"})  # one run at a time: both of CI's cores
+                  # both of CI's cores in a serial run; one where tests/parallel.sh has set one
+                  # per shard (a second thread then only contends with the other shard)
+                  env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
     assert r.returncode == 0, r.stderr
     meta = json.loads((out / "data.json").read_text())  # the prepared corpus' meta.json
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
