@@ -161,8 +161,10 @@ def tail(text: str, lines=25) -> str:
 
 def coder_seconds(args, device, D) -> float:
     """Seconds of one batch's fista100 targets, timed alone: mask_capacity's B int(p T) unit
-    vectors (mlsm's uniform masking) against D, compiled where train.py compiles the step.
-    Timing it inside the step would split the step's compiled graph."""
+    vectors (mlsm's uniform masking) against D, compiled where train.py compiles the step, with
+    TF32 on a GPU as train.py codes them (and off again after: the rows that follow time
+    float32 code, evaluate.py's PLL say, as it runs). Timing it inside the step would split the
+    step's compiled graph."""
     C = mask_capacity(args.batch_size, args.seq_len, 0.15)
     g = torch.Generator().manual_seed(0)
     H = F.normalize(torch.randn(C, D.shape[0], generator=g), dim=-1).to(device)
@@ -172,7 +174,12 @@ def coder_seconds(args, device, D) -> float:
     code = lambda: sparse.fista_fixed(H, D, sparse.DictConfig().lam, 100, L, momentum)
     if use_compile(device, args.compile):
         code = torch.compile(code)
-    return 1 / statistics.median(rates(code, 1, device, 2, 5))
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    use_tf32(device)
+    try:
+        return 1 / statistics.median(rates(code, 1, device, 2, 5))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,7 +468,6 @@ def main(argv=None):
         print(table(saved))
         return saved["rows"]
     device = pick_device(args.device)
-    use_tf32(device)  # as train.py computes: the coder_seconds row times its FISTA coder
     cpu = device.type == "cpu"
     args.sizes = (args.sizes or ("tiny" if args.quick or cpu else "tiny,small,base")).split(",")
     args.objectives = args.objectives.split(",")

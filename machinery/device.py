@@ -46,7 +46,7 @@ def autocast(device: torch.device, bf16: bool | None = None):
 def use_tf32(device: torch.device) -> None:
     """On a GPU, float32 matrix products (what runs outside bf16 autocast: mlsm's FISTA coder,
     float32 losses) on the tensor cores as TF32, for this process: train.py's setting, which
-    bench.py must share to time what train.py runs."""
+    bench.py shares where it times what train.py runs."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
