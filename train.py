@@ -235,6 +235,11 @@ def setup_kd(encoder, args, run_dir, device) -> ObjectiveParts:
     return ObjectiveParts(extras={"teacher": teacher})
 
 
+# the MLSM code's targets (szegedai/MLSM, sparser.py): this many FISTA steps from zero, no stopping
+# test; --mlsm-coder fista100 is named for it
+MLSM_FISTA_STEPS = 100
+
+
 def mlsm(model, batch, extras, with_mlm=False):
     """Masked latent semantic modeling (Berend 2023, "Masked Latent Semantic Modeling", sec. 3;
     "Better Together", sec. 2.3). At every masked position the frozen phase-1 model, reading the
@@ -252,8 +257,8 @@ def mlsm(model, batch, extras, with_mlm=False):
         with torch.autocast(h.device.type, enabled=False):
             h = F.normalize(h.float(), dim=-1)
             if args.mlsm_coder == "fista100":  # the MLSM code's targets
-                codes = sparse.fista_fixed(h, extras["dict"], args.mlsm_lam, 100, extras["L"],
-                                           extras["momentum"])                          # (C, k)
+                codes = sparse.fista_fixed(h, extras["dict"], args.mlsm_lam, MLSM_FISTA_STEPS,
+                                           extras["L"], extras["momentum"])             # (C, k)
             else:  # its working set is sized by the data: run eagerly (setup_mlsm)
                 codes = extras["exact_coder"](h, extras["dict"], args.mlsm_lam, args.mlsm_iters,
                                            args.mlsm_tol)
@@ -307,8 +312,8 @@ def setup_mlsm(encoder, args, run_dir, device) -> ObjectiveParts:
     init_linears(small_init(encoder.config.d_model), head)
     D = D.to(device)
     L = torch.linalg.matrix_norm(D, ord=2) ** 2  # fista_fixed's step 1/L, of the frozen D: once
-    extras = {"teacher": teacher, "dict": D, "L": L, "momentum": sparse.fista_momentum(100, device),
-           "layer": layer}
+    extras = {"teacher": teacher, "dict": D, "L": L, "layer": layer,
+              "momentum": sparse.fista_momentum(MLSM_FISTA_STEPS, device)}
     if args.mlsm_coder == "exact":  # outside any compiled graph: a break in a compiled step
         extras["exact_coder"] = torch.compiler.disable(sparse.sparse_code)
     return ObjectiveParts(nn.ModuleDict({"latent": head}), extras=extras)

@@ -88,7 +88,8 @@ def test_sigterm_saves_and_resumes_bit_identically_and_one_run_per_folder(prepar
     assert finished.returncode == 0 and (f"nothing to do: {run / 'ckpt.pt'} is at step 600, at or "
                                          f"past --max-steps 600, the run's end"
                                          ) in finished.stdout.splitlines(), finished.stdout
-    uninterrupted.stdout.close(), uninterrupted.stderr.close()
+    err = uninterrupted.communicate(timeout=300)[1]  # cold: it may still be running
+    assert uninterrupted.returncode == 0, err
     states_equal(run / "ckpt.pt", ref / "ckpt.pt")
     # the log reads as one run's: the uninterrupted run's lines, and one more where it stopped
     steps, ref_steps = ([json.loads(line)["step"] for line in (r / "log.jsonl").open()]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import warm_python
 from conftest import REPO, shared_data
 
 
@@ -59,7 +60,8 @@ def carried(small_raw, tmp_path_factory) -> dict:
             (folder / f.name).write_text("".join(f.read_text().splitlines(True)[:16]))
     (root / "tiny.toml").write_text(STUDY)
     env = {**os.environ, "NANOMLM_RAW": str(raw), "GPU_DATA": str(root / "carried"),
-           "VOCAB_SIZE": "2000", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+           "VOCAB_SIZE": "2000", "OMP_NUM_THREADS": "1",
+           "PYTHON": str(warm_python.launcher())}  # python, warm where it runs a script
     r = gpu_check("carry", root / "tiny.toml", "cpu", env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     env["NANOMLM_RAW"] = str(root / "elsewhere")  # the tiers read the carried folder alone

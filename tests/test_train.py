@@ -764,7 +764,7 @@ def mlsm_setup(lam=0.05, with_mlm=False, coder="exact"):
                        "--mlsm-tol", "1e-5", "--mlsm-coder", coder])
     head = torch.nn.Linear(32, 40)
     extras = {"teacher": teacher, "dict": D, "L": torch.linalg.matrix_norm(D, ord=2) ** 2,
-              "layer": 1, "momentum": sparse.fista_momentum(100),
+              "layer": 1, "momentum": sparse.fista_momentum(T.MLSM_FISTA_STEPS),
               "exact_coder": sparse.sparse_code, "args": args}
     heads = torch.nn.ModuleDict({"latent": head})
     return Trainee(trainee.encoder, heads, T.OBJECTIVES[args.objective].loss), extras, batch
@@ -941,10 +941,15 @@ def test_reset_and_freeze_change_exactly_the_intended_tensors(prepared, small_ra
 
 # --- torch.compile: shapes that settle ---------------------------------------------------------
 
-def compiled_trainee(objective):
+def compiled_trainee(objective, monkeypatch=None):
     """(Trainee, extras, args) for `objective` as a compiled run holds them: tiny, on the CPU,
     with a perturbed copy as the frozen teacher and a random dictionary where the objective needs
-    them."""
+    them. Given monkeypatch, mlsm's targets take 4 FISTA steps, not MLSM_FISTA_STEPS (100): the
+    unrolled steps repeat one step's code, so what the compile tests check (one graph, no size
+    read from the data, equal to eager) is the same, at a fifth of the CPU's compile time;
+    test_cuda compiles the 100 steps a run does."""
+    if objective.startswith("mlsm") and monkeypatch is not None:
+        monkeypatch.setattr(T, "MLSM_FISTA_STEPS", 4)
     if objective.startswith("mlsm"):
         trainee, extras, _ = mlsm_setup(with_mlm=objective == "mlsm+mlm", coder="fista100")
     elif objective.startswith("kd"):
@@ -966,7 +971,7 @@ def fresh_batch(args, i):
 
 
 @pytest.mark.parametrize("objective", sorted(T.OBJECTIVES))
-def test_every_loss_compiles_whole_and_matches_eager(objective):
+def test_every_loss_compiles_whole_and_matches_eager(objective, monkeypatch):
     """fullgraph=True: dynamo traces the whole loss into one graph or raises at the first break
     (a boolean index, a .item(), a shape read from the data: each a host sync on a GPU).
     aot_eager also traces the backward, as inductor would. Compiled, the loss, its stats and
@@ -974,7 +979,7 @@ def test_every_loss_compiles_whole_and_matches_eager(objective):
     training graph, dropout on, is traced by the next test). mlm and boot mask spans here, so
     padding slots are in the batch."""
     torch._dynamo.reset()
-    trainee, extras, args = compiled_trainee(objective)
+    trainee, extras, args = compiled_trainee(objective, monkeypatch)
     batch = fresh_batch(args, 0)
     assert (batch["targets"] == -100).any() == (args.masking != "uniform")
     compiled = torch.compile(trainee, fullgraph=True, backend="aot_eager")
@@ -1009,7 +1014,7 @@ def symbolic_shapes(graph: torch.fx.GraphModule) -> list[str]:
 
 
 @pytest.mark.parametrize("objective", sorted(T.OBJECTIVES))
-def test_compiled_objectives_stop_recompiling(objective):
+def test_compiled_objectives_stop_recompiling(objective, monkeypatch):
     """50 training steps of fresh masks, compiled whole: at most two recompilations (a shape that
     depended on the batch, such as a count of masked or kept tokens, would add one per step),
     and every size in every graph a constant. fullgraph alone does not see a boolean index:
@@ -1021,7 +1026,7 @@ def test_compiled_objectives_stop_recompiling(objective):
         graphs.append(graph)
         return graph.forward
     torch._dynamo.reset()
-    trainee, extras, args = compiled_trainee(objective)
+    trainee, extras, args = compiled_trainee(objective, monkeypatch)
     step = torch.compile(trainee, fullgraph=True, backend=keep)
     # above dynamo's limit (8) a function runs uncompiled and stops adding graphs: count on
     with torch._dynamo.config.patch(recompile_limit=64):

@@ -2,8 +2,10 @@
 (`python SCRIPT ARGS` in a process of its own) in every respect a script can see."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -75,3 +77,41 @@ def test_a_crash_a_signal_and_a_timeout_are_the_cold_run_s(tmp_path):
         warm_python.run([tmp_path / "script.py", "sleep"], tmp_path, environment(), 2)
     after = warm_python.run([tmp_path / "script.py", "0"], tmp_path, environment(), 60)
     assert after.returncode == 0  # the zygote that timed out goes on
+
+
+CHILD = """import os, signal, sys, time
+torch = "torch" in sys.modules  # before any import of torch: a warm start
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+print(torch, os.getpid(), flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_a_scripts_own_python_is_warm_and_a_signal_reaches_it(tmp_path):
+    """A warm script's `sys.executable SCRIPT` is warm too (bench.py's and study.py's train.py
+    runs); `-c` is the cold interpreter's. SIGTERM to the launcher reaches the script, whose
+    status the launcher exits with; a launcher killed outright takes the script with it."""
+    (tmp_path / "child.py").write_text(CHILD)
+    (tmp_path / "parent.py").write_text(
+        "import subprocess, sys\n"
+        "for argv in ([sys.argv[1], '0'], ['-c', 'import sys; print(\"torch\" in sys.modules)']):\n"
+        "    print(subprocess.run([sys.executable, *argv], capture_output=True,\n"
+        "                         text=True).stdout.split()[0])\n")
+    r = warm_python.run([tmp_path / "parent.py", tmp_path / "child.py"], tmp_path,
+                        environment(), 120)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "False"], r.stderr
+    for sig, want in ((signal.SIGTERM, 7), (signal.SIGKILL, -9)):
+        p = subprocess.Popen([warm_python.launcher(), tmp_path / "child.py", "30"],
+                             cwd=tmp_path, env=environment(), stdout=subprocess.PIPE, text=True)
+        warm, pid = p.stdout.readline().split()
+        assert warm == "True"
+        p.send_signal(sig)
+        assert p.wait(timeout=30) == want
+        for _ in range(100):  # the script ends with its launcher
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"the script outlived its launcher's {sig!r}")

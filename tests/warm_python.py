@@ -1,113 +1,219 @@
-"""Warm starts for the tests' command-line runs (conftest.run_script and run_train).
+"""Warm starts for the tests' Python commands: conftest.run_script's, and those the scripts and
+gpu_check.sh start in turn (bench.py and study.py run train.py, gpu_check.sh runs $PYTHON).
 
 On CI's 2-core machine a script's start is most of a tiny CLI run: `import torch` takes about
 2 s, and torch._dynamo, which every torch.optim optimizer imports, about 3 s more; a tiny run
 itself takes 1 to 2 s. So a zygote, a Python process that has imported the two and nothing else
-(no thread started, no tensor made), forks a child for each command. The child is a process of
-its own, as `python SCRIPT ARGS` makes one: it takes the command's folder, environment and argv,
-writes to its own stdout and stderr (files the caller reads), reseeds what a fresh interpreter
-seeds from the OS (random, numpy's global generator), runs the script as __main__ with the
-script's folder first on sys.path, and exits through the interpreter's own shutdown, with the
-script's status. The zygote waits for it, kills it at the timeout, and reports its status as
-subprocess does (-N: killed by signal N).
+(no thread started, no tensor made), forks a child for each command.
 
-What the two imports read from the environment (OMP_*, TORCH*, PYTHON*, ...) is the zygote's
+`launcher()` writes an executable that takes the place of `python` (the tests give it as
+$PYTHON, and as sys.executable in every warm child, so that a script's own `python SCRIPT`
+is warm too). `launcher SCRIPT.py ARGS` sends its folder, environment, argv and its stdin,
+stdout and stderr themselves to the zygote of its environment (started on first use) and waits.
+The child takes them, reseeds what a fresh interpreter seeds from the OS (random, numpy's
+global generator), runs the script as __main__ with the script's folder first on sys.path and
+exits through the interpreter's own shutdown; the launcher exits with the child's status (or
+dies by its signal). A signal to the launcher is passed on to the child; a launcher killed
+outright (SIGKILL, a timeout) takes the child with it. Anything else (`-c`, `-m`, `-u`, a
+script of the Python installation such as inductor's compile workers, which are handed more
+file descriptors than the three) is `python ARGS` itself, cold.
+
+What the imports read from the environment (OMP_*, TORCH*, PYTHON*, ...) is the zygote's
 environment, so a zygote serves only commands whose environment is the same but for the
-variables the repository and pytest set per test (NANOMLM_*, PYTEST_*); another environment gets
-a zygote of its own. A zygote runs one command at a time; side-by-side commands get one each.
+variables the repository, pytest, bash and gpu_check.sh set per command (PER_COMMAND); another
+environment gets a zygote of its own. A script can tell a warm start by sys.modules (torch is
+there before it imports it) and sys.executable (the launcher); nothing in the repository reads
+either.
 """
+import hashlib
 import json
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
-import threading
+import time
 from pathlib import Path
 
 ZYGOTE = r"""
-import json, os, random, runpy, signal, sys, time
+import io, json, os, random, runpy, select, signal, socket, sys
+path, owner = sys.argv[1], int(sys.argv[2])
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+try:
+    listener.bind(path)  # before the imports: a launcher that comes meanwhile waits for them
+except OSError:
+    sys.exit(0)  # another launcher's zygote serves this environment
+listener.listen(64)
+with open(path + ".pid", "w") as f:
+    f.write(str(os.getpid()))
 import torch, torch._dynamo
 
-def child(command):
+def stdio(fd):  # as a fresh interpreter makes them (-u: written through; a tty: by lines)
+    if fd == 0:
+        return open(0, closefd=False)
+    raw = io.FileIO(fd, "w", closefd=False)
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw),
+                            errors="backslashreplace" if fd == 2 else "strict",
+                            line_buffering=not unbuffered and (fd == 2 or raw.isatty()),
+                            write_through=unbuffered)
+
+def child(command, fds):
     os.chdir(command["cwd"])
     os.environ.clear()
     os.environ.update(command["env"])
-    for fd, path in ((0, os.devnull), (1, command["stdout"]), (2, command["stderr"])):
-        opened = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY)
-        os.dup2(opened, fd)
-        os.close(opened)
-    sys.stdin = open(0, closefd=False)
-    sys.stdout = open(1, "w", closefd=False)  # as a fresh interpreter's: block-buffered to a file
-    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+    for fd, given in enumerate(fds):
+        os.dup2(given, fd)
+        os.close(given)
+    sys.stdin, sys.stdout, sys.stderr = map(stdio, (0, 1, 2))
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    sys.argv = command["argv"]
+    sys.argv, sys.executable = command["argv"], command["executable"]
     sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))
     runpy.run_path(sys.argv[0], run_name="__main__")
     sys.exit(0)
 
-for line in sys.stdin:
-    command = json.loads(line)
+def manage(conn):  # one command: its child, then its status to the launcher
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
     pid = os.fork()
     if pid == 0:
-        child(command)  # raises SystemExit (or the script's exception) out of this loop
-    deadline = time.monotonic() + command["timeout"]
-    while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    timed_out = not done[0]
-    if timed_out:
-        os.kill(pid, signal.SIGKILL)
-        done = os.waitpid(pid, 0)
-    print(json.dumps({"status": os.waitstatus_to_exitcode(done[1]), "timed_out": timed_out}),
-          flush=True)
+        conn.close()
+        child(json.loads(message), fds)  # raises SystemExit (or the script's exception)
+    for fd in fds:
+        os.close(fd)
+    conn.send(str(pid).encode())
+    ended = os.pidfd_open(pid)
+    while True:
+        ready = select.select([conn, ended], [], [])[0]
+        if ended in ready:
+            break
+        if not conn.recv(16):  # the launcher is gone (killed): its command goes with it
+            os.kill(pid, signal.SIGKILL)
+            break
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    try:
+        conn.send(str(status).encode())
+    except OSError:
+        pass
+    os._exit(0)
+
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # each command's manager reaps itself
+listener.settimeout(5)
+while True:
+    try:
+        conn, _ = listener.accept()
+    except TimeoutError:
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:  # the tests are over (killed, say): so is the zygote
+            os.unlink(path)
+            sys.exit(0)
+        continue
+    if os.fork() == 0:
+        listener.close()
+        manage(conn)
+    conn.close()
 """
-PER_TEST = ("NANOMLM_", "PYTEST_")  # read when the script runs, not by the zygote's imports
+# variables read when the script runs, not by the zygote's imports: set per command
+PER_COMMAND = ("NANOMLM_", "PYTEST_", "PWD", "OLDPWD", "SHLVL", "_", "OUT", "BUDGET", "SCALE",
+               "GPU_DATA", "VOCAB_SIZE", "PYTHON")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2)
+LAUNCHER = """#!{python} -S
+import sys
+sys.path.insert(0, {tests!r})
+import warm_python
+warm_python.launch({python!r}, {folder!r}, {owner}, sys.argv)
+"""
 
-_idle: dict[tuple, list[subprocess.Popen]] = {}  # zygotes waiting for a command, by environment
-_lock = threading.Lock()
+
+def per_command(name: str) -> bool:
+    return name.startswith(PER_COMMAND[:2]) or name in PER_COMMAND[2:]
 
 
-def _key(env: dict) -> tuple:
-    return tuple(sorted((k, v) for k, v in env.items() if not k.startswith(PER_TEST)))
+def launch(python: str, folder: str, owner: int, argv: list) -> None:
+    """The launcher's body: argv[1:] run warm as `python argv[1:]` would run it, or cold."""
+    args = argv[1:]
+    script = os.path.realpath(args[0]) if args and args[0].endswith(".py") else ""
+    installed = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix)})
+    if not os.path.isfile(script) or script.startswith(installed):
+        os.execv(python, [python, *args])
+    env = dict(os.environ)
+    key = json.dumps(sorted((k, v) for k, v in env.items() if not per_command(k)))
+    path = os.path.join(folder, hashlib.sha1(key.encode()).hexdigest()[:16] + ".sock")
+    if not os.path.exists(path):
+        with open(path + ".log", "a") as log:
+            subprocess.Popen([python, "-c", ZYGOTE, path, str(owner)], cwd="/", env=env,
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                             start_new_session=True)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            conn.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:  # no zygote came: see its log
+                os.execv(python, [python, *args])
+            time.sleep(0.02)
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # until the child's pid is known
+    command = {"argv": args, "cwd": os.getcwd(), "env": env, "executable": argv[0]}
+    socket.send_fds(conn, [json.dumps(command).encode()], [0, 1, 2])
+    said = conn.recv(16)
+    if said:
+        pid = int(said)
+        for s in FORWARDED:
+            signal.signal(s, lambda n, _: os.kill(pid, n))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        said = conn.recv(16)
+    if not said:
+        sys.exit(f"warm_python: the zygote for {args[0]} died; its log: {path}.log")
+    status = int(said)
+    if status < 0:  # the child died by a signal: so does the launcher
+        if -status != signal.SIGKILL:
+            signal.signal(-status, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-status])
+        os.kill(os.getpid(), -status)
+    os._exit(status)
+
+
+_folder: Path | None = None
+
+
+def launcher() -> Path:
+    """The executable that takes the place of `python` in the tests, made on first use for this
+    process; its zygotes end with this process (stop(), or within 5 s of its death)."""
+    global _folder
+    if _folder is None:
+        _folder = Path(tempfile.mkdtemp(prefix="warm_python-"))
+        exe = _folder / "python"
+        exe.write_text(LAUNCHER.format(python=sys.executable, tests=str(Path(__file__).parent),
+                                       folder=str(_folder), owner=os.getpid()))
+        exe.chmod(0o755)
+    return _folder / "python"
 
 
 def run(argv: list, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
     """`python *argv` in cwd with the environment env, as subprocess.run(capture_output=True,
     text=True, timeout=timeout) runs it, forked from a zygote."""
-    key = _key(env)
-    with _lock:
-        idle = _idle.setdefault(key, [])
-        while idle and idle[-1].poll() is not None:
-            idle.pop()
-        zygote = idle.pop() if idle else subprocess.Popen(
-            [sys.executable, "-c", ZYGOTE], cwd="/", env=env, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    argv = [str(a) for a in argv]
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        out.touch()
-        err.touch()
-        command = {"argv": argv, "cwd": str(cwd), "env": env, "timeout": timeout,
-                   "stdout": str(out), "stderr": str(err)}
-        zygote.stdin.write(json.dumps(command) + "\n")
-        zygote.stdin.flush()
-        said = zygote.stdout.readline()  # the child's status
-        if not said:
-            raise RuntimeError(f"the warm interpreter for {argv[0]} died (exit {zygote.wait()}); "
-                               f"its error is on the tests' stderr")
-        reply = json.loads(said)
-        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-    with _lock:
-        _idle[key].append(zygote)
-    if reply["timed_out"]:
-        raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, stdout, stderr)
-    return subprocess.CompletedProcess([sys.executable, *argv], reply["status"], stdout, stderr)
+    return subprocess.run([str(launcher()), *map(str, argv)], cwd=cwd, env=env, text=True,
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
 
 
 def stop() -> None:
     """End the zygotes (at the end of the tests)."""
-    with _lock:
-        for zygote in [z for idle in _idle.values() for z in idle]:
-            zygote.stdin.close()
-            zygote.wait()
-        _idle.clear()
+    global _folder
+    if _folder is None:
+        return
+    for pid in _folder.glob("*.sock.pid"):
+        try:
+            os.kill(int(pid.read_text()), signal.SIGTERM)
+        except (ProcessLookupError, ValueError):
+            pass
+    shutil.rmtree(_folder, ignore_errors=True)
+    _folder = None
