@@ -1,5 +1,7 @@
 """warm_python.py, which the tests' command-line runs go through: a warm run is the cold run
-(`python SCRIPT ARGS` in a process of its own) in every respect a script can see."""
+(`python SCRIPT ARGS` in a process of its own) in every respect a script can see but two
+(warm_python.py's docstring: sys.modules, sys.executable); signals and kills reach the script as
+they would."""
 import json
 import os
 import signal

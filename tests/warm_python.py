@@ -21,9 +21,11 @@ file descriptors than the three) is `python ARGS` itself, cold.
 What the imports read from the environment (OMP_*, TORCH*, PYTHON*, ...) is the zygote's
 environment, so a zygote serves only commands whose environment is the same but for the
 variables the repository, pytest, bash and gpu_check.sh set per command (PER_COMMAND); another
-environment gets a zygote of its own. A script can tell a warm start by sys.modules (torch is
-there before it imports it) and sys.executable (the launcher); nothing in the repository reads
-either.
+environment gets a zygote of its own. A script can tell a warm start in two ways, neither of
+which changes what the repository's scripts do: torch is in sys.modules before the script
+imports it (run_folder.repo_sources reads only the repository's own modules there, which the
+zygote has not imported), and sys.executable is the launcher (bench.py and study.py use it only
+to start python).
 """
 import hashlib
 import json
