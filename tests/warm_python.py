@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def child(command, fds):
         sys.modules["numpy"].random.seed()
     sys.argv, sys.executable = command["argv"], command["executable"]
     sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    runpy.run_path(os.path.abspath(sys.argv[0]), run_name="__main__")  # __file__ absolute
     sys.exit(0)
 
 def manage(conn):  # one command: its child, then its status to the launcher
@@ -130,7 +131,7 @@ LAUNCHER = """#!{python} -S
 import sys
 sys.path.insert(0, {tests!r})
 import warm_python
-warm_python.launch({python!r}, {folder!r}, {owner}, sys.argv)
+warm_python.launch({python!r}, {installed!r}, {folder!r}, {owner}, sys.argv)
 """
 
 
@@ -138,11 +139,11 @@ def per_command(name: str) -> bool:
     return name.startswith(PER_COMMAND[:2]) or name in PER_COMMAND[2:]
 
 
-def launch(python: str, folder: str, owner: int, argv: list) -> None:
-    """The launcher's body: argv[1:] run warm as `python argv[1:]` would run it, or cold."""
+def launch(python: str, installed: tuple, folder: str, owner: int, argv: list) -> None:
+    """The launcher's body: argv[1:] run warm as `python argv[1:]` would run it, or cold
+    (installed: the Python installation's folders, venv and site-packages included)."""
     args = argv[1:]
     script = os.path.realpath(args[0]) if args and args[0].endswith(".py") else ""
-    installed = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix)})
     if not os.path.isfile(script) or script.startswith(installed):
         os.execv(python, [python, *args])
     env = dict(os.environ)
@@ -170,7 +171,7 @@ def launch(python: str, folder: str, owner: int, argv: list) -> None:
     if said:
         pid = int(said)
         for s in FORWARDED:
-            signal.signal(s, lambda n, _: os.kill(pid, n))
+            signal.signal(s, lambda n, _: forward(pid, n))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         said = conn.recv(16)
     if not said:
@@ -184,6 +185,13 @@ def launch(python: str, folder: str, owner: int, argv: list) -> None:
     os._exit(status)
 
 
+def forward(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # it has just ended: its status is on its way
+        pass
+
+
 _folder: Path | None = None
 
 
@@ -194,8 +202,12 @@ def launcher() -> Path:
     if _folder is None:
         _folder = Path(tempfile.mkdtemp(prefix="warm_python-"))
         exe = _folder / "python"
+        # the launcher runs with -S, where sys.prefix is not the venv's: found here
+        installed = tuple({os.path.realpath(p) + os.sep for p in (
+            sys.prefix, sys.base_prefix, *site.getsitepackages(), site.getusersitepackages())})
         exe.write_text(LAUNCHER.format(python=sys.executable, tests=str(Path(__file__).parent),
-                                       folder=str(_folder), owner=os.getpid()))
+                                       installed=installed, folder=str(_folder),
+                                       owner=os.getpid()))
         exe.chmod(0o755)
     return _folder / "python"
 
