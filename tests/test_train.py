@@ -948,9 +948,9 @@ def compiled_trainee(objective, monkeypatch=None):
     unrolled steps repeat one step's code, so what the compile tests check (one graph, no size
     read from the data, equal to eager) is the same, at a fifth of the CPU's compile time;
     test_cuda compiles the 100 steps a run does."""
-    if objective.startswith("mlsm") and monkeypatch is not None:
-        monkeypatch.setattr(T, "MLSM_FISTA_STEPS", 4)
     if objective.startswith("mlsm"):
+        if monkeypatch is not None:
+            monkeypatch.setattr(T, "MLSM_FISTA_STEPS", 4)
         trainee, extras, _ = mlsm_setup(with_mlm=objective == "mlsm+mlm", coder="fista100")
     elif objective.startswith("kd"):
         trainee, extras, _ = objective_setup("mlm")
