@@ -82,7 +82,8 @@ print(prepare('babylm_10m', int(sys.argv[1])))" "$vocab" | tee /dev/stderr | tai
         [ "$old" = "$data" ] || rm -rf "$old"
     done
     # the evaluation folders, at their paths under NANOMLM_RAW: blimp, supplement, a study's
-    "$py" - "$raw" "$G/raw" "$( [ -n "${1:-}" ] && abs "$1")" "${2:-${SCALE:-gpu}}" <<'EOF' || exit 1
+    study=${1:+$(abs "$1")}  # empty: no study
+    "$py" - "$raw" "$G/raw" "$study" "${2:-${SCALE:-gpu}}" <<'EOF' || exit 1
 import shutil, sys
 from pathlib import Path
 from helpers.study_plan import StudyError, load_study

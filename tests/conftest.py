@@ -121,8 +121,8 @@ def pytest_addoption(parser):
 def pytest_ignore_collect(collection_path, config):
     """--shard I/N: only shard I's test files are collected (whole files, so that a module
     fixture is built once; each of the N processes with about 1/N of the time, and importing
-    only what its own files import). An option, not a variable of the environment, so that a pytest the
-    tests start (gpu_check.sh's) runs whole."""
+    only what its own files import). An option, not a variable of the environment, so that a
+    pytest the tests start (gpu_check.sh's) runs whole."""
     shard = config.getoption("--shard")
     if not shard or not (collection_path.name.startswith("test_")
                          and collection_path.suffix == ".py"):

@@ -26,11 +26,12 @@ def unit(path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def sources(tests=False):
-    """The repository's own Python files, as git sees them (tracked, or new and not ignored): not
-    the copies in a run folder's code/, nor anything in a virtual environment."""
+def sources(tests=False, patterns=("*.py",)):
+    """The repository's own Python files (or files of other patterns), as git sees them (tracked,
+    or new and not ignored): not the copies in a run folder's code/, nor anything in a virtual
+    environment."""
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
-                             "*.py"], cwd=REPO, capture_output=True, text=True, check=True)
+                             *patterns], cwd=REPO, capture_output=True, text=True, check=True)
     files = sorted({REPO / line for line in listed.stdout.splitlines()})
     return [p for p in files if p.exists() and (tests or p.relative_to(REPO).parts[0] != "tests")]
 
@@ -82,7 +83,8 @@ def test_the_training_loop_names_no_objective():
         assert not re.search(rf"(?<![\w+]){re.escape(name)}(?![\w+])", loop), name
 
 
-@pytest.mark.parametrize("path", sources(tests=True), ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("path", sources(tests=True, patterns=("*.py", "*.sh", "*.toml")),
+                         ids=lambda p: str(p.relative_to(REPO)))
 def test_lines_are_at_most_100_characters(path):
     long = [n for n, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 100]
     assert not long, f"{path.name}: lines {long}"
