@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import lasso_exact as lasso
 import sparse
 import train as T
+import warm_python
 from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
@@ -232,8 +233,9 @@ def test_ddp_two_gloo_processes_equal_one_process_accumulating(prepared, tmp_pat
               *TINY]
     single = run_train(*common, "--grad-accum", 2, "--out-dir", tmp_path / "single")
     assert single.returncode == 0, single.stderr
+    # the workers start warm: torchrun runs the launcher that stands in for `python train.py`
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", "2"]
+                "--nproc_per_node", "2", "--no-python", str(warm_python.launcher())]
     ddp = run_train(*common, "--out-dir", tmp_path / "ddp", launcher=torchrun)
     assert ddp.returncode == 0, ddp.stderr
     assert "x2 |" in ddp.stdout and "16 seqs" in ddp.stdout

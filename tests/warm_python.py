@@ -20,12 +20,12 @@ file descriptors than the three) is `python ARGS` itself, cold.
 
 What the imports read from the environment (OMP_*, TORCH*, PYTHON*, ...) is the zygote's
 environment, so a zygote serves only commands whose environment is the same but for the
-variables the repository, pytest, bash and gpu_check.sh set per command (PER_COMMAND); another
-environment gets a zygote of its own. A script can tell a warm start in two ways, neither of
-which changes what the repository's scripts do: torch is in sys.modules before the script
-imports it (run_folder.repo_sources reads only the repository's own modules there, which the
-zygote has not imported), and sys.executable is the launcher (bench.py and study.py use it only
-to start python).
+variables the repository, pytest, bash, gpu_check.sh and torchrun (each worker's rank and
+rendezvous) set per command (PER_COMMAND); another environment gets a zygote of its own. A
+script can tell a warm start in two ways, neither of which changes what the repository's
+scripts do: torch is in sys.modules before the script imports it (run_folder.repo_sources reads
+only the repository's own modules there, which the zygote has not imported), and
+sys.executable is the launcher (bench.py and study.py use it only to start python).
 """
 import hashlib
 import json
@@ -123,8 +123,12 @@ while True:
     conn.close()
 """
 # variables read when the script runs, not by the zygote's imports: set per command
-PER_COMMAND = ("NANOMLM_", "PYTEST_", "PWD", "OLDPWD", "SHLVL", "_", "OUT", "BUDGET", "SCALE",
-               "GPU_DATA", "VOCAB_SIZE", "PYTHON")
+# (torchrun's too: each worker's rank, its rendezvous; a prefix ends with "_")
+PER_COMMAND = ("NANOMLM_", "PYTEST_", "TORCHELASTIC_", "PWD", "OLDPWD", "SHLVL", "_", "OUT",
+               "BUDGET", "SCALE", "GPU_DATA", "VOCAB_SIZE", "PYTHON", "RANK", "LOCAL_RANK",
+               "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+               "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
 LAUNCHER = """#!{python} -S
@@ -136,7 +140,8 @@ warm_python.launch({python!r}, {installed!r}, {folder!r}, {owner}, sys.argv)
 
 
 def per_command(name: str) -> bool:
-    return name.startswith(PER_COMMAND[:2]) or name in PER_COMMAND[2:]
+    return name in PER_COMMAND or name.startswith(tuple(p for p in PER_COMMAND
+                                                         if p.endswith("_") and p != "_"))
 
 
 def launch(python: str, installed: tuple, folder: str, owner: int, argv: list) -> None:
