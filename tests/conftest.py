@@ -99,7 +99,7 @@ FILE_SECONDS = {"test_train.py": 344, "test_gpu_check.py": 148, "test_bench.py":
                 "test_integration.py": 74, "test_evaluate.py": 59, "test_export.py": 38,
                 "test_synth.py": 32, "test_sparse.py": 29, "test_meta.py": 23,
                 "test_warm_python.py": 21, "test_model.py": 19, "test_data.py": 19,
-                "test_plot.py": 8, "test_house.py": 1, "test_cuda.py": 1, "test_parallel.py": 1}
+                "test_plot.py": 8, "test_house.py": 1, "test_cuda.py": 1, "test_parallel.py": 5}
 
 
 def shard_of_files(names, n: int) -> dict:
@@ -123,10 +123,24 @@ def pytest_ignore_collect(collection_path, config):
     fixture is built once; each of the N processes with about 1/N of the time, and importing
     only what its own files import). An option, not a variable of the environment, so that a
     pytest the tests start (gpu_check.sh's) runs whole."""
-    shard = config.getoption("--shard")
-    if not shard or not (collection_path.name.startswith("test_")
-                         and collection_path.suffix == ".py"):
+    if not (collection_path.name.startswith("test_") and collection_path.suffix == ".py"):
         return None
+    return True if in_another_shard(collection_path.name, config) else None
+
+
+def pytest_collection_modifyitems(config, items):
+    """--shard I/N with a test file named on the command line (pytest collects it whatever
+    pytest_ignore_collect says): its tests run in its own shard only."""
+    drop = [item for item in items if in_another_shard(item.path.name, config)]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if item not in drop]
+
+
+def in_another_shard(name: str, config) -> bool:
+    shard = config.getoption("--shard")
+    if not shard:
+        return False
     i, n = map(int, shard.split("/"))
     files = [f.name for f in Path(__file__).parent.glob("test_*.py")]
-    return True if shard_of_files(files, n).get(collection_path.name, i) != i else None
+    return shard_of_files(files, n).get(name, i) != i

@@ -1,5 +1,11 @@
 """tests/parallel.sh's split of the suite (--shard, conftest.shard_of_files): every test file in
-exactly one shard, and the shards' loads balanced as the longest-first rule guarantees."""
+exactly one shard, and the shards' loads balanced as the longest-first rule guarantees; a file
+named to parallel.sh runs once."""
+import os
+import re
+import subprocess
+import sys
+
 from conftest import FILE_SECONDS, REPO, shard_of_files
 
 
@@ -16,3 +22,15 @@ def test_every_file_runs_in_one_shard_and_the_shards_are_balanced():
     # by hand: train 344 | gpu_check 148, then study (92) to the lighter side, 148 < 344
     assert shard_of_files(["test_train.py", "test_gpu_check.py", "test_study.py"], 2) == {
         "test_train.py": 0, "test_gpu_check.py": 1, "test_study.py": 1}
+
+
+def test_a_file_named_to_parallel_sh_runs_once():
+    """`bash tests/parallel.sh tests/test_x.py`: that file alone (not the suite too), in its own
+    shard only; the other shard finds no test (pytest's status 5), which is not a failure. Here
+    the file is this one, its other test selected by -k."""
+    r = subprocess.run(["bash", "tests/parallel.sh", "tests/test_parallel.py", "-k", "balanced"],
+                       cwd=REPO, env={**os.environ, "SHARDS": "2", "PYTHON": sys.executable},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.findall(r"(\d+) passed", r.stdout) == ["1"], r.stdout  # one shard ran one test
+    assert "1 deselected" in r.stdout  # the other shard: this file is not its own
