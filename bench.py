@@ -460,7 +460,6 @@ def build_parser() -> flags.Parser:
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    flags.check_ranges(ap, args)
     if args.table:
         if not Path(args.table).is_file():
             raise SystemExit(f"error: --table {args.table}: no such file")

@@ -622,7 +622,6 @@ def main(argv=None):
     line_buffered()
     parser = build_parser()
     args = parser.parse_args(argv)
-    flags.check_ranges(parser, args)
     if getattr(args, "ckpt", None) and (Path(args.ckpt) / "ckpt.pt").is_file():
         args.ckpt = str(Path(args.ckpt) / "ckpt.pt")  # a run folder: its checkpoint
     args.func(args)

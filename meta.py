@@ -587,9 +587,9 @@ def build_parser() -> flags.Parser:
         help="gradient-norm clip of every outer step (default 1; shen 5)", range=flags.above(0))
     add("--seed", type=int, default=0, range=flags.at_least(0),
         help="model init and batches (--task glue)")
-    add("--seeds", range=flags.at_least(0),
+    add("--seeds", type=flags.integers, range=flags.at_least(0),
         default="0,1,2", help="two_moons: one pretraining + fine-tuning per seed")
-    add("--sizes", default="10,20,40,80,160",
+    add("--sizes", type=flags.integers, default="10,20,40,80,160",
         help="two_moons: labelled-set sizes (even, at most 160)")
     add("--data-seed", type=int, default=0, range=flags.at_least(0),
         help="two_moons: seed of the generated data")
@@ -640,9 +640,6 @@ def main(argv=None):
     line_buffered()
     ap = build_parser()
     args = ap.parse_args(argv)
-    args.seeds = flags.integers(ap, "seeds", args.seeds)
-    args.sizes = flags.integers(ap, "sizes", args.sizes)
-    flags.check_ranges(ap, args)
     protocol_defaults(args)
     args.labels_list = args.labels.split(",")
     bad = [x for x in args.labels_list if x not in ("hard", "soft", "denoise", "mlm", "none")]

@@ -562,7 +562,6 @@ def main(argv=None):
     line_buffered()
     parser = build_parser()
     args = parser.parse_args(argv)
-    flags.check_ranges(parser, args)
     cfg = DictConfig(**{f.name: getattr(args, f.name) for f in fields(DictConfig)})
     cfg.check()
     learn_from_checkpoint(args.ckpt, args.data, cfg, pick_device(args.device), args.out)

@@ -308,7 +308,7 @@ def build_parser() -> flags.Parser:
     add("study", help="the study file, e.g. studies/better_together.toml")
     add("--scale", default="cpu", help="which of the file's scales")
     add("--only", default=None, help="comma-separated arms to run (default all)")
-    add("--seeds", default=None, range=flags.at_least(0),
+    add("--seeds", type=flags.integers, default=None, range=flags.at_least(0),
         help="comma-separated seeds to run (default the scale's)")
     add("--dry-run", action="store_true", help="print the plan and its estimated cost, run nothing")
     add("--report", action="store_true", help="only rebuild REPORT.md from results/")
@@ -325,8 +325,6 @@ def build_parser() -> flags.Parser:
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    args.seeds = flags.integers(ap, "seeds", args.seeds) if args.seeds else None
-    flags.check_ranges(ap, args)
     path = Path(args.study)
     study = load_study(path)
     if args.scale not in study["scales"]:

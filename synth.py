@@ -332,7 +332,6 @@ def build_parser() -> flags.Parser:
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    flags.check_ranges(ap, args)
     ud = Path(args.ud or raw_root() / "ud")
     t0 = time.time()
     sentences = [s for f in treebank_files(ud, args.treebanks) for s in read_conllu(f)]

@@ -545,7 +545,6 @@ def build_parser():
 def get_args(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
-    flags.check_ranges(parser, args)
     mlsm_family = OBJECTIVES[args.objective].setup is setup_mlsm
     for flag, applies, to in (("teacher", args.objective in TWO_PHASE, ", ".join(TWO_PHASE)),
                               ("dict", mlsm_family, "mlsm and mlsm+mlm"),

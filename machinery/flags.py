@@ -1,13 +1,14 @@
 """The command line as every script builds it: errors in one line, help that shows each flag's
 default, flags made from a config dataclass's fields (their help is the field's comment, so the
-two never drift apart), the range of every numeric flag declared with the flag and checked in
-one place, and which flags a user typed.
+two never drift apart), the range of every numeric flag declared with the flag and checked as
+the command line is parsed, comma-separated integer lists, and which flags a user typed.
 
     p = flags.Parser(description=__doc__)
     p.add_argument("--lr", type=float, default=1e-3, range=flags.above(0))
+    p.add_argument("--seeds", type=flags.integers, default="0,1", range=flags.at_least(0))
     flags.add_fields(p.add_argument, ModelConfig, preset=True,     # --n-layer, --d-model, ...
                      ranges={"n_layer": flags.at_least(1)})
-    flags.check_ranges(p, p.parse_args())
+    args = p.parse_args()                                          # ranges checked
 """
 import argparse
 import inspect
@@ -36,6 +37,12 @@ class Parser(argparse.ArgumentParser):
         add = group.add_argument
         group.add_argument = lambda *a, range=None, **kw: with_range(add(*a, **kw), range)
         return group
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, then every value checked against its flag's range (check_ranges)."""
+        parsed = super().parse_args(args, namespace)
+        check_ranges(self, parsed)
+        return parsed
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
@@ -123,7 +130,7 @@ def actions(parser) -> list[argparse.Action]:
 def check_ranges(parser, args) -> None:
     """Refuse a value outside its flag's range (None passes: not given; a flag of another
     subcommand passes too), in one line that names the flag, its range and the value. A list
-    (a comma-separated flag, read by integers()) is checked value by value."""
+    (a comma-separated flag, of type integers) is checked value by value."""
     for action in actions(parser):
         allowed, given = getattr(action, "range", None), getattr(args, action.dest, None)
         for value in given if isinstance(given, list) else [given]:
@@ -139,12 +146,12 @@ def fill_unset(args, values: dict, typed: list[str] | None = None) -> None:
             setattr(args, k, v)
 
 
-def integers(parser, flag: str, text: str) -> list[int]:
-    """A comma-separated list flag's integers, or one line naming the flag."""
+def integers(text: str) -> list[int]:
+    """A comma-separated list flag's type: its integers (argparse names the flag where not)."""
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
-        parser.error(f"--{flag} {text}: give comma-separated integers")
+        raise argparse.ArgumentTypeError(f"{text}: give comma-separated integers") from None
 
 
 def typed(parser, argv) -> list[str]:
