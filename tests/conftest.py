@@ -1,5 +1,6 @@
 """Shared fixtures. The real corpus is read from $NANOMLM_RAW (CI: ../shared/data); test corpora
 are cut from it into temporary folders, never into the repository."""
+import functools
 import gzip
 import os
 import subprocess
@@ -59,6 +60,14 @@ def run_script(script, *args, cwd=REPO, env=None, timeout=600) -> subprocess.Com
     captured. The process is a warm one (warm_python.py): torch is imported before the command
     comes, which is most of a tiny run's time."""
     return warm_python.run([REPO / script, *args], cwd, {**os.environ, **(env or {})}, timeout)
+
+
+@pytest.fixture
+def warm_executable(monkeypatch) -> None:
+    """sys.executable is the launcher for this test: what the repository's code starts as
+    `sys.executable SCRIPT.py` from inside the tests' process (bench.py's and study.py's train.py
+    runs) starts warm."""
+    monkeypatch.setattr(sys, "executable", str(warm_python.launcher()))
 
 
 def run_train(*args, cwd=REPO, launcher=None, timeout=600,
@@ -125,22 +134,25 @@ def pytest_ignore_collect(collection_path, config):
     pytest the tests start (gpu_check.sh's) runs whole."""
     if not (collection_path.name.startswith("test_") and collection_path.suffix == ".py"):
         return None
-    return True if in_another_shard(collection_path.name, config) else None
+    return True if collection_path.name in other_shards_files(config) else None
 
 
 def pytest_collection_modifyitems(config, items):
     """--shard I/N with a test file named on the command line (pytest collects it whatever
     pytest_ignore_collect says): its tests run in its own shard only."""
-    drop = [item for item in items if in_another_shard(item.path.name, config)]
+    others = other_shards_files(config)
+    drop = [item for item in items if item.path.name in others]
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = [item for item in items if item not in drop]
+        items[:] = [item for item in items if item.path.name not in others]
 
 
-def in_another_shard(name: str, config) -> bool:
+@functools.cache
+def other_shards_files(config) -> frozenset:
+    """The test files --shard I/N leaves to the other shards (none without --shard)."""
     shard = config.getoption("--shard")
     if not shard:
-        return False
+        return frozenset()
     i, n = map(int, shard.split("/"))
-    files = [f.name for f in Path(__file__).parent.glob("test_*.py")]
-    return shard_of_files(files, n).get(name, i) != i
+    owner = shard_of_files([f.name for f in Path(__file__).parent.glob("test_*.py")], n)
+    return frozenset(name for name, k in owner.items() if k != i)

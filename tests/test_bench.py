@@ -13,13 +13,11 @@ import torch
 import torch.nn.functional as F
 
 import bench
-import warm_python
 from conftest import shared_data
 
 
-def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch):
+def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch, warm_executable):
     monkeypatch.setenv("NANOMLM_RAW", str(shared_data()))  # the sampler reads UD treebanks there
-    monkeypatch.setattr(sys, "executable", str(warm_python.launcher()))  # warm train.py runs
     out = tmp_path / "bench.json"
     rows = bench.main(["--quick", "--device", "cpu", "--data", str(prepared), "--objectives",
                        "mlm,kd+mlm,mlsm+mlm,gpt-bert", "--profile", "--out", str(out)])
@@ -82,7 +80,8 @@ def test_every_row_is_written_as_it_is_measured(tmp_path, monkeypatch):
     assert [r["bench"] for r in rows] == ["ema", "broken"] and rows[1]["ours"] == 2.0
 
 
-def test_a_failing_row_is_recorded_and_the_other_rows_go_on(prepared, tmp_path, monkeypatch):
+def test_a_failing_row_is_recorded_and_the_other_rows_go_on(prepared, tmp_path, monkeypatch,
+                                                            warm_executable):
     """A train.py run that fails is a row with its error's last lines, and the next objective
     runs; a bench that raises is a row too, and the next bench runs; bench.py exits non-zero
     only after writing them all."""
@@ -90,7 +89,6 @@ def test_a_failing_row_is_recorded_and_the_other_rows_go_on(prepared, tmp_path, 
         yield bench.row("broken", "first", "things/s", [1.0, 2.0, 3.0])
         raise RuntimeError("the second row broke")
     monkeypatch.setitem(bench.BENCHES, "broken", breaks)
-    monkeypatch.setattr(sys, "executable", str(warm_python.launcher()))  # warm train.py runs
     out = tmp_path / "bench.json"
     with pytest.raises(SystemExit, match="2 of 6 rows failed: step nonsense"):
         bench.main(["--quick", "--device", "cpu", "--data", str(prepared), "--only",

@@ -5,13 +5,11 @@ one line naming the file and the key."""
 import json
 import re
 import shutil
-import sys
 
 import pytest
 
 import evaluate as E
 import study
-import warm_python
 from conftest import REPO, TINY, run_script, run_train, shared_data
 from helpers import study_plan, study_report
 from machinery import results
@@ -183,8 +181,7 @@ BAD = [  # (change to the study file, what the one line must say)
 
 
 @pytest.mark.parametrize("change,says", BAD, ids=[b[1][:30] for b in BAD])
-def test_bad_study_files_fail_in_one_line(env, tmp_path, change, says, monkeypatch):
-    monkeypatch.setattr(sys, "executable", str(warm_python.launcher()))  # warm train.py --check
+def test_bad_study_files_fail_in_one_line(env, tmp_path, change, says, warm_executable):
     path = study_file(tmp_path, env)
     path.write_text(change(path.read_text()))
     with pytest.raises(SystemExit) as e:

@@ -122,13 +122,13 @@ while True:
         manage(conn)
     conn.close()
 """
-# variables read when the script runs, not by the zygote's imports: set per command
-# (torchrun's too: each worker's rank, its rendezvous; a prefix ends with "_")
-PER_COMMAND = ("NANOMLM_", "PYTEST_", "TORCHELASTIC_", "PWD", "OLDPWD", "SHLVL", "_", "OUT",
-               "BUDGET", "SCALE", "GPU_DATA", "VOCAB_SIZE", "PYTHON", "RANK", "LOCAL_RANK",
-               "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-               "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# variables read when the script runs, not by the zygote's imports: set per command (torchrun's
+# too: each worker's rank, its rendezvous), by name or by prefix
+PER_COMMAND = ("PWD", "OLDPWD", "SHLVL", "_", "OUT", "BUDGET", "SCALE", "GPU_DATA", "VOCAB_SIZE",
+               "PYTHON", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+               "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+PER_COMMAND_PREFIXES = ("NANOMLM_", "PYTEST_", "TORCHELASTIC_")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
 LAUNCHER = """#!{python} -S
@@ -140,8 +140,7 @@ warm_python.launch({python!r}, {installed!r}, {folder!r}, {owner}, sys.argv)
 
 
 def per_command(name: str) -> bool:
-    return name in PER_COMMAND or name.startswith(tuple(p for p in PER_COMMAND
-                                                         if p.endswith("_") and p != "_"))
+    return name in PER_COMMAND or name.startswith(PER_COMMAND_PREFIXES)
 
 
 def launch(python: str, installed: tuple, folder: str, owner: int, argv: list) -> None:
