@@ -9,7 +9,8 @@
 #     bash gpu_check.sh objectives
 #     bash gpu_check.sh compare
 #     bash gpu_check.sh rest
-#     bash gpu_check.sh study FILE ARM SEED [SCALE]   # e.g. studies/bootbert.toml boot 0
+#     bash gpu_check.sh study FILE [SCALE [ARMS [SEEDS]]]  # every job of a study's scale
+#                                              # (default gpu), or a slice: mlm,boot 0,1
 #     bash gpu_check.sh --smoke TIER [ARGS]    # here, the same on the CPU at tiny sizes
 #
 # Run the first tier not yet recorded in docs/bench.md for today's code, then study jobs. Times
@@ -34,10 +35,14 @@
 #   rest        ~5.5 min: mlsm+mlm at small, 300 + 100 steps, the recipe's dictionary (3000
 #               atoms from 100,000 states) learned between its phases, and phase 2's speed
 #               (~4 min); bench.py's ltg, attn and pll rows at small (~1.5 min)
-#   study       one job of a study (FILE ARM SEED) at its gpu scale, or SCALE: its portable
-#               result results/ARM/sSEED.json.gz, to commit and merge with study.py --report.
-#               The job must fit the budget (its run folder does not outlive the machine): the
-#               studies' gpu scales, 10 epochs and then fine-tuning, do not yet
+#   study       every job of a study's scale (FILE SCALE; ARMS and SEEDS, comma lists, take a
+#               slice), PARALLEL at a time (default 4 on a GPU, not yet chosen by measurement;
+#               2 with --smoke), study.py --train-until the budget less EVAL_S (default 150) for
+#               the evaluations: a run still training then is stopped, saves, is evaluated and
+#               kept as a partial result (results/ARM/partial-sSEED.json.gz), left out of the
+#               comparisons. Each result is appended to results.tar the moment it is written;
+#               then REPORT.md and report.json of what this command ran, and the jobs' own logs
+#               (logs.tar). Here: tar -xf results.tar -C runs/STUDY/SCALE, then study.py --report
 # Each tier works within $BUDGET seconds (default 460); each part within its own limit and what
 # is left of the budget, under `timeout -k 20`: 8 minutes at most. A part that no longer fits
 # is skipped and says so. Back in $OUT (at most 8 files, two folders deep):
@@ -60,7 +65,7 @@ shift
 case $tier in
     carry|verify|headline|objectives|compare|rest|study) ;;
     *) echo "error: no tier '${tier}' (carry, verify, headline, objectives, compare, rest," \
-            "study FILE ARM SEED [SCALE]); see the top of gpu_check.sh" >&2; exit 2 ;;
+            "study FILE [SCALE [ARMS [SEEDS]]]); see the top of gpu_check.sh" >&2; exit 2 ;;
 esac
 G=$(abs "${GPU_DATA:-.gpu_data}")
 mkdir -p "$G"
@@ -261,16 +266,32 @@ EOF
         part kernels "$O/bench.log" 90 "$py" bench.py "${dev[@]}" --only ltg,attn,pll \
             "${kernels[@]}" --out "$O/kernels.json" ;;
     study)
-        [ $# -ge 3 ] || { echo "error: study needs FILE ARM SEED [SCALE]" >&2; exit 2; }
-        file=$(abs "$1") arm=$2 seed=$3
-        scale=${4:-$scale}
+        [ $# -ge 1 ] || { echo "error: study needs FILE [SCALE [ARMS [SEEDS]]]" >&2; exit 2; }
+        file=$(abs "$1") scale=${2:-$scale}
+        slice=(${3:+--only "$3"} ${4:+--seeds "$4"})
+        S=$W/study
+        # results/ARM/*.json.gz (complete or partial) and *.failed into results.tar, each once,
+        # as soon as study.py has written it (whole: it renames a finished file into place)
+        collect() {
+            local f
+            for f in "$S"/results/*/*.json.gz "$S"/results/*/*.failed; do
+                [ -f "$f" ] || continue
+                f=${f#"$S"/}
+                grep -qxF "$f" "$W/collected" 2>/dev/null && continue
+                tar -rf "$O/results.tar" -C "$S" "$f" && echo "$f" >> "$W/collected"
+            done
+        }
+        (while sleep 2; do collect; done) &
+        collector=$!
+        until=$(( END - SECONDS - ${EVAL_S:-$((smoke ? 15 : 150))} ))
         part study "$O/study.log" $(( END - SECONDS )) "$py" study.py "$file" --scale "$scale" \
-            --only "$arm" --seeds "$seed" --out "$W/study" --no-figures
-        result=$W/study/results/$arm/s$seed
-        mkdir -p "$O/results/$arm"
-        cp "$result.json.gz" "$O/results/$arm/" 2>/dev/null ||
-            cp "$result.failed" "$O/results/$arm/" 2>/dev/null
-        cp "$W/study/$arm/s$seed/study.log" "$O/run.log" 2>/dev/null
-        say "result: $(ls "$O/results/$arm" | tr '\n' ' ')" ;;
+            "${slice[@]}" --out "$S" --no-figures --parallel "${PARALLEL:-$((smoke ? 2 : 4))}" \
+            --train-until $(( until > 1 ? until : 1 ))
+        kill "$collector" 2>/dev/null
+        wait "$collector" 2>/dev/null
+        collect
+        cp "$S/REPORT.md" "$S/report.json" "$O/" 2>/dev/null
+        (cd "$S" && tar -cf "$O/logs.tar" */s*/study.log sources/*/study.log 2>/dev/null)
+        say "results: $(tar -tf "$O/results.tar" 2>/dev/null | tr '\n' ' ')" ;;
 esac
 say "done"

@@ -24,6 +24,12 @@ report lists them), so one run can be re-made by hand. In runs/STUDY/SCALE/:
 A result is written once all of its run's steps succeed; a run with a result is skipped, and an
 interrupted one goes on from its last checkpoint and its evaluations not yet written. Results
 from other machines merge by copying them into results/ and running --report.
+
+With --train-until S (a GPU window: gpu_check.sh study), a run still training S seconds after
+the study started is stopped as a preempted run is (SIGTERM: it saves the step it is in),
+evaluated as it stands, and its result written as results/ARM/partial-sSEED.json.gz: the report
+lists it and leaves it out of the comparisons; a later call resumes the run from its checkpoint.
+Runs not started by then are left for a later call.
 """
 import contextlib
 import gzip
@@ -31,6 +37,7 @@ import io
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -44,7 +51,8 @@ import torch
 import evaluate
 from data.prepare import prepare, prepared_copies, resolve
 from data.tasks import TASKS
-from helpers.study_plan import Job, StudyError, load_study, metric_names, plan, raw_path, shown
+from helpers.study_plan import (Job, StudyError, load_study, metric_names, plan, raw_path,
+                                scale_arms, shown)
 from helpers.study_report import build_report
 from machinery import flags
 from machinery.results import read_result
@@ -56,6 +64,13 @@ from machinery.storage import atomic_write
 # at 32 x 128 on a 2-core CPU (0.45 s a step), small and base at 128 x 128 on an H100 (the
 # figures in docs/bench_log.md); two-phase objectives cost more (docs/bench.md)
 RATES = {("cpu", "tiny"): 9.1e3, ("cuda", "small"): 4.1e5, ("cuda", "base"): 2.1e5}
+
+# GPU memory of one run (GB), for --parallel's check on one GPU: the largest peak measured at
+# `small` (boot, 5.62 GB, H200, 2026-11-26: docs/bench.md) and 1 GB for the CUDA context and
+# torch.compile's workspace, which torch's peak does not count. Other sizes are not measured yet.
+RUN_GPU_GB = {"small": 6.6}
+# seconds a run stopped by --train-until has to save its step before it is killed
+STOP_GRACE = 60
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,10 +174,16 @@ def say(text):
         print(text, flush=True)
 
 
-def run_job(job: Job, env: dict, counter) -> str | None:
-    """The job's steps not yet done, in order; its result file at the end. None, or the error."""
+def run_job(job: Job, env: dict, counter, deadline: float | None = None) -> str | None:
+    """The job's steps not yet done, in order; its result file at the end. None, or the error.
+    Training still running at `deadline` (time.time()) is stopped; the rest is evaluated as it
+    stands and its result is partial (partial_result)."""
     job.folder.mkdir(parents=True, exist_ok=True)
     log = job.folder / "study.log"
+    cut = False  # training stopped by the deadline: the result is partial
+    if job.steps[0].label == "train" and not job.steps[0].done.exists():
+        for step in job.steps[1:]:  # evaluations of a stopped run's checkpoint, not the last one
+            step.done.unlink(missing_ok=True)
     for step in job.steps:
         if step.done.exists() and step.label in ("train", "corpus"):
             if json.loads(step.done.read_text()).get("argv", step.argv) != step.argv:
@@ -181,9 +202,21 @@ def run_job(job: Job, env: dict, counter) -> str | None:
         with open(log, "a") as f:
             f.write(f"\n$ {shown(argv)}\n")
             f.flush()
-            rc = subprocess.run([sys.executable, *argv], cwd=REPO, stdout=f,
-                                stderr=subprocess.STDOUT, env=env).returncode
+            p = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=f,
+                                 stderr=subprocess.STDOUT, env=env)
+            rc, stopped = wait_until(p, deadline if step.label == "train" else None)
         seconds = time.time() - t0
+        if stopped and (job.folder / "ckpt.pt").exists() and job.result:
+            cut = True
+            say(f"    {job.name}: training stopped by --train-until after {seconds / 60:.1f} min"
+                f"; evaluated as it stands (a partial result)")
+            with open(job.folder / "study_times.jsonl", "a") as f:
+                f.write(json.dumps({"step": "train", "seconds": seconds}) + "\n")
+            continue  # its done file is not written: a later call resumes the training
+        if stopped:
+            rc = rc or 1
+            with open(log, "a") as f:
+                f.write("stopped by --train-until before its first checkpoint\n")
         if rc != 0:
             tail = [x for x in log.read_text().splitlines() if x.strip()][-1:] or ["?"]
             error = f"{step.label} exited with {rc}: {tail[0][:300]}"
@@ -199,9 +232,29 @@ def run_job(job: Job, env: dict, counter) -> str | None:
         with open(job.folder / "study_times.jsonl", "a") as f:
             f.write(json.dumps({"step": step.label, "seconds": seconds}) + "\n")
         say(f"    {job.name}: {step.label} done in {seconds / 60:.1f} min")
-    if job.result and not job.result.exists():
-        write_job_result(job)
+    if job.result and (cut or not job.result.exists()):
+        write_job_result(job, partial=cut)
     return None
+
+
+def wait_until(p: subprocess.Popen, deadline: float | None) -> tuple[int, bool]:
+    """(p's exit status, whether the deadline stopped it). At the deadline p gets SIGTERM, on
+    which train.py saves the step it is in and exits; SIGKILL STOP_GRACE s later if it has not."""
+    try:
+        return p.wait(None if deadline is None else max(0.0, deadline - time.time())), False
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGTERM)
+    try:
+        return p.wait(STOP_GRACE), True
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return p.wait(), True
+
+
+def partial_result(job: Job) -> Path:
+    """Where a run stopped by --train-until keeps its result: beside the complete ones, under a
+    name that the report's comparisons never read (study_report.read_results lists it)."""
+    return job.result.with_name("partial-" + job.result.name)
 
 
 def device_name(settings_device: str) -> str:
@@ -217,15 +270,21 @@ def device_name(settings_device: str) -> str:
 # A run's portable result: what the report and `evaluate.py compare` need, and nothing that can
 # be recomputed from it (BLiMP's per-temperature log-probabilities are left out: 1.7 -> 0.3 MB)
 
-def write_job_result(job: Job):
+def write_job_result(job: Job, partial: bool = False):
+    """results/ARM/sSEED.json.gz, or with `partial` (training stopped before its last step)
+    partial-sSEED.json.gz, which says the step it stopped at; a complete result replaces it."""
     run, out = job.folder, {}
     records = RunFolder(run, master=False).records()
     args = json.loads((run / "args.json").read_text())
     train_log = [r for r in records if "tok_per_s" in r]
     times = [json.loads(x) for x in (run / "study_times.jsonl").read_text().splitlines()]
-    tokens = args["max_steps"] * args["batch_size"] * args["grad_accum"] * args["seq_len"]
+    steps = (torch.load(run / "ckpt.pt", map_location="cpu", mmap=True, weights_only=True)["step"]
+             if partial else args["max_steps"])  # the step its evaluations read
+    if partial:
+        out["stopped"] = {"step": steps, "max_steps": args["max_steps"]}
+    tokens = steps * args["batch_size"] * args["grad_accum"] * args["seq_len"]
     out["compute"] = {
-        "device": device_name(args["device"]), "steps": args["max_steps"], "tokens": tokens,
+        "device": device_name(args["device"]), "steps": steps, "tokens": tokens,
         "tok_per_s": float(np.median([r["tok_per_s"] for r in train_log])) if train_log else None,
         "train_s": sum(t["seconds"] for t in times if t["step"] == "train"),
         "eval_s": sum(t["seconds"] for t in times if t["step"] != "train"),
@@ -253,10 +312,13 @@ def write_job_result(job: Job):
         out.setdefault("finetune", {})[step.label] = r["aggregate"]
     result = {"kind": "study-run", "arm": job.arm, "seed": job.seed, "pretrain_seed": job.seed,
               "fingerprint": job.fingerprint, **out}
-    job.result.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_write(job.result) as tmp, gzip.open(tmp, "wt", encoding="utf-8") as f:
+    path = partial_result(job) if partial else job.result
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as tmp, gzip.open(tmp, "wt", encoding="utf-8") as f:
         json.dump(result, f)
     job.result.with_name(job.result.name.replace(".json.gz", ".failed")).unlink(missing_ok=True)
+    if not partial:
+        partial_result(job).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,6 +364,30 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def check_gpu_memory(parallel: int, jobs: list, resolved: dict) -> str | None:
+    """With several runs at once on each GPU: an error line if the GPU's free memory cannot hold
+    them (RUN_GPU_GB), a note if a size has no measured figure, else None."""
+    on_gpu = [resolved[j.name] for j in jobs if j.name in resolved
+              and resolved[j.name]["device"] in ("cuda", "auto")]
+    gpus = torch.cuda.device_count() if on_gpu and has_cuda() else 0
+    at_once = min(parallel, len(on_gpu)) // max(gpus, 1)  # runs per GPU
+    if not gpus or at_once < 2:
+        return None
+    sizes = sorted({a["size"] for a in on_gpu})
+    unknown = [size for size in sizes if size not in RUN_GPU_GB]
+    if unknown:
+        return (f"note: no GPU memory figure for {', '.join(unknown)} runs yet: --parallel "
+                f"{parallel} on one GPU is not checked against its memory")
+    need = max(RUN_GPU_GB[size] for size in sizes)
+    free = min(torch.cuda.mem_get_info(i)[0] for i in range(gpus)) / 1e9
+    if at_once * need > 0.9 * free:
+        fits = max(1, int(0.9 * free / need)) * gpus
+        raise SystemExit(f"error: --parallel {parallel}: {at_once} {sizes[-1]} runs on one GPU "
+                         f"need about {at_once * need:.0f} GB ({need:g} GB each), but "
+                         f"{free:.0f} GB are free; use --parallel {fits} or fewer")
+    return None
+
+
 def build_parser() -> flags.Parser:
     ap = flags.Parser(prog="study.py", description=__doc__)
     add = ap.add_argument
@@ -313,8 +399,12 @@ def build_parser() -> flags.Parser:
     add("--dry-run", action="store_true", help="print the plan and its estimated cost, run nothing")
     add("--report", action="store_true", help="only rebuild REPORT.md from results/")
     add("--parallel", type=int, default=1, range=flags.at_least(1),
-        help="runs at once (several GPUs: one each; on one GPU four small runs together "
-        "were no faster than one after another)")
+        help="runs at once: on several GPUs spread over them; on one GPU side by side, checked "
+        "against its free memory first; on a CPU the cores shared")
+    add("--train-until", type=float, default=None, range=flags.above(0),
+        help="seconds after the start: a run still training then is stopped (it saves), "
+        "evaluated as it stands and kept apart as a partial result; runs not started by then "
+        "wait for a later call (a GPU window: gpu_check.sh study)")
     add("--out", default=None, help="the study folder (default runs/STUDY/SCALE)")
     add("--nboot", type=int, default=1000, range=flags.at_least(1),
         help="bootstrap resamples per comparison")
@@ -323,6 +413,7 @@ def build_parser() -> flags.Parser:
 
 
 def main(argv=None):
+    started = time.time()  # --train-until counts from here
     ap = build_parser()
     args = ap.parse_args(argv)
     path = Path(args.study)
@@ -332,9 +423,9 @@ def main(argv=None):
                          f"{', '.join(study['scales'])})")
     only = args.only.split(",") if args.only else None
     for a in only or []:
-        if a not in study["arms"]:
-            raise StudyError(f"error: --only {a}: {path} has no such arm "
-                             f"({', '.join(study['arms'])})")
+        if a not in scale_arms(study, args.scale):
+            raise StudyError(f"error: --only {a}: {path} has no such arm at scale {args.scale} "
+                             f"({', '.join(scale_arms(study, args.scale))})")
     folder = Path(args.out) if args.out else REPO / "runs" / study["name"] / args.scale
     jobs = plan(study, args.scale, folder, only, args.seeds)
     if args.report:
@@ -349,6 +440,9 @@ def main(argv=None):
             print(f"\n{j.name}:\n" + "\n".join("  " + shown(s.argv) for s in j.steps))
         return
     todo = [j for j in jobs if not done(j)]
+    deadline = started + args.train_until if args.train_until else None
+    if note := check_gpu_memory(args.parallel, todo, resolved):
+        print(note)
     for j in jobs:
         if j.result and j.result.exists() and read_result(j.result).get(
                 "fingerprint") != j.fingerprint:
@@ -380,7 +474,11 @@ def main(argv=None):
                 failed[job.name] = f"needs {blocked[0]}, which failed"
                 say(f"    {job.name}: skipped ({failed[job.name]})")
                 return
-            error = run_job(job, e, counter)
+            if deadline and time.time() >= deadline:
+                say(f"    {job.name}: not started (--train-until has passed); left for a later "
+                    f"call")
+                return
+            error = run_job(job, e, counter, deadline)
             if error:
                 failed[job.name] = error
         finally:
@@ -398,8 +496,14 @@ def main(argv=None):
             pending = [j for j in pending if j not in wave]
     text = build_report(study, args.scale, folder, plan(study, args.scale, folder), args.nboot,
                         not args.no_figures)
+    unfinished = [j for j in todo if not done(j) and j.name not in failed]
+    partial = [j.name for j in unfinished if j.result and partial_result(j).exists()]
     print(f"\nwrote {folder / 'REPORT.md'} ({len(text.splitlines())} lines)"
-          + (f"; {len(failed)} jobs failed: " + ", ".join(failed) if failed else ""))
+          + (f"; {len(failed)} jobs failed: " + ", ".join(failed) if failed else "")
+          + (f"; stopped by --train-until, partial results: {', '.join(partial)}" if partial
+             else "")
+          + (f"; not run yet: {len(unfinished) - len(partial)}"
+             if len(unfinished) > len(partial) else ""))
     if failed:
         raise SystemExit(1)
 

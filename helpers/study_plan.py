@@ -23,7 +23,8 @@ SCHEMA = {
          "scales": dict},
     "arms.*": {"objective": str, "flags": str, "data": str, "source": dict, "about": str},
     "arms.*.source": {"data": str, "flags": str},
-    "scales.*": {"data": str, "size": str, "seeds": list, "steps": int, "epochs": (int, float),
+    "scales.*": {"data": str, "size": str, "seeds": list, "arms": list, "steps": int,
+                 "epochs": (int, float),
                  "device": str, "flags": str, "arm_flags": dict, "notes": str,
                  "corpora": dict, "source": dict, "evaluate": dict},
     "scales.*.arm_flags": {"*": str},
@@ -90,6 +91,11 @@ def load_study(path: Path) -> dict:
         for arm in scale.get("arm_flags", {}):
             if arm not in arms:
                 fail(f"scales.{name}.arm_flags.{arm}", "not one of the arms")
+        for i, arm in enumerate(scale.get("arms", [])):
+            if arm not in arms:
+                fail(f"scales.{name}.arms[{i}]", f"{arm!r} is not one of the arms")
+        if "arms" in scale and study["baseline"] not in scale["arms"]:
+            fail(f"scales.{name}.arms", f"must hold the baseline, {study['baseline']!r}")
         if any("source" in a for a in arms.values()) and "source" not in scale:
             fail(f"scales.{name}", "arms have a source, so the scale needs a [source] budget")
     study.setdefault("name", path.stem)
@@ -165,7 +171,7 @@ def plan(study: dict, scale_name: str, folder: Path, only=None, seeds=None) -> l
         return argv + (["--init-from", str(init)] if init else [])
 
     for arm_name, arm in arms.items():
-        if only and arm_name not in only:
+        if only and arm_name not in only or arm_name not in scale_arms(study, scale_name):
             continue
         corpus = arm.get("data", scale.get("data", "babylm_10m"))
         flags = arm.get("flags", "") + " " + scale.get("arm_flags", {}).get(arm_name, "")
@@ -211,6 +217,11 @@ def plan(study: dict, scale_name: str, folder: Path, only=None, seeds=None) -> l
                              folder / "results" / arm_name / f"s{seed}.json.gz",
                              fingerprint(arm_name, arm, spec_scale, seed), after)
     return list(jobs.values())
+
+
+def scale_arms(study: dict, scale_name: str) -> list[str]:
+    """The arms a scale runs: its `arms`, else all of the study's, in the file's order."""
+    return [a for a in study["arms"] if a in study["scales"][scale_name].get("arms", a)]
 
 
 def metric_names(scale) -> list[str]:

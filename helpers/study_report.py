@@ -11,16 +11,20 @@ from pathlib import Path
 
 import numpy as np
 
-from helpers.study_plan import metric_names, plan, shown
+from helpers.study_plan import metric_names, plan, scale_arms, shown
 from machinery.multibootstrap import examples_of, multibootstrap
 from machinery.results import read_result
 from machinery.run_folder import REPO
 
 
-def read_results(folder: Path, jobs_by_arm: dict) -> tuple[dict, list, list]:
-    """({arm: [result, ...] by seed}, stale files, failures). A result whose fingerprint is not
-    the plan's (the study file changed since) is stale: listed, never compared."""
+def read_results(folder: Path, jobs_by_arm: dict) -> tuple[dict, list, list, list]:
+    """({arm: [result, ...] by seed}, stale files, failures, partial results). A result whose
+    fingerprint is not the plan's (the study file changed since) is stale, and a partial one
+    (training stopped by study.py --train-until) stopped short of its steps: listed, never
+    compared."""
     results, stale, failed = {}, [], []
+    partial = [{"file": str(path.relative_to(folder)), **read_result(path)["stopped"]}
+               for path in sorted((folder / "results").glob("*/partial-s*.json.gz"))]
     for path in sorted((folder / "results").glob("*/s*.json.gz")):
         r = read_result(path)
         if r.get("fingerprint") != jobs_by_arm.get((r.get("arm"), r.get("seed"))):
@@ -29,7 +33,8 @@ def read_results(folder: Path, jobs_by_arm: dict) -> tuple[dict, list, list]:
         results.setdefault(r["arm"], []).append(r)
     for path in sorted((folder / "results").glob("*/s*.failed")):
         failed.append(json.loads(path.read_text()))
-    return {a: sorted(rs, key=lambda r: r["seed"]) for a, rs in results.items()}, stale, failed
+    return ({a: sorted(rs, key=lambda r: r["seed"]) for a, rs in results.items()}, stale, failed,
+            partial)
 
 
 def subset(ex: dict, keep: np.ndarray) -> dict:
@@ -79,9 +84,9 @@ def ran_in(results: dict) -> Path | None:
 
 def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
     scale = study["scales"][scale_name]
-    arms = list(study["arms"])
+    arms = scale_arms(study, scale_name)
     planned = {(j.arm, j.seed): j.fingerprint for j in jobs if j.arm}
-    results, stale, failed = read_results(folder, planned)
+    results, stale, failed, partial = read_results(folder, planned)
     comp = compare_arms(study, scale_name, results, nboot)
     base = study["baseline"]
     held = sum(len(v) for v in results.values())
@@ -166,8 +171,10 @@ def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
     lines += ["Train time is study.py's clock around train.py (set-up, phase-1 teacher, "
               "dictionary and validation included); tokens/s is the training loop's own figure.",
               ""]
-    if failed or stale:
+    if failed or stale or partial:
         lines += ["## Not in the comparison", ""]
+        lines += [f"- `{x['file']}`: training stopped at step {x['step']} of {x['max_steps']} "
+                  f"(`study.py --train-until`), evaluated there" for x in partial]
         lines += [f"- `{f['arm']}` seed {f['seed']} failed: {f['error']} (log: {f['log']})"
                   for f in failed]
         lines += [f"- `{s}`: made with other settings than the study file's now (stale)"
@@ -189,7 +196,7 @@ def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
         lines += ["", *draw_figures(folder, study, results, comp)]
     (folder / "report.json").write_text(json.dumps(
         {"study": study["name"], "scale": scale_name, "runs": held, "planned": len(planned),
-         "stale": stale, "failed": failed, **comp}, indent=1, default=float))
+         "stale": stale, "failed": failed, "partial": partial, **comp}, indent=1, default=float))
     text = "\n".join(lines) + "\n"
     (folder / "REPORT.md").write_text(text)
     return text

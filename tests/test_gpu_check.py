@@ -2,6 +2,7 @@
 (../shared/GPU.md): `carry` builds the carried folder from a raw root, and each tier, reading
 only that, writes its results into $OUT as it measures them. A lent GPU is rare; the script it
 runs has run here first."""
+import contextlib
 import gzip
 import json
 import os
@@ -9,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +29,9 @@ def gpu_check(*args, env, timeout=600) -> subprocess.CompletedProcess:
 STUDY = """
 name = "tiny"
 baseline = "mlm"
+[arms.long]
+objective = "mlm"
+flags = "--max-steps 100000 --eval-every 100000"
 [arms.mlm]
 objective = "mlm"
 [scales.cpu]
@@ -73,12 +78,14 @@ def ran(carried, tmp_path_factory) -> dict:
     """{tier: (its CompletedProcess, its $OUT)}: the six tiers with --smoke, two at a time
     (each is mostly one single-threaded process after another; the tests' machine has 2 cores)."""
     study = Path(carried["GPU_DATA"]).parent / "tiny.toml"  # carried with its evaluation data
-    tiers = {"verify": [], "study": [study, "mlm", 0], "rest": [], "headline": [],
-             "objectives": [], "compare": []}
+    tiers = {"verify": [], "study": [study], "rest": [], "headline": [], "objectives": [],
+             "compare": []}
 
     def run(tier):
         out = tmp_path_factory.mktemp(tier)
-        return gpu_check("--smoke", tier, *tiers[tier], env={**carried, "OUT": out}), out
+        # the study: its long run trains until --train-until, 35 s after the start
+        budget = {"BUDGET": "40"} if tier == "study" else {}
+        return gpu_check("--smoke", tier, *tiers[tier], env={**carried, "OUT": out, **budget}), out
     with ThreadPoolExecutor(2) as pool:
         return dict(zip(tiers, pool.map(run, tiers)))
 
@@ -172,14 +179,57 @@ def test_rest(ran):
         "ltg", "attn", "pll"}
 
 
-def test_study_brings_back_the_jobs_result(ran):
+def tar_members(path) -> dict:
+    """{name: bytes} of a tar file's members."""
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def test_study_runs_every_job_side_by_side_and_stops_the_one_that_cannot_end(ran):
+    """Both jobs of the tiny study at once: mlm's 6 steps end and are evaluated; `long`, 100,000
+    steps, is stopped by --train-until, saves, is evaluated there and comes back as a partial
+    result, which the report lists and leaves out of its comparisons."""
     r, tmp_path = ran["study"]
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "study.log", "run.log",
-                                   "results/mlm/s0.json.gz"}
-    result = json.loads(gzip.decompress((tmp_path / "results/mlm/s0.json.gz").read_bytes()))
-    assert result["arm"] == "mlm" and result["seed"] == 0 and result["compute"]["steps"] == 6
-    assert "blimp_filtered" in result and result["val_loss"]
+    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "study.log", "results.tar",
+                                   "REPORT.md", "report.json", "logs.tar"}
+    results = tar_members(tmp_path / "results.tar")
+    assert set(results) == {"results/mlm/s0.json.gz", "results/long/partial-s0.json.gz"}
+    done = json.loads(gzip.decompress(results["results/mlm/s0.json.gz"]))
+    assert done["arm"] == "mlm" and done["compute"]["steps"] == 6 and "stopped" not in done
+    assert "blimp_filtered" in done and done["val_loss"]
+    cut = json.loads(gzip.decompress(results["results/long/partial-s0.json.gz"]))
+    assert 0 < cut["stopped"]["step"] == cut["compute"]["steps"] < 100000
+    assert cut["stopped"]["max_steps"] == 100000 and cut["val_loss"] and "blimp_filtered" in cut
+    said = (tmp_path / "study.log").read_text()
+    assert "long s0: training stopped by --train-until" in said, said
+    assert "partial results: long s0" in said
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["runs"] == 1 and report["partial"][0]["file"] == "results/long/partial-s0.json.gz"
+    assert "training stopped at step" in (tmp_path / "REPORT.md").read_text()
+    assert set(tar_members(tmp_path / "logs.tar")) == {"mlm/s0/study.log", "long/s0/study.log"}
+
+
+def test_a_study_killed_midway_has_brought_back_the_jobs_that_ended(carried, tmp_path):
+    """The study tier killed outright (a device call past its limit) while its long run still
+    trains: the run that ended is in results.tar, whole."""
+    study = Path(carried["GPU_DATA"]).parent / "tiny.toml"
+    p = subprocess.Popen(["bash", str(REPO / "gpu_check.sh"), "--smoke", "study", study],
+                         cwd=REPO, env={**carried, "OUT": str(tmp_path), "BUDGET": "300"},
+                         start_new_session=True, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    tar, t0 = tmp_path / "results.tar", time.time()
+
+    def has_mlm():  # (a member being appended is not read yet)
+        with contextlib.suppress(tarfile.ReadError, FileNotFoundError, EOFError):
+            return "results/mlm/s0.json.gz" in tar_members(tar)
+    while not has_mlm():
+        assert p.poll() is None and time.time() - t0 < 240, "the study ended before mlm's result"
+        time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    result = json.loads(gzip.decompress(tar_members(tar)["results/mlm/s0.json.gz"]))
+    assert result["arm"] == "mlm" and result["compute"]["steps"] == 6
 
 
 def test_a_cut_tier_leaves_what_it_measured_before_the_cut(carried, tmp_path):

@@ -3,8 +3,12 @@
 study run in one; a killed training run resumed and finished runs skipped; every bad study file
 one line naming the file and the key."""
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -176,6 +180,8 @@ BAD = [  # (change to the study file, what the one line must say)
      "scales.cpu: give one budget of steps, epochs"),
     (lambda s: s.replace("seeds = [0, 1]", 'seeds = "0"'), "scales.cpu.seeds: must be a list"),
     (lambda s: s.replace("blimp_mini", "blimp_none"), "evaluate.blimp[0]: no BLiMP folder"),
+    (lambda s: s.replace("seeds = [0, 1]", 'seeds = [0, 1]\narms = ["mlm", "kdd"]'),
+     "scales.cpu.arms[1]: 'kdd' is not one of the arms"),
     (lambda s: s.replace("[arms.kd]", "[arms.kd"), "not valid TOML"),
 ]
 
@@ -201,3 +207,34 @@ def test_a_failed_run_is_reported_and_the_others_go_on(env, tmp_path):
     md = (tmp_path / "s" / "REPORT.md").read_text()
     assert "`kd` seed 0 failed: train exited with 1: error:" in md
     assert (tmp_path / "s" / "results" / "mlm" / "s0.json.gz").exists()
+
+
+def test_a_run_past_the_deadline_is_stopped_and_killed_if_it_does_not_stop(monkeypatch):
+    """study.wait_until: SIGTERM at the deadline (a run that obeys exits with its code), then
+    SIGKILL after the grace for one that ignores it."""
+    obeys = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); "
+             "print(flush=True); time.sleep(60)")
+    ignores = obeys.replace("lambda *a: sys.exit(143)", "signal.SIG_IGN")
+    monkeypatch.setattr(study, "STOP_GRACE", 1.0)
+    for code, want in ((obeys, 143), (ignores, -9)):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        p.stdout.readline()  # its handler is set
+        t0 = time.time()
+        assert study.wait_until(p, time.time() + 0.5) == (want, True)
+        assert time.time() - t0 < 20
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert study.wait_until(p, time.time() + 60) == (0, False)
+
+
+def test_evaluations_of_an_unfinished_run_are_redone_after_its_training(tmp_path):
+    """A run stopped by --train-until was evaluated at the step it stopped at: once its
+    training goes on, those evaluations are stale and are removed before it resumes."""
+    run = tmp_path / "mlm" / "s0"
+    (run / "eval").mkdir(parents=True)
+    train = study_plan.Step("train", ["-c", "raise SystemExit(3)"], run / "study_train.json")
+    evals = [study_plan.Step(n, ["-c", "pass"], run / "eval" / f"{n}.json") for n in ("mlm", "b")]
+    for step in evals:
+        step.done.write_text("{}")
+    job = study_plan.Job("mlm s0", run, [train, *evals], "mlm", 0, tmp_path / "r.json.gz")
+    assert study.run_job(job, dict(os.environ), lambda: 1).startswith("train exited with 3")
+    assert not any(step.done.exists() for step in evals)
