@@ -15,6 +15,9 @@ rate, over the GPU's bf16 peak. A row that fails keeps the last lines of its err
 the other rows go on, and bench.py exits 1 at the end.
   step     train.py itself, one short run per objective and size: tokens/s of the log intervals
            after the first (start-up, allocator warm-up); reference: mlm at the same size
+  side     --side N runs of the first objective at the first size at once on one device: their
+           summed tokens/s against the first N's (one run alone), and each run's overhead_s (its
+           wall time outside its steady steps: start, torch.compile, the first step)
   bert     our MLM training step in-process against transformers' BertForMaskedLM at the same
            shape (layers, hidden, heads, FFN width, vocabulary, sequence, batch), each compiled
            as train.py compiles its step (on with CUDA), ours reading the predicted positions as
@@ -51,6 +54,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -85,7 +89,6 @@ def bench_step(args, device, tmp):
     and, for mlsm, a batch's coding time alone (coder_ms) and its share of a step's time
     (code_share; coder_seconds). A run that fails, or outlasts --row-timeout, is a row with its
     error's last lines, and the next objective goes on."""
-    k = max(1, args.steps // 5)  # steps per log interval: 5 intervals, the first not timed
     B, T = args.batch_size, args.seq_len
     reference = {}  # size -> mlm's tokens/s: the other objectives' reference
     for size in args.sizes:
@@ -93,11 +96,7 @@ def bench_step(args, device, tmp):
         for objective in args.objectives:
             run = Path(tmp) / f"{objective}_{size}"
             case = f"{objective} {size} {B}x{T}"
-            flags = ["--objective", objective, "--data", args.data, "--size", size,
-                     "--batch-size", str(B), "--seq-len", str(T),
-                     "--max-steps", str(5 * k), "--log-every", str(k),
-                     "--eval-every", "100000", "--save-every", "100000",
-                     "--device", device.type, "--out-dir", str(run)]
+            flags = train_flags(args, device, objective, size, run)
             two_phase = objective.split("+")[0] in ("kd", "mlsm")  # taught by a phase-1 model
             if two_phase:  # phase 2 alone
                 flags += ["--teacher", str(Path(tmp) / f"mlm_{size}" / "ckpt.pt")]
@@ -107,39 +106,16 @@ def bench_step(args, device, tmp):
                 path = Path(tmp) / f"dict_{size}.pt"
                 sparse.save_dictionary(path, D / D.norm(dim=0), layer=cfg.n_layer)
                 flags += ["--dict", str(path), "--mlsm-k", str(args.mlsm_k)]
-            for flag in ("compile", "bf16"):
-                if getattr(args, flag) is not None:
-                    flags.append(f"--{flag}" if getattr(args, flag) else f"--no-{flag}")
-            env = {**os.environ, "TORCH_LOGS": ",".join(filter(None, (
-                os.environ.get("TORCH_LOGS"), "recompiles")))}
-            t0 = time.time()
-            r = subprocess.Popen([sys.executable, str(REPO / "train.py"), *flags], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 start_new_session=True)  # its compile workers in its group
-            try:
-                _, r.stderr = r.communicate(timeout=args.row_timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(r.pid, signal.SIGKILL)
-                _, said = r.communicate()
-                yield failed_row("step", case, f"timed out after {args.row_timeout:g} s "
-                                 f"(--row-timeout)\n{tail(said)}")
+            [r] = train_runs([flags], args.row_timeout)
+            if r["failed"]:
+                yield failed_row("step", case, r["failed"])
                 continue
-            finally:  # bench.py stopped (SIGTERM is a SystemExit, main): its run goes too
-                if r.poll() is None:
-                    os.killpg(r.pid, signal.SIGKILL)
-            if r.returncode:
-                yield failed_row("step", case, f"train.py exited with {r.returncode}\n"
-                                 f"{tail(r.stderr)}")
-                continue
-            log = RunFolder(run, master=False).records()
-            tps = [e["tok_per_s"] for e in log if "tok_per_s" in e][1:]  # the first warms up
+            tps = r["tps"]
             # the head reads C slots: the two-phase objectives' uniform masking, else spans
             slots = mask_capacity(B, T, 0.15, None if two_phase else 3.0)
             flops = flops_per_token(cfg, T, slots / (B * T), B * T)
-            extra = {"wall_s": time.time() - t0,  # the whole run: start, compile, its steps
-                     "peak_mem_gb": max((e.get("peak_mem_gb", 0) for e in log), default=0),
-                     "recompiles": r.stderr.count("Recompiling function"),
-                     "mfu": mfu(flops, statistics.median(tps), device)}
+            extra = {k: r[k] for k in ("wall_s", "overhead_s", "peak_mem_gb", "recompiles")}
+            extra["mfu"] = mfu(flops, statistics.median(tps), device)
             if objective.startswith("mlsm"):  # the coder timed alone, not inside the step
                 try:
                     coder = coder_seconds(args, device, D)
@@ -152,6 +128,96 @@ def bench_step(args, device, tmp):
                       **extra)
             if objective == "mlm":
                 reference[size] = tps
+
+
+def train_flags(args, device, objective: str, size: str, out_dir, seed: int = 0) -> list[str]:
+    """train.py's flags for a timed run: --steps in 5 log intervals, no validation or save but
+    at its end, --compile and --bf16 as given."""
+    k = max(1, args.steps // 5)  # steps per log interval: 5 intervals, the first not timed
+    flags = ["--objective", objective, "--data", args.data, "--size", size, "--seed", str(seed),
+             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+             "--max-steps", str(5 * k), "--log-every", str(k), "--eval-every", "100000",
+             "--save-every", "100000", "--device", device.type, "--out-dir", str(out_dir)]
+    for flag in ("compile", "bf16"):
+        if getattr(args, flag) is not None:
+            flags.append(f"--{flag}" if getattr(args, flag) else f"--no-{flag}")
+    return flags
+
+
+def bench_side(args, device, tmp):
+    """Runs side by side on one device: --side N runs of the first objective at the first size
+    (seeds 0..N-1), started together. tokens/s is their sum (each run's median over its log
+    intervals after the first); reference: the first count's sum (1 run alone by default);
+    overhead_s, each run's time outside its steady steps (train_runs), their median."""
+    size, objective = args.sizes[0], args.objectives[0]
+    alone = None
+    for n in args.side:
+        case = f"{n} x {objective} {size} {args.batch_size}x{args.seq_len}"
+        runs = train_runs([train_flags(args, device, objective, size, Path(tmp) / f"side{n}_{i}",
+                                       seed=i) for i in range(n)], args.row_timeout,
+                          # the cores shared as study.py --parallel shares them
+                          threads=max(1, (os.cpu_count() or 1) // n) if n > 1 else None)
+        bad = next((r["failed"] for r in runs if r["failed"]), None)
+        if bad:
+            yield failed_row("side", case, bad)
+            continue
+        total = [sum(statistics.median(r["tps"]) for r in runs)]
+        yield row("side", case, "tokens/s", total, *(("alone", alone) if alone else ("-", None)),
+                  per_run=statistics.median(statistics.median(r["tps"]) for r in runs),
+                  overhead_s=statistics.median(r["overhead_s"] for r in runs),
+                  wall_s=max(r["wall_s"] for r in runs),
+                  peak_mem_gb=max(r["peak_mem_gb"] for r in runs),
+                  recompiles=sum(r["recompiles"] for r in runs))
+        alone = alone or total
+
+
+def train_runs(commands: list[list[str]], timeout: float | None, threads: int | None = None
+               ) -> list[dict]:
+    """train.py once per flag list, all started at once, each in its own process group (its
+    compile workers with it). Per run: failed (its error's last lines, or None); tps, the tokens/s
+    of its log intervals after the first (start-up, allocator warm-up); wall_s (start to exit);
+    overhead_s (wall_s less all but one of its steps at their median rate: the start,
+    torch.compile, the first step, the closing validation and save); peak_mem_gb; recompiles
+    (dynamo's TORCH_LOGS=recompiles). Runs still going after `timeout` s are killed; `threads`:
+    each run's OMP_NUM_THREADS."""
+    env = {**os.environ, "TORCH_LOGS": ",".join(filter(None, (os.environ.get("TORCH_LOGS"),
+                                                              "recompiles"))),
+           **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    t0 = time.time()
+    procs = [subprocess.Popen([sys.executable, str(REPO / "train.py"), *flags], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for flags in commands]
+
+    def finish(p):  # (what it said on stderr, its wall time or None if it timed out)
+        try:
+            return p.communicate(timeout=timeout)[1], time.time() - t0
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            return p.communicate()[1], None
+    pool = ThreadPoolExecutor(len(procs))
+    try:
+        ended = list(pool.map(finish, procs))
+    finally:  # bench.py stopped (SIGTERM is a SystemExit, main): its runs go too
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        pool.shutdown()
+    out = []
+    for p, flags, (said, wall) in zip(procs, commands, ended):
+        if wall is None or p.returncode:
+            out.append({"failed": f"timed out after {timeout:g} s (--row-timeout)\n{tail(said)}"
+                        if wall is None else f"train.py exited with {p.returncode}\n{tail(said)}"})
+            continue
+        value = lambda flag: flags[flags.index(flag) + 1]
+        timed = [e for e in RunFolder(value("--out-dir"), master=False).records()
+                 if "tok_per_s" in e]
+        tps = [e["tok_per_s"] for e in timed][1:]  # the first interval warms up
+        step_s = int(value("--batch-size")) * int(value("--seq-len")) / statistics.median(tps)
+        out.append({"failed": None, "tps": tps, "wall_s": wall,
+                    "overhead_s": wall - (timed[-1]["step"] - 1) * step_s,
+                    "peak_mem_gb": max(e.get("peak_mem_gb", 0) for e in timed),
+                    "recompiles": said.count("Recompiling function")})
+    return out
 
 
 def tail(text: str, lines=25) -> str:
@@ -365,7 +431,7 @@ def bench_sampler(args, device, tmp):
     yield row("sampler", f"PCFG from French UD, {n} sentences, zipf", "sentences/s", speeds)
 
 
-BENCHES = {"step": bench_step, "bert": bench_bert, "ltg": bench_ltg, "attn": bench_attn,
+BENCHES = {"step": bench_step, "side": bench_side, "bert": bench_bert, "ltg": bench_ltg, "attn": bench_attn,
            "ema": bench_ema, "pll": bench_pll, "sparse": bench_sparse, "sampler": bench_sampler,
            "compile": bench_compile}
 
@@ -429,7 +495,10 @@ def build_parser() -> flags.Parser:
         help="step: optimizer steps per train.py run, in 5 log intervals (rounded down to a "
         "multiple of 5, at least 5); the first warms up, 4 are timed (default 10; a few hundred "
         "on a GPU, past torch.compile's warm-up)", range=flags.at_least(1))
-    add("--data", default="babylm_10m", help="step: train.py --data")
+    add("--side", type=flags.integers, default=None, range=flags.at_least(1),
+        help="side: how many runs side by side, a comma list (default 1,2,4,8 on CUDA, 1,2 on "
+        "the CPU); the first is the reference")
+    add("--data", default="babylm_10m", help="step, side: train.py --data")
     add("--row-timeout", type=float, default=None, help="step: seconds each train.py run may "
         "take; one that takes longer is a failed row and the next objective goes on (default: "
         "no limit)", range=flags.above(0))
@@ -474,6 +543,7 @@ def main(argv=None):
         raise SystemExit("error: --objectives must start with mlm: it is the step rows' "
                          "reference and the two-phase objectives' teacher")
     args.batch_size = args.batch_size or (4 if args.quick else 32 if cpu else 128)
+    args.side = args.side or ([1, 2] if cpu else [1, 2, 4, 8])
     if args.quick:
         args.seq_len, args.steps = min(args.seq_len, 32), min(args.steps, 5)
     unknown = set(args.only.split(",")) - set(BENCHES)

@@ -9,6 +9,7 @@
 #     bash gpu_check.sh objectives
 #     bash gpu_check.sh compare
 #     bash gpu_check.sh rest
+#     bash gpu_check.sh throughput
 #     bash gpu_check.sh study FILE [SCALE [ARMS [SEEDS]]]  # every job of a study's scale
 #                                              # (default gpu), or a slice: mlm,boot 0,1
 #     bash gpu_check.sh --smoke TIER [ARGS]    # here, the same on the CPU at tiny sizes
@@ -35,6 +36,9 @@
 #   rest        ~5.5 min: mlsm+mlm at small, 300 + 100 steps, the recipe's dictionary (3000
 #               atoms from 100,000 states) learned between its phases, and phase 2's speed
 #               (~4 min); bench.py's ltg, attn and pll rows at small (~1.5 min)
+#   throughput  ~6.5 min: 1, 2, 4 and 8 `small` mlm runs of 200 steps side by side on the GPU
+#               (bench.py side): their summed tokens/s against one run alone, and each run's
+#               seconds outside its steady steps (start, torch.compile, the first step)
 #   study       every job of a study's scale (FILE SCALE; ARMS and SEEDS, comma lists, take a
 #               slice), PARALLEL at a time (default 4 on a GPU, not yet chosen by measurement;
 #               2 with --smoke), study.py --train-until the budget less EVAL_S (default 150) for
@@ -63,9 +67,10 @@ fi
 tier=${1:-}
 shift
 case $tier in
-    carry|verify|headline|objectives|compare|rest|study) ;;
+    carry|verify|headline|objectives|compare|rest|throughput|study) ;;
     *) echo "error: no tier '${tier}' (carry, verify, headline, objectives, compare, rest," \
-            "study FILE [SCALE [ARMS [SEEDS]]]); see the top of gpu_check.sh" >&2; exit 2 ;;
+            "throughput, study FILE [SCALE [ARMS [SEEDS]]]); see the top of gpu_check.sh" >&2
+       exit 2 ;;
 esac
 G=$(abs "${GPU_DATA:-.gpu_data}")
 mkdir -p "$G"
@@ -184,6 +189,7 @@ if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few st
     more_steps=(--quick --sizes tiny --objectives mlm,gpt-bert --steps 5)
     bert=(--quick --sizes tiny --profile) bert_base=(--quick --sizes tiny)
     kernels=(--quick --sizes tiny)
+    side=(--quick --sizes tiny --steps 5 --side 1,2)
     # stopped at step 10 of 1000, as a run too long for the budget is stopped by SIGTERM
     headline=("${tiny[@]}" --max-steps 1000 --stop-at 10 --log-every 5 --eval-every 10)
     dictionary=("${tiny[@]}" --max-steps 10 --phase1-steps 5 --log-every 5 --mlsm-k 48
@@ -195,6 +201,7 @@ else
     more_steps=(--sizes small --objectives mlm,kd,mlsm,gpt-bert --steps 100 --row-timeout 150)
     bert=(--sizes small --profile) bert_base=(--sizes base)  # profile: where ours loses
     kernels=(--sizes small --profile)
+    side=(--sizes small --steps 200 --side 1,2,4,8 --row-timeout 200)
     headline=()
     dictionary=(--size small --max-steps 400 --phase1-steps 300 --log-every 20)
     scale=${SCALE:-gpu}
@@ -259,6 +266,9 @@ EOF
             --out "$O/bert.json"
         part bert_base "$O/bench.log" 240 "$py" bench.py "${dev[@]}" --only bert \
             "${bert_base[@]}" --out "$O/bert_base.json" ;;
+    throughput)  # runs side by side on one GPU: what a study window can hold
+        part side "$O/bench.log" 430 "$py" bench.py "${dev[@]}" --only side --objectives mlm \
+            "${side[@]}" --data "$data" --out "$O/side.json" ;;
     rest)
         part dictionary "$O/dictionary.log" 240 "$py" train.py --objective mlsm+mlm \
             --data "$data" "${dev[@]}" "${dictionary[@]}" --out-dir "$W/dictionary"

@@ -25,8 +25,11 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch, w
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and saved["device"] == "cpu"
     benches = [r["bench"] for r in rows]
-    for name in ("step", "ltg", "attn", "ema", "pll", "sparse", "sampler", "compile"):
+    for name in ("step", "side", "ltg", "attn", "ema", "pll", "sparse", "sampler", "compile"):
         assert name in benches
+    side = [r for r in rows if r["bench"] == "side"]  # 1 run, then 2 side by side
+    assert [r["case"].split(" x ")[0] for r in side] == ["1", "2"] and side[1]["ref"] == side[0][
+        "ours"] and all(0 < r["overhead_s"] <= r["wall_s"] for r in side)
     steps = [r for r in rows if r["bench"] == "step"]
     assert [r["case"].split()[0] for r in steps] == ["mlm", "kd+mlm", "mlsm+mlm", "gpt-bert"]
     assert all(r["wall_s"] > 0 for r in steps)

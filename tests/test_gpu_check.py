@@ -75,11 +75,11 @@ def carried(small_raw, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def ran(carried, tmp_path_factory) -> dict:
-    """{tier: (its CompletedProcess, its $OUT)}: the six tiers with --smoke, two at a time
+    """{tier: (its CompletedProcess, its $OUT)}: the seven tiers with --smoke, two at a time
     (each is mostly one single-threaded process after another; the tests' machine has 2 cores)."""
     study = Path(carried["GPU_DATA"]).parent / "tiny.toml"  # carried with its evaluation data
     tiers = {"verify": [], "study": [study], "rest": [], "headline": [], "objectives": [],
-             "compare": []}
+             "compare": [], "throughput": []}
 
     def run(tier):
         out = tmp_path_factory.mktemp(tier)
@@ -177,6 +177,15 @@ def test_rest(ran):
     assert "dictionary: 48 atoms" in said and "done: 10 steps" in said
     assert {r["bench"] for r in json.loads((tmp_path / "kernels.json").read_text())["rows"]} == {
         "ltg", "attn", "pll"}
+
+
+def test_throughput(ran):
+    r, tmp_path = ran["throughput"]
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "bench.log", "side.json"}
+    rows = json.loads((tmp_path / "side.json").read_text())["rows"]
+    assert [r["case"].split(" x ")[0] for r in rows] == ["1", "2"]
+    assert rows[1]["reference"] == "alone" and rows[1]["ref"] == rows[0]["ours"]
 
 
 def tar_members(path) -> dict:
