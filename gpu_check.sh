@@ -40,9 +40,10 @@
 #               (bench.py side): their summed tokens/s against one run alone, and each run's
 #               seconds outside its steady steps (start, torch.compile, the first step)
 #   study       every job of a study's scale (FILE SCALE; ARMS and SEEDS, comma lists, take a
-#               slice), PARALLEL at a time (default 4 on a GPU, not yet chosen by measurement;
-#               2 with --smoke), study.py --train-until the budget less EVAL_S (default 150) for
-#               the evaluations: a run still training then is stopped, saves, is evaluated and
+#               slice), PARALLEL at a time (default 2: four side by side on an H200 trained at
+#               0.93x one run's tokens/s, docs/bench.md; two overlap starts with steps),
+#               study.py --train-until the budget less EVAL_S (default 150) for the
+#               evaluations: a run still training then is stopped, saves, is evaluated and
 #               kept as a partial result (results/ARM/partial-sSEED.json.gz), left out of the
 #               comparisons. Each result is appended to results.tar the moment it is written;
 #               then REPORT.md and report.json of what this command ran, and the jobs' own logs
@@ -295,7 +296,7 @@ EOF
         collector=$!
         until=$(( END - SECONDS - ${EVAL_S:-$((smoke ? 15 : 150))} ))
         part study "$O/study.log" $(( END - SECONDS )) "$py" study.py "$file" --scale "$scale" \
-            "${slice[@]}" --out "$S" --no-figures --parallel "${PARALLEL:-$((smoke ? 2 : 4))}" \
+            "${slice[@]}" --out "$S" --no-figures --parallel "${PARALLEL:-2}" \
             --train-until $(( until > 1 ? until : 1 ))
         kill "$collector" 2>/dev/null
         wait "$collector" 2>/dev/null
