@@ -431,8 +431,8 @@ def bench_sampler(args, device, tmp):
     yield row("sampler", f"PCFG from French UD, {n} sentences, zipf", "sentences/s", speeds)
 
 
-BENCHES = {"step": bench_step, "side": bench_side, "bert": bench_bert, "ltg": bench_ltg, "attn": bench_attn,
-           "ema": bench_ema, "pll": bench_pll, "sparse": bench_sparse, "sampler": bench_sampler,
+BENCHES = {"step": bench_step, "side": bench_side, "bert": bench_bert, "ltg": bench_ltg,
+           "attn": bench_attn, "ema": bench_ema, "pll": bench_pll, "sparse": bench_sparse, "sampler": bench_sampler,
            "compile": bench_compile}
 
 
