@@ -432,8 +432,8 @@ def bench_sampler(args, device, tmp):
 
 
 BENCHES = {"step": bench_step, "side": bench_side, "bert": bench_bert, "ltg": bench_ltg,
-           "attn": bench_attn, "ema": bench_ema, "pll": bench_pll, "sparse": bench_sparse, "sampler": bench_sampler,
-           "compile": bench_compile}
+           "attn": bench_attn, "ema": bench_ema, "pll": bench_pll, "sparse": bench_sparse,
+           "sampler": bench_sampler, "compile": bench_compile}
 
 
 # ---------------------------------------------------------------------------------------------
