@@ -238,3 +238,22 @@ def test_evaluations_of_an_unfinished_run_are_redone_after_its_training(tmp_path
     job = study_plan.Job("mlm s0", run, [train, *evals], "mlm", 0, tmp_path / "r.json.gz")
     assert study.run_job(job, dict(os.environ), lambda: 1).startswith("train exited with 3")
     assert not any(step.done.exists() for step in evals)
+
+
+def test_runs_side_by_side_on_one_gpu_are_checked_against_its_free_memory(monkeypatch):
+    """--parallel on one GPU: refused in one line when the runs cannot fit (RUN_GPU_GB each in
+    the GPU's free memory), with the count that fits; a size with no figure is a note."""
+    monkeypatch.setattr(study, "has_cuda", lambda: True)
+    monkeypatch.setattr(study.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(study.torch.cuda, "mem_get_info", lambda i=0: (20e9, 80e9))
+    jobs = [study_plan.Job(f"mlm s{i}", None, []) for i in range(4)]
+    small = {j.name: {"device": "auto", "size": "small"} for j in jobs}
+    assert study.check_gpu_memory(2, jobs, small) is None          # 13.2 GB in 18 usable
+    with pytest.raises(SystemExit) as e:
+        study.check_gpu_memory(4, jobs, small)                     # 26.4 GB
+    assert str(e.value).startswith("error: --parallel 4:") and "use --parallel 2 or" in str(e.value)
+    assert study.check_gpu_memory(4, jobs[:1], small) is None      # one run: nothing to share
+    base = {j.name: {"device": "cuda", "size": "base"} for j in jobs}
+    assert "no GPU memory figure for base" in study.check_gpu_memory(4, jobs, base)
+    cpu = {j.name: {"device": "cpu", "size": "small"} for j in jobs}
+    assert study.check_gpu_memory(4, jobs, cpu) is None
