@@ -95,7 +95,7 @@ def bench_step(args, device, tmp):
         cfg = ModelConfig(**PRESETS[size], vocab_size=V)
         for objective in args.objectives:
             run = Path(tmp) / f"{objective}_{size}"
-            case = f"{objective} {size} {B}x{T}"
+            case = f"{objective} {size} {B}x{T}" + (" cuda-graphs" if args.cuda_graphs else "")
             flags = train_flags(args, device, objective, size, run)
             two_phase = objective.split("+")[0] in ("kd", "mlsm")  # taught by a phase-1 model
             if two_phase:  # phase 2 alone
@@ -138,9 +138,10 @@ def train_flags(args, device, objective: str, size: str, out_dir, seed: int = 0)
              "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
              "--max-steps", str(5 * k), "--log-every", str(k), "--eval-every", "100000",
              "--save-every", "100000", "--device", device.type, "--out-dir", str(out_dir)]
-    for flag in ("compile", "bf16"):
+    for flag in ("compile", "bf16", "cuda_graphs"):
         if getattr(args, flag) is not None:
-            flags.append(f"--{flag}" if getattr(args, flag) else f"--no-{flag}")
+            name = flag.replace("_", "-")
+            flags.append(f"--{name}" if getattr(args, flag) else f"--no-{name}")
     return flags
 
 
@@ -518,6 +519,8 @@ def build_parser() -> flags.Parser:
         help="step: train.py --compile / --no-compile; bert: both models' steps as train.py "
         "compiles its own (default for both: on with CUDA, off on the CPU); ltg: --compile "
         "compiles both models")
+    add("--cuda-graphs", action="store_true", default=None,
+        help="step, side: train.py --cuda-graphs (the compiled step replayed as CUDA graphs)")
     add("--bf16", action=argparse.BooleanOptionalAction, default=None,
         help="step, bert: bfloat16 autocast (default on with CUDA, off on the CPU; --variants "
         "adds a bf16 row on the CPU)")

@@ -36,9 +36,11 @@
 #   rest        ~5.5 min: mlsm+mlm at small, 300 + 100 steps, the recipe's dictionary (3000
 #               atoms from 100,000 states) learned between its phases, and phase 2's speed
 #               (~4 min); bench.py's ltg, attn and pll rows at small (~1.5 min)
-#   throughput  ~6.5 min: 1, 2, 4 and 8 `small` mlm runs of 200 steps side by side on the GPU
+#   throughput  ~6.5 min: 1, 2, 4 and 8 `small` mlm runs of 100 steps side by side on the GPU
 #               (bench.py side): their summed tokens/s against one run alone, and each run's
-#               seconds outside its steady steps (start, torch.compile, the first step)
+#               seconds outside its steady steps (start, torch.compile, the first step); then
+#               mlm and boot at `small` with --cuda-graphs (step rows: against the side row of
+#               1 and verify's boot row, without)
 #   study       every job of a study's scale (FILE SCALE; ARMS and SEEDS, comma lists, take a
 #               slice), PARALLEL at a time (default 2: four side by side on an H200 trained at
 #               0.93x one run's tokens/s, docs/bench.md; two overlap starts with steps),
@@ -191,6 +193,7 @@ if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few st
     bert=(--quick --sizes tiny --profile) bert_base=(--quick --sizes tiny)
     kernels=(--quick --sizes tiny)
     side=(--quick --sizes tiny --steps 5 --side 1,2)
+    graphs=(--quick --sizes tiny --objectives mlm --steps 5)
     # stopped at step 10 of 1000, as a run too long for the budget is stopped by SIGTERM
     headline=("${tiny[@]}" --max-steps 1000 --stop-at 10 --log-every 5 --eval-every 10)
     dictionary=("${tiny[@]}" --max-steps 10 --phase1-steps 5 --log-every 5 --mlsm-k 48
@@ -202,7 +205,8 @@ else
     more_steps=(--sizes small --objectives mlm,kd,mlsm,gpt-bert --steps 100 --row-timeout 150)
     bert=(--sizes small --profile) bert_base=(--sizes base)  # profile: where ours loses
     kernels=(--sizes small --profile)
-    side=(--sizes small --steps 200 --side 1,2,4,8 --row-timeout 200)
+    side=(--sizes small --steps 100 --side 1,2,4,8 --row-timeout 150)
+    graphs=(--sizes small --objectives mlm,boot --steps 100 --row-timeout 150)
     headline=()
     dictionary=(--size small --max-steps 400 --phase1-steps 300 --log-every 20)
     scale=${SCALE:-gpu}
@@ -267,9 +271,11 @@ EOF
             --out "$O/bert.json"
         part bert_base "$O/bench.log" 240 "$py" bench.py "${dev[@]}" --only bert \
             "${bert_base[@]}" --out "$O/bert_base.json" ;;
-    throughput)  # runs side by side on one GPU: what a study window can hold
-        part side "$O/bench.log" 430 "$py" bench.py "${dev[@]}" --only side --objectives mlm \
-            "${side[@]}" --data "$data" --out "$O/side.json" ;;
+    throughput)  # runs side by side on one GPU: what a study window can hold; CUDA graphs
+        part side "$O/bench.log" 260 "$py" bench.py "${dev[@]}" --only side --objectives mlm \
+            "${side[@]}" --data "$data" --out "$O/side.json"
+        part graphs "$O/bench.log" 200 "$py" bench.py "${dev[@]}" --only step --cuda-graphs \
+            "${graphs[@]}" --data "$data" --out "$O/graphs.json" ;;
     rest)
         part dictionary "$O/dictionary.log" 240 "$py" train.py --objective mlsm+mlm \
             --data "$data" "${dev[@]}" "${dictionary[@]}" --out-dir "$W/dictionary"

@@ -452,6 +452,10 @@ def build_parser():
     add_device_flag(add, "where to train")
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the model (default: on with CUDA, off on the CPU)")
+    add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+        help="with --compile on CUDA, replay the compiled step's forward and backward as CUDA "
+        "graphs (torch.compile mode reduce-overhead): fewer kernel launches, more memory; off "
+        "until measured faster (docs/bench.md)")
     add("--bf16", action=argparse.BooleanOptionalAction, default=None,
         help="bfloat16 autocast of the forward pass; weights, optimizer and losses stay float32 "
         "(default: on with CUDA, off on the CPU; measured 2x faster on a CPU with AMX: see "
@@ -618,6 +622,8 @@ def main(argv=None):
         step_loss = 0.0
         for micro in range(args.grad_accum):
             batch = train_batch(run, step, micro)
+            if phase.graphs:  # a new replay may overwrite the last one's outputs: read already
+                torch.compiler.cudagraph_mark_step_begin()
             sync = not run.ddp or micro == args.grad_accum - 1  # DDP all-reduces on the last one
             with contextlib.nullcontext() if sync else phase.model.no_sync():
                 with run.amp:

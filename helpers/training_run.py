@@ -51,7 +51,8 @@ class ObjectiveParts:
 
 
 # the flags a resumed run may change
-RESUMABLE = {"resume", "out_dir", "device", "compile", "bf16", "deterministic", "log_every",
+RESUMABLE = {"resume", "out_dir", "device", "compile", "cuda_graphs", "bf16", "deterministic",
+             "log_every",
              "eval_every", "save_every", "stop_at", "spike", "save_words", "check"}
 
 
@@ -122,6 +123,7 @@ class Phase:
     end: int
     trainee: Trainee           # the encoder and the objective's heads; its forward is the loss
     model: nn.Module           # the trainee, wrapped for DDP and compiled as asked
+    graphs: bool               # its compiled forward and backward replayed as CUDA graphs
     optimizer: torch.optim.Optimizer
     parts: ObjectiveParts
     extras: dict               # what the loss reads besides the batch: parts.extras and args
@@ -262,8 +264,10 @@ def start_phase(run: Run, step: int, objective: str, start: int, end: int, entry
         ids = [run.device.index] if run.device.type == "cuda" else None
         model = nn.parallel.DistributedDataParallel(trainee, device_ids=ids,
                                                     broadcast_buffers=False)
-    if use_compile(run.device, args.compile):
-        model = torch.compile(model)
+    compiled = use_compile(run.device, args.compile)
+    graphs = compiled and args.cuda_graphs and run.device.type == "cuda"
+    if compiled:  # reduce-overhead: each graph captured once, then replayed
+        model = torch.compile(model, mode="reduce-overhead" if graphs else None)
     optimizer = make_optimizer(trainee, args)
     saved = run.ckpt if run.ckpt is not None and run.ckpt["step"] == step else None
     if saved is not None and saved["objective"] != objective and step != start:
@@ -276,7 +280,7 @@ def start_phase(run: Run, step: int, objective: str, start: int, end: int, entry
             module.load_state_dict(saved["extras_state"][name], strict=True)
         optimizer.load_state_dict(saved["optimizer"])
     extras = {**parts.extras, "args": args}
-    return Phase(objective, start, end, trainee, model, optimizer, parts, extras)
+    return Phase(objective, start, end, trainee, model, graphs, optimizer, parts, extras)
 
 
 DATA_KEYS = ("name", "folder", "vocab_size", "train_tokens", "unigram_entropy")  # in checkpoints
@@ -410,6 +414,9 @@ def describe(run: Run, p1: int) -> str:
     slow = (f"\nnote: {args.size} on a CPU, {tokens / 1e6:,.0f}M tokens: hours or days (the eta "
             f"says how long once it starts); this wants a GPU. The CPU demo: {CPU_DEMO}"
             if run.device.type == "cpu" and args.size != "tiny" and tokens > 1e7 else "")
+    if args.cuda_graphs and not (run.device.type == "cuda" and use_compile(run.device,
+                                                                           args.compile)):
+        slow += "\nnote: --cuda-graphs needs CUDA and --compile; the step runs without them here"
     return (f"model: {run.encoder.num_params() / 1e6:.2f}M parameters ({args.size}: "
             f"{cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.position} positions) | data: "
             f"{meta['train_tokens']:,} train tokens, vocab {meta['vocab_size']}, unigram entropy "

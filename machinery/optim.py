@@ -7,6 +7,8 @@ import math
 import torch
 import torch.nn as nn
 
+from machinery.device import use_compile
+
 
 @torch.no_grad()
 def ema_update(teacher: nn.Module, student: nn.Module, decay: float, fused: bool = True) -> None:
@@ -22,49 +24,79 @@ def ema_update(teacher: nn.Module, student: nn.Module, decay: float, fused: bool
             a.lerp_(b, 1.0 - decay)
 
 
+def lamb_update(params, grads, m, v, steps, lr, wd, b1: float, b2: float, eps: float) -> None:
+    """One LAMB step of every tensor, in place, in multi-tensor (torch._foreach_*) ops: no
+    Python loop over tensors, no host sync, and every number that changes from step to step a
+    tensor, so that torch.compile fuses it into a few kernels once and never recompiles.
+    steps: each tensor's count (0-dim), already advanced; lr, wd: (tensors,) each tensor's
+    learning rate and weight decay. The trust ratio applies where wd > 0: LTG-BERT's groups
+    without weight decay take Adam's step (at init the ratio would shrink embedding steps ~30x)."""
+    torch._foreach_lerp_(m, grads, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+    denom = torch._foreach_div(v, [1 - b2 ** s for s in steps])     # bias corrections, per tensor
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    r = torch._foreach_div(m, [1 - b1 ** s for s in steps])
+    torch._foreach_div_(r, denom)                                     # r = m^ / (sqrt(v^) + eps)
+    torch._foreach_add_(r, torch._foreach_mul(params, list(wd.unbind())))        # r + wd w
+    w_norm = torch.stack(torch._foreach_norm(params))                 # (tensors,)
+    r_norm = torch.stack(torch._foreach_norm(r))
+    ratio = torch.where((wd > 0) & (w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)
+    torch._foreach_mul_(r, list((-lr * ratio).unbind()))
+    torch._foreach_add_(params, r)
+
+
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2) as
     LTG-BERT's lamb.py runs it: the bias-corrected Adam direction r = m/(sqrt(v)+eps) plus
     decoupled weight decay, rescaled per tensor by the trust ratio ||w|| / ||r + wd*w|| (1 where
     either norm is 0) in groups with weight decay only; a group without (embeddings, positions,
-    gains, biases) takes plain Adam steps. torch has none."""
+    gains, biases) takes plain Adam steps. torch has none. Its state is tensors on the
+    parameters' device (the step count too, in their dtype); a step is one lamb_update of all
+    groups' tensors, compiled with `compile` (one graph, fused kernels). One betas and eps."""
 
-    def __init__(self, params, lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0):
+    def __init__(self, params, lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0,
+                 compile=False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        if len({(g["betas"], g["eps"]) for g in self.param_groups}) > 1:
+            raise ValueError("Lamb: one betas and eps for every group")
+        self.update = torch.compile(lamb_update, fullgraph=True) if compile else lamb_update
+        self.hyper = None       # (groups, 2): each group's lr and weight decay, on the device
+        self.group_of = {}      # the tensors stepped -> (tensors,) the group of each, on the device
 
     @torch.no_grad()
     def step(self):
-        """Each group in a handful of multi-tensor (torch._foreach_*) kernels: no Python loop
-        over tensors, and no host sync (the trust ratios stay on the device)."""
-        for group in self.param_groups:
-            (b1, b2), eps, wd, lr = group["betas"], group["eps"], group["weight_decay"], group["lr"]
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            for p in params:
-                if not self.state[p]:
-                    self.state[p].update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
-                self.state[p]["step"] += 1
-            steps = [self.state[p]["step"] for p in params]  # per tensor: one may miss a step
-            grads = [p.grad for p in params]
-            m, v = [self.state[p]["m"] for p in params], [self.state[p]["v"] for p in params]
-            torch._foreach_lerp_(m, grads, 1 - b1)
-            torch._foreach_mul_(v, b2)
-            torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-            denom = torch._foreach_div(v, [1 - b2 ** s for s in steps])
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, eps)
-            r = torch._foreach_div(m, [1 - b1 ** s for s in steps])
-            torch._foreach_div_(r, denom)
-            if wd <= 0:  # LTG-BERT: trust ratio 1 without weight decay (at init the ratio would
-                torch._foreach_add_(params, r, alpha=-lr)  # shrink embedding steps ~30x at small)
-                continue
-            torch._foreach_add_(r, params, alpha=wd)
-            w_norm = torch.stack(torch._foreach_norm(params))
-            r_norm = torch.stack(torch._foreach_norm(r))
-            trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)     # (tensors,)
-            torch._foreach_mul_(r, list((-lr * trust).unbind()))
-            torch._foreach_add_(params, r)
+        stepped = [(i, p) for i, g in enumerate(self.param_groups) for p in g["params"]
+                   if p.grad is not None]
+        if not stepped:
+            return
+        params = [p for _, p in stepped]
+        for p in params:
+            if not self.state[p]:
+                self.state[p].update(step=torch.zeros((), dtype=p.dtype, device=p.device),
+                                     m=torch.zeros_like(p), v=torch.zeros_like(p))
+        state = [self.state[p] for p in params]
+        steps = [st["step"] for st in state]  # per tensor: one may miss a step
+        torch._foreach_add_(steps, 1.0)
+        key = tuple(map(id, params))
+        if key not in self.group_of:  # made once per set of tensors: a copy to the device
+            self.group_of[key] = torch.tensor([i for i, _ in stepped], device=p.device)
+        if self.hyper is None:
+            self.hyper = torch.zeros(len(self.param_groups), 2, dtype=p.dtype, device=p.device)
+        for i, g in enumerate(self.param_groups):  # host numbers written in place: no sync
+            self.hyper[i, 0], self.hyper[i, 1] = g["lr"], g["weight_decay"]
+        lr, wd = self.hyper[self.group_of[key]].unbind(1)                      # (tensors,)
+        (b1, b2), eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
+        self.update(params, [p.grad for p in params], [st["m"] for st in state],
+                    [st["v"] for st in state], steps, lr, wd, b1, b2, eps)
+
+    def load_state_dict(self, state_dict):
+        """A checkpoint's state; a step count saved as a number (before the counts were tensors)
+        becomes a tensor beside its parameter."""
+        super().load_state_dict(state_dict)
+        for st in self.state.values():
+            st["step"] = torch.as_tensor(st["step"], dtype=st["m"].dtype, device=st["m"].device)
 
 
 def make_optimizer(model, args):
@@ -75,9 +107,11 @@ def make_optimizer(model, args):
     named = list(model.named_parameters())
     groups = [dict(params=[p for n, p in named if decays(n, p)], weight_decay=args.weight_decay),
               dict(params=[p for n, p in named if not decays(n, p)], weight_decay=0.0)]
-    if args.optim == "lamb":
-        return Lamb(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
-    fused = next(model.parameters()).is_cuda or None  # one kernel on a GPU
+    device = next(model.parameters()).device
+    if args.optim == "lamb":  # compiled where the model is: a few fused kernels a step
+        return Lamb(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6,
+                    compile=use_compile(device, args.compile))
+    fused = device.type == "cuda" or None  # one kernel on a GPU
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6, fused=fused)
 
 

@@ -562,8 +562,11 @@ def lamb_reference(w, grads, lr, b1, b2, eps, wd):
     return w
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
-def test_lamb_matches_reference(wd):
+def test_lamb_matches_reference(wd, compiled):
+    """Eager, and compiled as train.py compiles it with its model (inductor, float64 here),
+    against the reference transcribed from LTG-BERT, step for step."""
     rng = np.random.default_rng(0)
     # a zero tensor takes the trust-ratio-1 branch; the third has no gradient at the first step,
     # so its bias correction counts one step fewer than the others'
@@ -571,11 +574,19 @@ def test_lamb_matches_reference(wd):
     grads = [[rng.normal(size=w.shape) for _ in range(4)] for w in inits]
     grads[2] = grads[2][1:]
     params = [torch.tensor(w, requires_grad=True) for w in inits]
-    opt = Lamb([{"params": params, "weight_decay": wd}], lr=0.05, betas=(0.9, 0.98), eps=1e-6)
+    opt = Lamb([{"params": params, "weight_decay": wd}], lr=0.05, betas=(0.9, 0.98), eps=1e-6,
+               compile=compiled)
     for t in range(4):
         for p, g in zip(params, grads):
             p.grad = torch.tensor(g[t - (4 - len(g))]) if t >= 4 - len(g) else None
         opt.step()
-    for p, w, g in zip(params, inits, grads):
-        want = lamb_reference(w, g, 0.05, 0.9, 0.98, 1e-6, wd)
-        np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-12, atol=1e-12)
+        for p, w, g in zip(params, inits, grads):  # after every step
+            seen = g[:max(0, t + 1 - (4 - len(g)))]
+            want = lamb_reference(w, seen, 0.05, 0.9, 0.98, 1e-6, wd)
+            np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-12, atol=1e-12)
+    if compiled:  # a new learning rate, weight decay and step count each step: no recompile
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for t in range(3):
+                opt.param_groups[0].update(lr=0.01 * (t + 1), weight_decay=wd * (t + 1))
+                opt.step()
+        assert all(torch.isfinite(p).all() for p in params)
