@@ -84,8 +84,11 @@ class Lamb(torch.optim.Optimizer):
             self.group_of[key] = torch.tensor([i for i, _ in stepped], device=p.device)
         if self.hyper is None:
             self.hyper = torch.zeros(len(self.param_groups), 2, dtype=p.dtype, device=p.device)
-        for i, g in enumerate(self.param_groups):  # host numbers written in place: no sync
-            self.hyper[i, 0], self.hyper[i, 1] = g["lr"], g["weight_decay"]
+        # host numbers into device memory as fill_'s kernel argument: `hyper[i, 0] = lr` would
+        # copy a CPU tensor and wait for the GPU (seen under sync-debug mode on an H200)
+        for i, g in enumerate(self.param_groups):
+            self.hyper[i, 0].fill_(g["lr"])
+            self.hyper[i, 1].fill_(g["weight_decay"])
         lr, wd = self.hyper[self.group_of[key]].unbind(1)                      # (tensors,)
         (b1, b2), eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
         self.update(params, [p.grad for p in params], [st["m"] for st in state],
