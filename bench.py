@@ -70,7 +70,7 @@ from machinery import flags
 from machinery.device import add_device_flag, pick_device, use_compile, use_tf32
 from machinery.run_folder import REPO, RunFolder
 from machinery.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
-from model import PRESETS, Encoder, ModelConfig, use_flex
+from model import PRESETS, Encoder, ModelConfig, use_attention
 
 
 V = VOCAB_SIZE
@@ -95,7 +95,8 @@ def bench_step(args, device, tmp):
         cfg = ModelConfig(**PRESETS[size], vocab_size=V)
         for objective in args.objectives:
             run = Path(tmp) / f"{objective}_{size}"
-            case = f"{objective} {size} {B}x{T}" + (" cuda-graphs" if args.cuda_graphs else "")
+            case = f"{objective} {size} {B}x{T}" + (" cuda-graphs" if args.cuda_graphs else "") + (
+                f" {args.attention}" if args.attention != "gather" else "")
             flags = train_flags(args, device, objective, size, run)
             two_phase = objective.split("+")[0] in ("kd", "mlsm")  # taught by a phase-1 model
             if two_phase:  # phase 2 alone
@@ -137,7 +138,8 @@ def train_flags(args, device, objective: str, size: str, out_dir, seed: int = 0)
     flags = ["--objective", objective, "--data", args.data, "--size", size, "--seed", str(seed),
              "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
              "--max-steps", str(5 * k), "--log-every", str(k), "--eval-every", "100000",
-             "--save-every", "100000", "--device", device.type, "--out-dir", str(out_dir)]
+             "--save-every", "100000", "--device", device.type, "--out-dir", str(out_dir),
+             "--attention", args.attention]
     for flag in ("compile", "bf16", "cuda_graphs"):
         if getattr(args, flag) is not None:
             name = flag.replace("_", "-")
@@ -406,8 +408,9 @@ def bench_pll(args, device, tmp):
                   "one forward per copy", naive, max_abs_diff=err)
         if device.type != "cuda":  # on the CPU flex compiles once per shape (model.py), and it
             continue               # scored at 0.93x (tiny) and 0.95x (small): docs/bench.md
-        # the same scorer with relative attention through flex (model.use_flex)
-        toggled = lambda on: lambda: (use_flex(model, on), batched())[1]
+        # the same scorer with relative attention through flex (model.use_attention)
+        toggled = lambda on: lambda: (use_attention(model, "flex" if on else "gather"),
+                                      batched())[1]
         diff = float(abs(toggled(True)() - toggled(False)()).max())
         a, b = alternate(toggled(True), toggled(False), n, device, *reps)
         yield row("pll", f"{size}, {n} sentences of 8-24 tokens, flex_attention",
@@ -519,6 +522,9 @@ def build_parser() -> flags.Parser:
         help="step: train.py --compile / --no-compile; bert: both models' steps as train.py "
         "compiles its own (default for both: on with CUDA, off on the CPU); ltg: --compile "
         "compiles both models")
+    add("--attention", default="gather", choices=["gather", "onehot"],
+        help="step, side, bert: how our relative attention picks each pair's bucket (train.py "
+        "--attention)")
     add("--cuda-graphs", action="store_true", default=None,
         help="step, side: train.py --cuda-graphs (the compiled step replayed as CUDA graphs)")
     add("--bf16", action=argparse.BooleanOptionalAction, default=None,

@@ -10,6 +10,7 @@
 #     bash gpu_check.sh compare
 #     bash gpu_check.sh rest
 #     bash gpu_check.sh throughput
+#     bash gpu_check.sh attention
 #     bash gpu_check.sh study FILE [SCALE [ARMS [SEEDS]]]  # every job of a study's scale
 #                                              # (default gpu), or a slice: mlm,boot 0,1
 #     bash gpu_check.sh --smoke TIER [ARGS]    # here, the same on the CPU at tiny sizes
@@ -41,6 +42,10 @@
 #               seconds outside its steady steps (start, torch.compile, the first step); then
 #               mlm and boot at `small` with --cuda-graphs (step rows: against the side row of
 #               1 and verify's boot row, without)
+#   attention   ~6 min: our `small` MLM step against BertForMaskedLM, both compiled, with our
+#               relative attention as a gather and as a one-hot product (--attention), the top
+#               operators of one step of each (--profile); bench.py's attn rows (every form of
+#               the attention core, forward and backward) at small and base
 #   study       every job of a study's scale (FILE SCALE; ARMS and SEEDS, comma lists, take a
 #               slice), PARALLEL at a time (default 2: four side by side on an H200 trained at
 #               0.93x one run's tokens/s, docs/bench.md; two overlap starts with steps),
@@ -70,9 +75,10 @@ fi
 tier=${1:-}
 shift
 case $tier in
-    carry|verify|headline|objectives|compare|rest|throughput|study) ;;
+    carry|verify|headline|objectives|compare|rest|throughput|attention|study) ;;
     *) echo "error: no tier '${tier}' (carry, verify, headline, objectives, compare, rest," \
-            "throughput, study FILE [SCALE [ARMS [SEEDS]]]); see the top of gpu_check.sh" >&2
+            "throughput, attention, study FILE [SCALE [ARMS [SEEDS]]]); see the top of" \
+            "gpu_check.sh" >&2
        exit 2 ;;
 esac
 G=$(abs "${GPU_DATA:-.gpu_data}")
@@ -194,6 +200,7 @@ if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few st
     kernels=(--quick --sizes tiny)
     side=(--quick --sizes tiny --steps 5 --side 1,2)
     graphs=(--quick --sizes tiny --objectives mlm --steps 5)
+    forms=(--quick --sizes tiny --profile) forms_attn=(--quick --sizes tiny)
     # stopped at step 10 of 1000, as a run too long for the budget is stopped by SIGTERM
     headline=("${tiny[@]}" --max-steps 1000 --stop-at 10 --log-every 5 --eval-every 10)
     dictionary=("${tiny[@]}" --max-steps 10 --phase1-steps 5 --log-every 5 --mlsm-k 48
@@ -207,6 +214,7 @@ else
     kernels=(--sizes small --profile)
     side=(--sizes small --steps 100 --side 1,2,4,8 --row-timeout 150)
     graphs=(--sizes small --objectives mlm,boot --steps 100 --row-timeout 150)
+    forms=(--sizes small --profile) forms_attn=(--sizes small,base)
     headline=()
     dictionary=(--size small --max-steps 400 --phase1-steps 300 --log-every 20)
     scale=${SCALE:-gpu}
@@ -276,6 +284,13 @@ EOF
             "${side[@]}" --data "$data" --out "$O/side.json"
         part graphs "$O/bench.log" 200 "$py" bench.py "${dev[@]}" --only step --cuda-graphs \
             "${graphs[@]}" --data "$data" --out "$O/graphs.json" ;;
+    attention)  # each form of relative attention in our step against BertForMaskedLM
+        for form in gather onehot; do
+            part "bert_$form" "$O/bench.log" 170 "$py" bench.py "${dev[@]}" --only bert \
+                --attention "$form" "${forms[@]}" --out "$O/bert_$form.json"
+        done
+        part attn "$O/bench.log" 120 "$py" bench.py "${dev[@]}" --only attn "${forms_attn[@]}" \
+            --out "$O/attn.json" ;;
     rest)
         part dictionary "$O/dictionary.log" 240 "$py" train.py --objective mlsm+mlm \
             --data "$data" "${dev[@]}" "${dictionary[@]}" --out-dir "$W/dictionary"

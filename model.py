@@ -21,8 +21,8 @@ British National Corpus", EACL Findings; code: ltgoslo/ltg-bert), read against B
 Attention runs through F.scaled_dot_product_attention; the position scores and the padding mask
 enter as its additive bias, so padded keys get probability 0 and never change a real position.
 (Training on the CPU computes the same thing by hand, so that kernels.dropout's cheaper mask
-applies. `use_flex` switches relative attention to kernels.flex_relative where that is exact; it
-is off by default: slower on the CPU, not yet measured on a GPU, docs/bench.md.)
+applies. `use_attention` switches how relative attention is computed, the same function each
+way; not yet measured against each other on a GPU, docs/bench.md.)
 
 init_weights documents the initialisation of every tensor.
 """
@@ -78,25 +78,29 @@ def relative_buckets(n: int, buckets: int, max_position: int) -> torch.Tensor:
     return bucket + buckets - 1
 
 
-def relative_scores(q, k, qp, kp, idx):
+def relative_scores(q, k, qp, kp, idx, onehot: bool = False):
     """The content-to-position plus position-to-content scores (B, H, T, T), unscaled:
-    q_i.kp[r(i,j)] + k_j.qp[r(i,j)], for q, k (B, H, T, hd), projected position vectors qp, kp
-    (H, R, hd) and each pair's bucket r = idx (B or 1, 1, T, T). Each is scored against every
-    bucket first (B, H, T, R), then each pair's bucket is picked: R = 2*buckets-1 is small, so
-    this avoids building a (T, T, D) position tensor."""
+    q_i.kp[r(i,j)] + k_j.qp[r(i,j)] for q, k (B, H, T, hd), projected position vectors qp, kp
+    (H, R, hd) and buckets r = idx (B or 1, 1, T, T): scored against every bucket (B, H, T, R),
+    then each pair's picked by a gather, or with `onehot` (a shared idx) by a product with idx's
+    (T, T, R) one-hot: the same numbers, with matrix products for a backward where the gather's
+    is a scatter-add (contended atomics on a GPU: at T = 128 up to 26 keys share a bucket)."""
     B, H, T, _ = q.shape
+    c2p, p2c = q @ kp.transpose(-1, -2), k @ qp.transpose(-1, -2)       # (B, H, T, R)
+    if onehot and idx.shape[0] == 1:
+        pick = F.one_hot(idx[0, 0], kp.shape[1]).to(q.dtype)              # (Ti, Tj, R)
+        return (torch.einsum("bhir,ijr->bhij", c2p, pick)
+                + torch.einsum("bhjr,ijr->bhij", p2c, pick))
     idx = idx.expand(B, H, T, T)
-    c2p = (q @ kp.transpose(-1, -2)).gather(-1, idx)                      # (B, H, Ti, Tj)
-    p2c = (k @ qp.transpose(-1, -2)).gather(-1, idx.transpose(-1, -2)).transpose(-1, -2)
-    return c2p + p2c
+    return c2p.gather(-1, idx) + p2c.gather(-1, idx.transpose(-1, -2)).transpose(-1, -2)
 
 
-def use_flex(model: nn.Module, on: bool = True) -> nn.Module:
-    """Relative attention through flex_relative in every Attention of `model` (an Encoder, a
-    BootPredictor with its decoder, ...) wherever that is exact; see Attention.forward."""
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.flex = on
+def use_attention(model: nn.Module, form: str = "gather") -> nn.Module:
+    """Every Attention of `model` computes relative attention as `gather` or `onehot`
+    (relative_scores), or `flex` (kernels.flex_relative) where that is exact: the same function."""
+    assert form in ("gather", "onehot", "flex"), f"unknown attention form {form!r}"
+    for m in filter(lambda m: isinstance(m, Attention), model.modules()):
+        m.form = form
     return model
 
 
@@ -120,7 +124,7 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
         self.post_norm = nn.LayerNorm(cfg.d_model, cfg.layer_norm_eps)
         self.drop = Dropout(cfg.dropout)
-        self.flex = False  # use_flex: relative attention through flex_relative
+        self.form = "gather"  # use_attention: how relative scores pick each pair's bucket
 
     def forward(self, x, bias, rel=None, idx=None):
         # x (B, T, D); bias (B, 1, 1 or T, T): 0 at real keys, -inf at padding (and later keys);
@@ -140,13 +144,12 @@ class Attention(nn.Module):
         if self.relative:
             qp, kp = self.qk(self.drop(rel)).chunk(2, dim=-1)           # (R, D) each
             qp, kp = (t.view(-1, H, hd).transpose(0, 1) for t in (qp, kp))  # (H, R, hd)
-        # flex where it computes exactly this: no probability to drop, and on the CPU nothing
-        # to differentiate
-        flex = (self.flex and self.relative and not (self.training and self.p > 0)
+        # flex where it computes exactly this: nothing to drop, on the CPU nothing to differentiate
+        flex = (self.form == "flex" and self.relative and not (self.training and self.p > 0)
                 and (x.device.type != "cpu" or not torch.is_grad_enabled())
                 and bias.shape[-2] == 1)  # flex_relative masks keys alone: not causal
         if self.relative and not flex:
-            bias = bias + relative_scores(q, k, qp, kp, idx) * self.scale  # (B, H, T, T)
+            bias = bias + self.scale * relative_scores(q, k, qp, kp, idx, self.form == "onehot")
         if flex:
             y = flex_relative(q, k, v, qp, kp, idx, bias.to(q.dtype), self.scale)
         elif by_hand:
@@ -488,9 +491,8 @@ def load_checkpoint(path, device="cpu", encoder_only=False):
         raise SystemExit(f"error: {path} pairs a {model.config.vocab_size}-token model with a "
                          f"{tok.get_piece_size()}-piece tokenizer; it was not written by train.py")
     if ckpt.get("objective") == "boot" and not encoder_only:
-        heads = ckpt["heads"]
-        boot = BootHeads(model.config, *boot_shape(heads))
-        boot.load_state_dict(heads, strict=True)
+        boot = BootHeads(model.config, *boot_shape(ckpt["heads"]))
+        boot.load_state_dict(ckpt["heads"], strict=True)
         model = BootPredictor(model, boot, tok.piece_to_id("[MASK]"))
     model.train_args = ckpt.get("args", {})
     model.trained_steps = ckpt.get("step")  # what an evaluation of it records as its step

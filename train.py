@@ -452,6 +452,10 @@ def build_parser():
     add_device_flag(add, "where to train")
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the model (default: on with CUDA, off on the CPU)")
+    add("--attention", default="gather", choices=["gather", "onehot"], help="how relative "
+        "attention picks each pair's position bucket: a gather (default), or a one-hot product "
+        "whose backward needs no atomics on a GPU; the same function (tests/test_model.py), "
+        "not yet timed against each other on a GPU")
     add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
         help="with --compile on CUDA, replay the compiled step's forward and backward as CUDA "
         "graphs (torch.compile mode reduce-overhead): fewer kernel launches, more memory; off "

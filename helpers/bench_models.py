@@ -15,7 +15,7 @@ from data.prepare import MASK, SPECIALS, VOCAB_SIZE
 from helpers.ltg_bert import LtgBert
 from machinery.device import autocast, use_bf16, use_compile
 from machinery.timing import PROFILES, alternate, profile_ops, row
-from model import PRESETS, Encoder, ModelConfig
+from model import PRESETS, Encoder, ModelConfig, use_attention
 
 
 V = VOCAB_SIZE
@@ -100,7 +100,7 @@ def bench_bert(args, device, tmp):
         for name, change, half in variants:
             amp = autocast(device, half)
             cfg = ModelConfig(**{**PRESETS[size], "vocab_size": V, **change})
-            ours = Encoder(cfg).to(device).train()
+            ours = use_attention(Encoder(cfg), args.attention).to(device).train()
             p = cfg.dropout
             bert = BertConfig(vocab_size=V, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
                               num_attention_heads=cfg.n_head, intermediate_size=cfg.d_ff,
@@ -130,6 +130,7 @@ def bench_bert(args, device, tmp):
 
             a, b = alternate(lambda: step(0), lambda: step(1), B * T, device, warmup, repeat)
             name += ", compiled (both)" if compiled else ""
+            name += f", ours {args.attention}" if args.attention != "gather" else ""
             params = f"{ours.num_params() / 1e6:.1f}M vs {theirs.num_parameters() / 1e6:.1f}M"
             case = f"mlm step {size} {B}x{T}{name} ({params} params)"
             ours_flops = flops_per_token(cfg, T, len(slots) / (B * T), B * T)

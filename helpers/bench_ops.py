@@ -33,12 +33,12 @@ def skew(a):
 def attention_variants(device):
     """{name: fn(q, k, v, qp, kp, idx, keep, scale) -> (B, H, T, hd)}, dropout off: q, k, v
     (B, H, T, hd); qp, kp (H, R, hd) projected position vectors; idx (T, T) buckets; keep (B, T)
-    bool, False at padding. `gather` is model.Attention's way."""
+    bool, False at padding. `gather` is model.Attention's default, `one-hot` its other form."""
     def bias_of(keep):
         return torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, float("-inf"))
 
-    def gather(q, k, v, qp, kp, idx, keep, scale, backend=None):
-        scores = relative_scores(q, k, qp, kp, idx)
+    def gather(q, k, v, qp, kp, idx, keep, scale, backend=None, onehot=False):
+        scores = relative_scores(q, k, qp, kp, idx[None, None], onehot)
         bias = (bias_of(keep)[:, None, None, :] + scores * scale).to(q.dtype)
         if backend is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
@@ -57,7 +57,8 @@ def attention_variants(device):
         bias = bias_of(keep)[:, None, None, :].to(q.dtype)
         return flex_relative(q, k, v, qp, kp, idx[None, None], bias, scale)
 
-    out = {"gather": gather, "by offset (relative shift)": by_offset,
+    out = {"gather": gather, "one-hot pick (--attention onehot)": lambda *a: gather(
+               *a, onehot=True), "by offset (relative shift)": by_offset,
            "flex_attention (kernels.flex_relative)": flex}
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend

@@ -27,7 +27,7 @@ from machinery.optim import make_optimizer
 from machinery.progress import duration
 from machinery.run_folder import RunFolder, code_version
 from machinery.storage import read_checkpoint
-from model import PRESETS, Encoder, ModelConfig, check_config, load_weights
+from model import PRESETS, Encoder, ModelConfig, check_config, load_weights, use_attention
 
 
 class Trainee(nn.Module):
@@ -51,8 +51,8 @@ class ObjectiveParts:
 
 
 # the flags a resumed run may change
-RESUMABLE = {"resume", "out_dir", "device", "compile", "cuda_graphs", "bf16", "deterministic",
-             "log_every",
+RESUMABLE = {"resume", "out_dir", "device", "compile", "cuda_graphs", "attention", "bf16",
+             "deterministic", "log_every",
              "eval_every", "save_every", "stop_at", "spike", "save_words", "check"}
 
 
@@ -259,6 +259,7 @@ def start_phase(run: Run, step: int, objective: str, start: int, end: int, entry
         run.say(f"step {step}: phase 2, {objective} from {init}, a fresh optimizer and warm-up"
                 + (f", taught by {teacher}" if entry.setup else ""))
     trainee = Trainee(run.encoder, parts.heads.to(run.device), entry.loss)
+    use_attention(trainee, args.attention)  # the same function in each form (not saved)
     model = trainee
     if run.ddp:
         ids = [run.device.index] if run.device.type == "cuda" else None

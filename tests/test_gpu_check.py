@@ -75,11 +75,11 @@ def carried(small_raw, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def ran(carried, tmp_path_factory) -> dict:
-    """{tier: (its CompletedProcess, its $OUT)}: the seven tiers with --smoke, two at a time
+    """{tier: (its CompletedProcess, its $OUT)}: the eight tiers with --smoke, two at a time
     (each is mostly one single-threaded process after another; the tests' machine has 2 cores)."""
     study = Path(carried["GPU_DATA"]).parent / "tiny.toml"  # carried with its evaluation data
     tiers = {"verify": [], "study": [study], "rest": [], "headline": [], "objectives": [],
-             "compare": [], "throughput": []}
+             "compare": [], "throughput": [], "attention": []}
 
     def run(tier):
         out = tmp_path_factory.mktemp(tier)
@@ -189,6 +189,21 @@ def test_throughput(ran):
     assert rows[1]["reference"] == "alone" and rows[1]["ref"] == rows[0]["ours"]
     [graphs] = json.loads((tmp_path / "graphs.json").read_text())["rows"]
     assert graphs["case"] == "mlm tiny 4x32 cuda-graphs" and graphs["ours"] > 0
+
+
+def test_attention(ran):
+    r, tmp_path = ran["attention"]
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "bench.log", "bert_gather.json",
+                                   "bert_onehot.json", "attn.json"}
+    for form in ("gather", "onehot"):
+        saved = json.loads((tmp_path / f"bert_{form}.json").read_text())
+        [row] = saved["rows"]
+        assert row["reference"] == "BertForMaskedLM" and (form == "gather") == (
+            "onehot" not in row["case"])
+        assert [set(p) for p in saved["profiles"].values()] == [{"ours", "BertForMaskedLM"}]
+    cases = [r["case"] for r in json.loads((tmp_path / "attn.json").read_text())["rows"]]
+    assert any("one-hot" in c for c in cases)
 
 
 def tar_members(path) -> dict:

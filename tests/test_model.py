@@ -16,7 +16,7 @@ from machinery.kernels import dropout
 from machinery.optim import Lamb, ema_update
 from machinery.storage import read_checkpoint, save_checkpoint
 from model import (PRESETS, BootHeads, Decoder, Encoder, ModelConfig, boot_states, check_config,
-                   load_checkpoint, relative_buckets, use_flex)
+                   load_checkpoint, relative_buckets, relative_scores, use_attention)
 
 
 V = 300
@@ -408,6 +408,66 @@ def test_boot_states_in_both_layouts_equal_one_row_at_a_time(position):
         for compact, states in got.items():
             torch.testing.assert_close(states[b, :n], want, msg=f"compact={compact}")
 
+# --- the one-hot form (relative_scores(onehot=True)) ---------------------------------------------
+
+def test_onehot_relative_scores_equal_the_gather_and_its_gradients():
+    """relative_scores picking each pair's bucket by a one-hot product equals the gather, in
+    value and in the gradient of every input (float64: the sums differ in order alone)."""
+    torch.manual_seed(0)
+    B, H, T, hd, buckets = 3, 4, 23, 8, 8
+    idx = relative_buckets(T, buckets, 64)[None, None]
+    inputs = [torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+              for shape in [(B, H, T, hd)] * 2 + [(H, 2 * buckets - 1, hd)] * 2]
+    grad = torch.randn(B, H, T, T, dtype=torch.float64)
+    out = {}
+    for onehot in (False, True):
+        y = relative_scores(*inputs, idx, onehot)
+        out[onehot] = [y, *torch.autograd.grad(y, inputs, grad)]
+    for a, b in zip(out[False], out[True]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_onehot_encoder_trains_as_the_gather_path(causal, monkeypatch):
+    """The whole encoder in training, dropout on, padding in one row, bidirectional and causal
+    (gpt-bert's): the same outputs and every gradient in float64, with the same dropout masks;
+    a BootBERT MAE student's per-row buckets take the gather in both."""
+    import model as model_module
+    picks = []  # (onehot asked, idx shared) of each call
+
+    def spy(*a):
+        picks.append((a[-1], a[-2].shape[0] == 1))
+        return relative_scores(*a)
+    monkeypatch.setattr(model_module, "relative_scores", spy)
+    torch.manual_seed(0)
+    enc = Encoder(tiny(n_layer=2, position_buckets=8, max_position=64, dropout=0.1)).double()
+    heads = BootHeads(enc.config, 1, mae=True).double()
+    ids = torch.randint(5, V, (3, 17))
+    mask = torch.ones(3, 17, dtype=torch.long)
+    mask[1, 11:] = 0
+    hide = (torch.rand(3, 17) < 0.4) & (mask == 1)
+    hide[:, 0] = False
+    out = {}
+    for form in ("gather", "onehot"):
+        use_attention(enc, form)
+        use_attention(heads, form)
+        enc.zero_grad()
+        heads.zero_grad()
+        torch.manual_seed(1)
+        y = enc(ids, mask, causal=causal)
+        z = boot_states(enc, heads, ids, mask, hide)
+        (y.sin().sum() + z.cos().sum()).backward()
+        out[form] = [y, z] + [p.grad for p in [*enc.parameters(), *heads.parameters()]
+                              if p.grad is not None]
+    assert len(out["onehot"]) == len(out["gather"]) > 10
+    # two layers of the encoder and the student's decoder layer share their buckets; the MAE
+    # student's encoder layers read per-row buckets
+    assert picks.count((True, True)) == picks.count((False, True)) == 3
+    assert picks.count((True, False)) == picks.count((False, False)) == 2
+    for a, b in zip(out["gather"], out["onehot"]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 # --- flex attention (kernels.flex_relative) -----------------------------------------------------
 
 @pytest.fixture
@@ -424,7 +484,8 @@ def eager_flex(monkeypatch):
 
 def test_flex_attention_matches_pair_by_pair_reference(eager_flex):
     torch.manual_seed(0)
-    model = use_flex(Encoder(tiny(n_head=4, position_buckets=8, max_position=64)).double().eval())
+    model = use_attention(Encoder(tiny(n_head=4, position_buckets=8, max_position=64))
+                          .double().eval(), "flex")
     att = model.layers[0].attn
     x, mask, bias, rel, idx = attention_inputs(model)
     with torch.no_grad():
@@ -449,9 +510,9 @@ def test_flex_encoder_equals_gather_path(eager_flex, T):
     hide[:, 0] = False
     with torch.no_grad():
         want = enc(ids, mask), boot_states(enc, heads, ids, mask, hide)
-        use_flex(enc)
-        assert all(m.flex for m in enc.modules() if hasattr(m, "flex"))
-        use_flex(heads)
+        use_attention(enc, "flex")
+        assert all(m.form == "flex" for m in enc.modules() if hasattr(m, "form"))
+        use_attention(heads, "flex")
         got = enc(ids, mask), boot_states(enc, heads, ids, mask, hide)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
@@ -460,7 +521,7 @@ def test_flex_encoder_equals_gather_path(eager_flex, T):
 def test_flex_only_where_it_is_exact(monkeypatch):
     """Flex drops no attention probabilities and has no CPU backward: training with dropout,
     and on the CPU any forward that records gradients, keep the gather path (never calling
-    flex), and give what they gave without use_flex."""
+    flex), and give what they gave with the gather."""
     import model as model_module
     def refuse(*a, **k):
         raise AssertionError("flex_relative called")
@@ -469,7 +530,7 @@ def test_flex_only_where_it_is_exact(monkeypatch):
     ids = torch.randint(5, V, (2, 7))
     want = {}
     for flex in (False, True):
-        use_flex(enc, flex)
+        use_attention(enc, "flex" if flex else "gather")
         if flex:
             monkeypatch.setattr(model_module, "flex_relative", refuse)
         torch.manual_seed(1)
@@ -491,7 +552,7 @@ def test_compiled_flex_matches_gather_path():
     mask[1, 6:] = 0
     with torch.no_grad():
         want = enc(ids, mask)
-        got = use_flex(enc)(ids, mask)
+        got = use_attention(enc, "flex")(ids, mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -507,7 +568,7 @@ def test_flex_gradients_equal_gather_path_on_cuda():
     out = {}
     for flex in (False, True):
         enc.zero_grad()
-        y = use_flex(enc, flex)(ids, mask)
+        y = use_attention(enc, "flex" if flex else "gather")(ids, mask)
         (y * torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
         out[flex] = [y] + [p.grad.clone() for p in enc.parameters() if p.grad is not None]
     for a, b in zip(out[False], out[True]):
