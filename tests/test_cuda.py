@@ -12,7 +12,7 @@ import torch
 from test_train import MLSM_DICT, compiled_trainee, read_log
 
 import evaluate
-import train as T
+import objectives as O
 from conftest import TINY, run_train, run_trains
 from data.masking import make_batch
 from data.prepare import CLS, SEP, VOCAB_SIZE, Segments, prepare
@@ -40,7 +40,7 @@ def test_every_objective_compiled_in_bf16(corpus, tmp_path):
     """30 steps, phase 2 from step 10, each objective in its own process, all side by side (their
     compilations use the CPU's cores): finite losses, and torch.compile settles (dynamo logs each
     recompilation; a shape that changes with the batch would log one per step)."""
-    objectives = sorted(T.OBJECTIVES)
+    objectives = sorted(O.OBJECTIVES)
     runs = run_trains(*[("--data", corpus, "--out-dir", tmp_path / o, "--objective", o,
                          "--max-steps", 30, "--phase1-steps", 10, *CUDA, "--compile", "--bf16",
                          *(MLSM_DICT if o.startswith("mlsm") else [])) for o in objectives],
@@ -54,7 +54,7 @@ def test_every_objective_compiled_in_bf16(corpus, tmp_path):
         assert r.stderr.count("Recompiling function") <= 4, (objective, r.stderr[-3000:])
 
 
-@pytest.mark.parametrize("objective", sorted(T.OBJECTIVES))
+@pytest.mark.parametrize("objective", sorted(O.OBJECTIVES))
 def test_a_compiled_step_never_waits_for_the_gpu(corpus, objective):
     """The loop's step, as train.py takes it (a batch gathered on the GPU from a pinned copy of
     its offsets, masks, the loss compiled whole in bf16, backward, clipping, LAMB, the EMA),

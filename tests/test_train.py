@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import lasso_exact as lasso
+import objectives as O
 import sparse
 import train as T
 import warm_python
@@ -21,10 +22,10 @@ from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
 from helpers import training_run
-from helpers.training_run import Trainee
+from helpers.training_run import ObjectiveParts, Trainee
 from machinery import optim, stopping
 from machinery.storage import save_checkpoint
-from model import PRESETS, Encoder, ModelConfig
+from model import PRESETS, BootPredictor, Encoder, ModelConfig, boot_states
 
 
 # --- optimizer and schedule ----------------------------------------------------------------------
@@ -69,7 +70,7 @@ def test_objective_defaults_yield_to_typed_flags():
 def test_masking_defaults_follow_each_paper():
     masking = lambda *argv: T.get_args(list(argv)).masking
     assert masking("--objective", "mlm") == masking("--objective", "boot") == "span"
-    assert all(masking("--objective", o) == "uniform" for o in T.TWO_PHASE)
+    assert all(masking("--objective", o) == "uniform" for o in O.TWO_PHASE)
     assert masking("--objective", "kd", "--masking", "span") == "span"
     args = T.get_args(["--objective", "kd"])
     ids = torch.randint(5, 300, (4, 40))
@@ -185,7 +186,7 @@ def test_resume_is_exact(prepared, tmp_path, objective, stop, mix):
     if objective == "boot":
         ema = b["extras_state"]["ema"]
         assert all(torch.equal(v, ema[k]) for k, v in a["extras_state"]["ema"].items())
-    if objective in T.TWO_PHASE:
+    if objective in O.TWO_PHASE:
         phase1 = tmp_path / "b" / "phase1.pt"
         assert phase1.exists() and torch.load(phase1, weights_only=True)["step"] == 10
     for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
@@ -449,12 +450,12 @@ def objective_setup(objective, **flags):
     shape = {"vocab_size": 300, "d_model": 32, "d_ff": 48}
     encoder = Encoder(ModelConfig(**{**PRESETS["tiny"], **shape,
                                      "final_norm": bool(args.final_norm)}))
-    setup = T.OBJECTIVES[objective].setup
-    parts = setup(encoder, args, None, "cpu") if setup else T.ObjectiveParts()
+    setup = O.OBJECTIVES[objective].setup
+    parts = setup(encoder, args, None, "cpu") if setup else ObjectiveParts()
     ids = torch.randint(5, 300, (4, 24))
     ids[:, 0], ids[:, -1] = CLS, SEP
     batch = make_batch(ids, args, 300, torch.Generator().manual_seed(1))
-    loss = T.OBJECTIVES[objective].loss
+    loss = O.OBJECTIVES[objective].loss
     return Trainee(encoder, parts.heads, loss), {**parts.extras, "args": args}, batch
 
 
@@ -512,7 +513,7 @@ def test_slot_losses_equal_the_boolean_index_ones():
     trainee.eval()
     hide = batch["labels"] != -100
     _, stats = trainee(batch, extras)
-    out = T.boot_states(trainee.encoder, trainee.heads, batch["inputs"],
+    out = boot_states(trainee.encoder, trainee.heads, batch["inputs"],
                         batch["attention_mask"], hide)[hide]
     target = extras["ema"](batch["input_ids"])[hide]
     target = torch.nn.functional.layer_norm(target, target.shape[-1:])
@@ -547,7 +548,7 @@ def test_kd_loss(temperature):
     args = T.build_parser().parse_args(["--objective", "kd", "--kd-temperature", str(temperature),
                                         "--kd-teacher-input", "masked"])
     extras = {"teacher": teacher, "args": args}
-    kd = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["kd"].loss)
+    kd = Trainee(trainee.encoder, trainee.heads, O.OBJECTIVES["kd"].loss)
     # student = teacher (up to float noise)
     assert kd(batch, extras)[0].item() == pytest.approx(0.0, abs=1e-5)
     with torch.no_grad():
@@ -562,7 +563,7 @@ def test_kd_loss(temperature):
     log_ratio = torch.log_softmax(t / temperature, -1) - torch.log_softmax(s / temperature, -1)
     want = (p_t * log_ratio).sum(-1).mean() * temperature ** 2
     assert loss.item() == pytest.approx(want.item(), rel=1e-5) and loss.item() > 1e-3
-    kd_mlm = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["kd+mlm"].loss)
+    kd_mlm = Trainee(trainee.encoder, trainee.heads, O.OBJECTIVES["kd+mlm"].loss)
     mixed, mfigs = kd_mlm(batch, extras)
     assert mixed.item() == pytest.approx(mfigs["kd"].item() + mfigs["mlm"].item())
 
@@ -612,16 +613,16 @@ def test_gpt_bert_predicts_a_masked_token_from_the_position_before():
     torch.testing.assert_close(loss, want + 1e-4 * z)
 
 
-@pytest.mark.parametrize("mix", sorted(T.MIXES))
+@pytest.mark.parametrize("mix", sorted(O.MIXES))
 def test_gpt_bert_loss_against_a_loop_over_positions(mix):
     """Each masked-next-token row: the token masked at t scored from the logits at t - 1 of the
     masked row; each causal row: each token of the text (not the closing [SEP]) scored from the
     last logits of a causal forward of the tokens before it alone (the mask itself: the test
     above). Weighted by the rows' shares, plus the z-loss."""
-    trainee, extras, batch = objective_setup("gpt-bert", causal_fraction=T.MIXES[mix])
+    trainee, extras, batch = objective_setup("gpt-bert", causal_fraction=O.MIXES[mix])
     trainee.eval()
     enc, (B, n_tok) = trainee.encoder, batch["input_ids"].shape
-    n = B - T.causal_rows(B, T.MIXES[mix])
+    n = B - O.causal_rows(B, O.MIXES[mix])
     assert 0 < n < B                          # both objectives, even at the tests' 4 rows
     parts = {"mntp": [], "clm": []}           # (cross-entropy, z) per scored token
     with torch.no_grad():
@@ -649,8 +650,8 @@ def test_kd_from_a_boot_teacher_hides_what_it_predicts():
     """A boot teacher reads clean text (kd's default), but its encoder is not shown the tokens
     it predicts: its logits are those of the [MASK]-filled input, its trained path."""
     trainee, extras, batch = objective_setup("boot")
-    teacher = T.BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
-    kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), T.OBJECTIVES["kd"].loss)
+    teacher = BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
+    kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), O.OBJECTIVES["kd"].loss)
     args = T.get_args(["--objective", "kd"])
     predict = batch["labels"] != -100
     _, want = teacher(batch["input_ids"].masked_fill(predict, MASK), predict=predict)
@@ -695,8 +696,8 @@ def test_gpt_bert_flags_and_teachers(trained, tmp_path, capsys):
     encoder = Encoder(ModelConfig(**state["config"]))
     args = T.get_args(["--objective", "kd", "--teacher", str(teacher)])
     with pytest.raises(SystemExit, match="is a gpt-bert model"):
-        T.setup_kd(encoder, args, tmp_path, "cpu")
-    assert T.OBJECTIVES["gpt-bert"].note(T.get_args(["--objective", "gpt-bert",
+        O.setup_kd(encoder, args, tmp_path, "cpu")
+    assert O.OBJECTIVES["gpt-bert"].note(T.get_args(["--objective", "gpt-bert",
                                                       "--batch-size", "8"])).startswith(
         "gpt-bert trains 1 of each micro-batch's 8 rows causally")
 
@@ -766,10 +767,10 @@ def mlsm_setup(lam=0.05, with_mlm=False, coder="exact"):
                        "--mlsm-tol", "1e-5", "--mlsm-coder", coder])
     head = torch.nn.Linear(32, 40)
     extras = {"teacher": teacher, "dict": D, "L": torch.linalg.matrix_norm(D, ord=2) ** 2,
-              "layer": 1, "momentum": sparse.fista_momentum(T.MLSM_FISTA_STEPS),
+              "layer": 1, "momentum": sparse.fista_momentum(O.MLSM_FISTA_STEPS),
               "exact_coder": sparse.sparse_code, "args": args}
     heads = torch.nn.ModuleDict({"latent": head})
-    return Trainee(trainee.encoder, heads, T.OBJECTIVES[args.objective].loss), extras, batch
+    return Trainee(trainee.encoder, heads, O.OBJECTIVES[args.objective].loss), extras, batch
 
 
 def test_mlsm_loss_against_a_per_position_loop():
@@ -801,7 +802,7 @@ def test_mlsm_loss_against_a_per_position_loop():
     assert trainee.heads.latent.weight.grad is not None
     assert trainee.encoder.word.weight.grad is not None
     assert all(p.grad is None for p in extras["teacher"].parameters())
-    mlsm_mlm = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES["mlsm+mlm"].loss)
+    mlsm_mlm = Trainee(trainee.encoder, trainee.heads, O.OBJECTIVES["mlsm+mlm"].loss)
     mixed, mfigs = mlsm_mlm(batch, extras)
     assert mixed.item() == pytest.approx(mfigs["kl"].item() + mfigs["mlm"].item(), rel=1e-6)
 
@@ -952,13 +953,13 @@ def compiled_trainee(objective, monkeypatch=None):
     test_cuda compiles the 100 steps a run does."""
     if objective.startswith("mlsm"):
         if monkeypatch is not None:
-            monkeypatch.setattr(T, "MLSM_FISTA_STEPS", 4)
+            monkeypatch.setattr(O, "MLSM_FISTA_STEPS", 4)
         trainee, extras, _ = mlsm_setup(with_mlm=objective == "mlsm+mlm", coder="fista100")
     elif objective.startswith("kd"):
         trainee, extras, _ = objective_setup("mlm")
         args = T.get_args(["--objective", objective])
         extras = {"teacher": copy.deepcopy(trainee.encoder).eval(), "args": args}
-        trainee = Trainee(trainee.encoder, trainee.heads, T.OBJECTIVES[objective].loss)
+        trainee = Trainee(trainee.encoder, trainee.heads, O.OBJECTIVES[objective].loss)
     else:
         trainee, extras, _ = objective_setup(objective)
     extras["compact"] = False  # what setup_boot picks for a compiled run
@@ -972,7 +973,7 @@ def fresh_batch(args, i):
     return make_batch(ids, args, 300, gen)
 
 
-@pytest.mark.parametrize("objective", sorted(T.OBJECTIVES))
+@pytest.mark.parametrize("objective", sorted(O.OBJECTIVES))
 def test_every_loss_compiles_whole_and_matches_eager(objective, monkeypatch):
     """fullgraph=True: dynamo traces the whole loss into one graph or raises at the first break
     (a boolean index, a .item(), a shape read from the data: each a host sync on a GPU).
@@ -1015,7 +1016,7 @@ def symbolic_shapes(graph: torch.fx.GraphModule) -> list[str]:
     return [n.format_node() for n in graph.graph.nodes if symbolic(n.meta.get("example_value"))]
 
 
-@pytest.mark.parametrize("objective", sorted(T.OBJECTIVES))
+@pytest.mark.parametrize("objective", sorted(O.OBJECTIVES))
 def test_compiled_objectives_stop_recompiling(objective, monkeypatch):
     """50 training steps of fresh masks, compiled whole: at most two recompilations (a shape that
     depended on the batch, such as a count of masked or kept tokens, would add one per step),
@@ -1039,7 +1040,7 @@ def test_compiled_objectives_stop_recompiling(objective, monkeypatch):
     assert not [node for g in graphs for node in symbolic_shapes(g)]
 
 
-@pytest.mark.parametrize("mix", sorted(T.MIXES))
+@pytest.mark.parametrize("mix", sorted(O.MIXES))
 def test_gpt_bert_compiles_to_one_graph_in_each_mix(mix):
     """Each baseline mix (1, 2 or 3 causal rows of the 4 here) traced whole into one graph with
     no size read from the data, and equal to the eager loss."""
@@ -1050,7 +1051,7 @@ def test_gpt_bert_compiles_to_one_graph_in_each_mix(mix):
         return graph.forward
     torch._dynamo.reset()
     trainee, extras, args = compiled_trainee("gpt-bert")
-    args.causal_fraction = T.MIXES[mix]
+    args.causal_fraction = O.MIXES[mix]
     batch = fresh_batch(args, 0)
     trainee.eval()
     want, _ = trainee(batch, extras)
@@ -1064,8 +1065,8 @@ def test_kd_from_a_boot_teacher_compiles_whole():
     when compiling): the same teacher logits as the compact layout, and 20 compiled steps in one
     graph with no size read from the data (the compact layout reads its longest kept row)."""
     trainee, _, _ = objective_setup("boot")
-    teacher = T.BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
-    kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), T.OBJECTIVES["kd"].loss)
+    teacher = BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
+    kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), O.OBJECTIVES["kd"].loss)
     args = T.get_args(["--objective", "kd"])
     extras = {"teacher": teacher, "args": args}
     batch = fresh_batch(args, 0)
