@@ -95,8 +95,7 @@ def bench_step(args, device, tmp):
         cfg = ModelConfig(**PRESETS[size], vocab_size=V)
         for objective in args.objectives:
             run = Path(tmp) / f"{objective}_{size}"
-            case = f"{objective} {size} {B}x{T}" + (" cuda-graphs" if args.cuda_graphs else "") + (
-                f" {args.attention}" if args.attention != "gather" else "")
+            case = f"{objective} {size} {B}x{T}{run_variant(args)}"
             flags = train_flags(args, device, objective, size, run)
             two_phase = objective.split("+")[0] in ("kd", "mlsm")  # taught by a phase-1 model
             if two_phase:  # phase 2 alone
@@ -147,6 +146,12 @@ def train_flags(args, device, objective: str, size: str, out_dir, seed: int = 0)
     return flags
 
 
+def run_variant(args) -> str:
+    """What a timed run's flags change from train.py's defaults, for its row's name."""
+    return (" cuda-graphs" if args.cuda_graphs else "") + (
+        f" {args.attention}" if args.attention != "gather" else "")
+
+
 def bench_side(args, device, tmp):
     """Runs side by side on one device: --side N runs of the first objective at the first size
     (seeds 0..N-1), started together. tokens/s is their sum (each run's median over its log
@@ -155,7 +160,7 @@ def bench_side(args, device, tmp):
     size, objective = args.sizes[0], args.objectives[0]
     alone = None
     for n in args.side:
-        case = f"{n} x {objective} {size} {args.batch_size}x{args.seq_len}"
+        case = f"{n} x {objective} {size} {args.batch_size}x{args.seq_len}{run_variant(args)}"
         runs = train_runs([train_flags(args, device, objective, size, Path(tmp) / f"side{n}_{i}",
                                        seed=i) for i in range(n)], args.row_timeout,
                           # the cores shared as study.py --parallel shares them
@@ -187,9 +192,9 @@ def train_runs(commands: list[list[str]], timeout: float | None, threads: int | 
                                                               "recompiles"))),
            **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     t0 = time.time()
-    procs = [subprocess.Popen([sys.executable, str(REPO / "train.py"), *flags], env=env,
+    procs = [subprocess.Popen([sys.executable, str(REPO / "train.py"), *argv], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) for flags in commands]
+                              start_new_session=True) for argv in commands]
 
     def finish(p):  # (what it said on stderr, its wall time or None if it timed out)
         try:
@@ -206,12 +211,12 @@ def train_runs(commands: list[list[str]], timeout: float | None, threads: int | 
                 os.killpg(p.pid, signal.SIGKILL)
         pool.shutdown()
     out = []
-    for p, flags, (said, wall) in zip(procs, commands, ended):
+    for p, argv, (said, wall) in zip(procs, commands, ended):
         if wall is None or p.returncode:
             out.append({"failed": f"timed out after {timeout:g} s (--row-timeout)\n{tail(said)}"
                         if wall is None else f"train.py exited with {p.returncode}\n{tail(said)}"})
             continue
-        value = lambda flag: flags[flags.index(flag) + 1]
+        value = lambda flag: argv[argv.index(flag) + 1]
         timed = [e for e in RunFolder(value("--out-dir"), master=False).records()
                  if "tok_per_s" in e]
         tps = [e["tok_per_s"] for e in timed][1:]  # the first interval warms up

@@ -221,7 +221,8 @@ def plan(study: dict, scale_name: str, folder: Path, only=None, seeds=None) -> l
 
 def scale_arms(study: dict, scale_name: str) -> list[str]:
     """The arms a scale runs: its `arms`, else all of the study's, in the file's order."""
-    return [a for a in study["arms"] if a in study["scales"][scale_name].get("arms", a)]
+    chosen = study["scales"][scale_name].get("arms")
+    return [a for a in study["arms"] if chosen is None or a in chosen]
 
 
 def metric_names(scale) -> list[str]:

@@ -265,9 +265,8 @@ def start_phase(run: Run, step: int, objective: str, start: int, end: int, entry
         ids = [run.device.index] if run.device.type == "cuda" else None
         model = nn.parallel.DistributedDataParallel(trainee, device_ids=ids,
                                                     broadcast_buffers=False)
-    compiled = use_compile(run.device, args.compile)
-    graphs = compiled and args.cuda_graphs and run.device.type == "cuda"
-    if compiled:  # reduce-overhead: each graph captured once, then replayed
+    graphs = replays_graphs(run)
+    if use_compile(run.device, args.compile):  # reduce-overhead: graphs captured once, replayed
         model = torch.compile(model, mode="reduce-overhead" if graphs else None)
     optimizer = make_optimizer(trainee, args)
     saved = run.ckpt if run.ckpt is not None and run.ckpt["step"] == step else None
@@ -282,6 +281,12 @@ def start_phase(run: Run, step: int, objective: str, start: int, end: int, entry
         optimizer.load_state_dict(saved["optimizer"])
     extras = {**parts.extras, "args": args}
     return Phase(objective, start, end, trainee, model, graphs, optimizer, parts, extras)
+
+
+def replays_graphs(run: Run) -> bool:
+    """Whether the compiled step is replayed as CUDA graphs: --cuda-graphs, compiled, on CUDA."""
+    return (run.args.cuda_graphs and run.device.type == "cuda"
+            and use_compile(run.device, run.args.compile))
 
 
 DATA_KEYS = ("name", "folder", "vocab_size", "train_tokens", "unigram_entropy")  # in checkpoints
@@ -415,8 +420,7 @@ def describe(run: Run, p1: int) -> str:
     slow = (f"\nnote: {args.size} on a CPU, {tokens / 1e6:,.0f}M tokens: hours or days (the eta "
             f"says how long once it starts); this wants a GPU. The CPU demo: {CPU_DEMO}"
             if run.device.type == "cpu" and args.size != "tiny" and tokens > 1e7 else "")
-    if args.cuda_graphs and not (run.device.type == "cuda" and use_compile(run.device,
-                                                                           args.compile)):
+    if args.cuda_graphs and not replays_graphs(run):
         slow += "\nnote: --cuda-graphs needs CUDA and --compile; the step runs without them here"
     return (f"model: {run.encoder.num_params() / 1e6:.2f}M parameters ({args.size}: "
             f"{cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.position} positions) | data: "
