@@ -24,7 +24,7 @@ the other rows go on, and bench.py exits 1 at the end.
            fixed slots as train.py does; only if transformers is installed (never a
            requirement); flops_ratio is ours / theirs in FLOPs per token
   ltg      our MLM training step against LTG-BERT's own model code, re-implemented from
-           ltgoslo/ltg-bert in helpers/ltg_bert.py, loaded with the same weights (eager unless
+           ltgoslo/ltg-bert in benchmarks/ltg_bert.py, loaded with the same weights (eager unless
            --compile); max_abs_diff is the largest difference of their logits in float32
   attn     one attention layer's relative-position core, forward and backward, dropout off:
            the model's gather path against other formulations (the relative shift, flex_attention
@@ -64,8 +64,8 @@ import evaluate
 import sparse
 from data.masking import mask_capacity
 from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
-from helpers.bench_models import bench_bert, bench_ltg, flops_per_token, mfu
-from helpers.bench_ops import bench_attn, bench_ema
+from benchmarks.models import bench_bert, bench_ltg, flops_per_token, mfu
+from benchmarks.ops import bench_attn, bench_ema
 from machinery import flags
 from machinery.device import add_device_flag, pick_device, use_compile, use_tf32
 from machinery.run_folder import REPO, RunFolder

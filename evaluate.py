@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from data.masking import uniform_mask
 from data.prepare import CLS, MASK, SEP, Segments, check_tokenizer, encode_masked, prepare
 from data.tasks import TASKS, pad, read_jsonl
-from helpers.finetune import RECIPES, finetune
+from evaluation.finetune import RECIPES, finetune
 from machinery import flags
 from machinery.device import add_device_flag, autocast, pick_device, seed_of
 from machinery.multibootstrap import compare

@@ -105,7 +105,7 @@ print(prepare('babylm_10m', int(sys.argv[1])))" "$vocab" | tee /dev/stderr | tai
     "$py" - "$raw" "$G/raw" "$study" "${2:-${SCALE:-gpu}}" <<'EOF' || exit 1
 import shutil, sys
 from pathlib import Path
-from helpers.study_plan import StudyError, load_study
+from studies.plan import StudyError, load_study
 raw, to, study, scale = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 shutil.rmtree(to, ignore_errors=True)
 need = {"babylm_eval/full_eval/blimp_filtered": None,

@@ -11,7 +11,7 @@ examples and learns from how much they help the student on a labelled task.
     python evaluate.py finetune --ckpt runs/meta_glue_hard/ckpt.pt --task rte --data-dir ...
 
 The method is this file: the teacher, the meta steps and the pretraining loop, then how each task
-runs it. The tasks themselves (helpers/meta_moons.py, helpers/meta_glue.py) hand it their batches
+runs it. The tasks themselves (metalearning/moons.py, metalearning/glue.py) hand it their batches
 and, for Two Moons, the rule that scores a student; the (x, y) format is data/meta_examples.py.
 
 Shen (2021), "Meta-learning a Language Modeling Objective" (Stanford CS330 report; code:
@@ -63,9 +63,9 @@ from tqdm import tqdm
 
 from data.meta_examples import task_batch
 from data.prepare import PAD, VOCAB_SIZE, raw_root
-from helpers import training_run
-from helpers.meta_glue import glue_task
-from helpers.meta_moons import (MOONS_TOKENS, PROTOCOLS, Labeled, ft_batch, labeled_sets,
+from training import run as training_run
+from metalearning.glue import glue_task
+from metalearning.moons import (MOONS_TOKENS, PROTOCOLS, Labeled, ft_batch, labeled_sets,
                                 moons_batches, moons_text, predict_labels, print_table, two_moons)
 from machinery import flags
 from machinery.device import add_device_flag, autocast, pick_device

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sparse
-from helpers.training_run import ObjectiveParts
+from training.run import ObjectiveParts
 from machinery.device import use_compile
 from model import (BootHeads, BootPredictor, boot_states, init_linears, load_checkpoint,
                    small_init)

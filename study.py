@@ -51,9 +51,9 @@ import torch
 import evaluate
 from data.prepare import prepare, prepared_copies, resolve
 from data.tasks import TASKS
-from helpers.study_plan import (Job, StudyError, load_study, metric_names, plan, raw_path,
+from studies.plan import (Job, StudyError, load_study, metric_names, plan, raw_path,
                                 scale_arms, shown)
-from helpers.study_report import build_report
+from studies.report import build_report
 from machinery import flags
 from machinery.results import read_result
 from machinery.run_folder import REPO, RunFolder

@@ -10,7 +10,7 @@
     python train.py --objective mlm --two-phase --masking uniform              # their baseline
 
 The data is prepared on first use (data/prepare.py). A run folder (--out-dir; opened by
-helpers/training_run.py) keeps the settings, log, checkpoints and code of a run. SIGINT/SIGTERM
+training/run.py) keeps the settings, log, checkpoints and code of a run. SIGINT/SIGTERM
 save the current step and print the --resume command.
 
 The objectives sit one file below, in objectives.py: adding one = its loss function
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 import sparse
 from data.prepare import VOCAB_SIZE
-from helpers.training_run import (Phase, Run, check_warmup, checked_settings, describe, log_line,
+from training.run import (Phase, Run, check_warmup, checked_settings, describe, log_line,
                                   nothing_to_do, open_run, save, save_words_flag, start_phase,
                                   summary, train_batch, validate, word_marks)
 from machinery import flags
@@ -79,7 +79,7 @@ def phase_of(step, args):
 
 
 def phase_at(run: Run, step: int) -> Phase:
-    """The phase `step` belongs to, ready to train (training_run.start_phase)."""
+    """The phase `step` belongs to, ready to train (training/run.start_phase)."""
     objective, start, end = phase_of(step, run.args)
     return start_phase(run, step, objective, start, end, OBJECTIVES[objective])
 

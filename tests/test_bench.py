@@ -114,7 +114,7 @@ def test_flops_per_token_counts_what_torch_counts(size):
     forward)."""
     from torch.utils.flop_counter import FlopCounterMode
     from data.masking import predicted_slots
-    from helpers.bench_models import bert_flops_per_token, flops_per_token, mlm_batch
+    from benchmarks.models import bert_flops_per_token, flops_per_token, mlm_batch
     from model import PRESETS, Encoder, ModelConfig
     B, T, V = 2, 64, 1000
     cfg = ModelConfig(**PRESETS[size], vocab_size=V)

@@ -16,7 +16,7 @@ from conftest import run_script, shared_data
 from data.masking import uniform_mask
 from data.prepare import CLS, MASK, SEP, load_tokenizer
 from data.tasks import read_task
-from helpers import finetune
+from evaluation import finetune
 from machinery import device as device_module
 from machinery import multibootstrap, optim, results
 from machinery.storage import read_checkpoint, save_checkpoint

@@ -12,11 +12,13 @@ import objectives
 import train
 from conftest import REPO
 
-# Floors, from the ground up: the run machinery (machinery/), the data (data/), the model, what
-# the stages use that is not their method (helpers/), the libraries with a command line, the
+# Floors, from the ground up: the run machinery (machinery/), the data (data/), the model, the
+# folders that each serve one stage (training/, evaluation/, metalearning/, benchmarks/,
+# studies/), the libraries with a command line, the
 # objectives (train.py's, one file below its loop), the scripts. hf/: the modeling file export.py
 # ships, transformers' code only.
-FLOOR = {"machinery": 0, "hf": 0, "data": 1, "model": 2, "helpers": 3, "sparse": 4, "evaluate": 4,
+FLOOR = {"machinery": 0, "hf": 0, "data": 1, "model": 2, "training": 3, "evaluation": 3,
+         "metalearning": 3, "benchmarks": 3, "studies": 3, "sparse": 4, "evaluate": 4,
          "objectives": 5, "train": 6, "meta": 6, "synth": 6, "study": 6, "bench": 6, "export": 6,
          "plot": 6}
 CARD = {"model", "train", "objectives", "sparse", "synth", "meta", "evaluate"}  # the card's

@@ -13,7 +13,7 @@ import meta as M
 from conftest import shared_data
 from data import meta_examples as EX
 from data.prepare import MASK, PAD, SEP
-from helpers import meta_moons as MM
+from metalearning import moons as MM
 from machinery.multibootstrap import load_examples, multibootstrap
 from model import Encoder, ModelConfig, load_checkpoint
 

@@ -11,7 +11,7 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
-from helpers.ltg_bert import LtgBert, ltg_buckets
+from benchmarks.ltg_bert import LtgBert, ltg_buckets
 from machinery.kernels import dropout
 from machinery.optim import Lamb, ema_update
 from machinery.storage import read_checkpoint, save_checkpoint
@@ -135,7 +135,7 @@ def test_training_attention_on_the_cpu_drops_probabilities_as_the_reference(monk
 
 
 def test_encoder_equals_ltg_bert_model_code():
-    """helpers/ltg_bert.py re-implements LTG-BERT's own model code (sequence first, each pair's
+    """benchmarks/ltg_bert.py re-implements LTG-BERT's own model code (sequence first, each pair's
     position vectors gathered before two einsums, its bucket formula, its masked softmax): with
     one state dict, the MLM logits and every parameter's gradient agree in float64, padding in
     two of three rows."""

@@ -15,7 +15,7 @@ import pytest
 import evaluate as E
 import study
 from conftest import REPO, TINY, run_script, run_train, shared_data
-from helpers import study_plan, study_report
+from studies import plan as study_plan, report as study_report
 from machinery import results
 
 

@@ -21,8 +21,8 @@ import warm_python
 from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
-from helpers import training_run
-from helpers.training_run import ObjectiveParts, Trainee
+from training import run as training_run
+from training.run import ObjectiveParts, Trainee
 from machinery import optim, stopping
 from machinery.storage import save_checkpoint
 from model import PRESETS, BootPredictor, Encoder, ModelConfig, boot_states
@@ -147,7 +147,7 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     kept = {"args.json", "config.json", "data.json", "log.jsonl", "ckpt.pt", "code"}
     assert kept <= {p.name for p in out.iterdir()}
     code = {p.relative_to(out / "code").as_posix() for p in (out / "code").rglob("*.py")}
-    assert {"train.py", "model.py", "helpers/training_run.py", "data/masking.py"} <= code
+    assert {"train.py", "model.py", "training/run.py", "data/masking.py"} <= code
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert {"model", "optimizer", "config", "args", "step", "rng", "data_pos", "extras_state",
             "code_version", "tokenizer"} <= ckpt.keys()
@@ -1206,7 +1206,7 @@ def test_a_runs_code_hash_covers_every_file_train_py_imports(trained):
                     repo_imports(file, seen)
         return seen
     imported = {f.relative_to(REPO).as_posix() for f in repo_imports(REPO / "train.py", set())}
-    assert {"helpers/training_run.py", "model.py", "data/masking.py",
+    assert {"training/run.py", "model.py", "data/masking.py",
             "machinery/storage.py"} <= imported
     code = trained.parent / "code"
     copied = {p.relative_to(code).as_posix() for p in code.rglob("*.py")}

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from data.masking import mask_capacity, predicted_slots
 from data.prepare import MASK, SPECIALS, VOCAB_SIZE
-from helpers.ltg_bert import LtgBert
+from benchmarks.ltg_bert import LtgBert
 from machinery.device import autocast, use_bf16, use_compile
 from machinery.timing import PROFILES, alternate, profile_ops, row
 from model import PRESETS, Encoder, ModelConfig, use_attention

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from helpers.study_plan import metric_names, plan, scale_arms, shown
+from studies.plan import metric_names, plan, scale_arms, shown
 from machinery.multibootstrap import examples_of, multibootstrap
 from machinery.results import read_result
 from machinery.run_folder import REPO
