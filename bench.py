@@ -71,6 +71,7 @@ from machinery.device import add_device_flag, pick_device, use_compile, use_tf32
 from machinery.run_folder import REPO, RunFolder
 from machinery.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
 from model import PRESETS, Encoder, ModelConfig, use_attention
+from objectives import BASELINE, OBJECTIVES
 
 
 V = VOCAB_SIZE
@@ -97,10 +98,11 @@ def bench_step(args, device, tmp):
             run = Path(tmp) / f"{objective}_{size}"
             case = f"{objective} {size} {B}x{T}{run_variant(args)}"
             flags = train_flags(args, device, objective, size, run)
-            two_phase = objective.split("+")[0] in ("kd", "mlsm")  # taught by a phase-1 model
-            if two_phase:  # phase 2 alone
-                flags += ["--teacher", str(Path(tmp) / f"mlm_{size}" / "ckpt.pt")]
-            if objective.startswith("mlsm"):
+            entry = OBJECTIVES[objective]
+            two_phase, coded = entry.two_phase, "dict" in entry.flags  # coded: mlsm's targets
+            if two_phase:  # phase 2 alone, taught by the baseline's run
+                flags += ["--teacher", str(Path(tmp) / f"{BASELINE}_{size}" / "ckpt.pt")]
+            if coded:
                 g = torch.Generator().manual_seed(0)
                 D = torch.randn(cfg.d_model, args.mlsm_k, generator=g)
                 path = Path(tmp) / f"dict_{size}.pt"
@@ -116,17 +118,17 @@ def bench_step(args, device, tmp):
             flops = flops_per_token(cfg, T, slots / (B * T), B * T)
             extra = {k: r[k] for k in ("wall_s", "overhead_s", "peak_mem_gb", "recompiles")}
             extra["mfu"] = mfu(flops, statistics.median(tps), device)
-            if objective.startswith("mlsm"):  # the coder timed alone, not inside the step
+            if coded:  # the coder timed alone, not inside the step
                 try:
                     coder = coder_seconds(args, device, D)
                     step_s = B * T / statistics.median(tps)
                     extra.update(coder_ms=1e3 * coder, code_share=coder / step_s)
                 except Exception as e:  # the step's row stands; the next objective goes on
                     extra["coder_failed"] = f"{type(e).__name__}: {e}"
-            base = reference.get(size) if objective != "mlm" else None
-            yield row("step", case, "tokens/s", tps, *(("mlm", base) if base else ("-", None)),
+            base = reference.get(size) if objective != BASELINE else None
+            yield row("step", case, "tokens/s", tps, *((BASELINE, base) if base else ("-", None)),
                       **extra)
-            if objective == "mlm":
+            if objective == BASELINE:
                 reference[size] = tps
 
 
@@ -553,7 +555,7 @@ def main(argv=None):
     cpu = device.type == "cpu"
     args.sizes = (args.sizes or ("tiny" if args.quick or cpu else "tiny,small,base")).split(",")
     args.objectives = args.objectives.split(",")
-    if "step" in args.only.split(",") and args.objectives[0] != "mlm":
+    if "step" in args.only.split(",") and args.objectives[0] != BASELINE:
         raise SystemExit("error: --objectives must start with mlm: it is the step rows' "
                          "reference and the two-phase objectives' teacher")
     args.batch_size = args.batch_size or (4 if args.quick else 32 if cpu else 128)

@@ -53,18 +53,18 @@ def need_transformers():
 def hf_config(ckpt: dict) -> dict:
     """config.json: the encoder's ModelConfig fields, the BootBERT decoder if it predicts
     through one, the special ids, and where transformers finds the classes."""
-    boot = ckpt.get("objective") == "boot"
-    depth, mae = boot_shape(ckpt["heads"]) if boot else (0, False)
+    depth, mae = boot_shape(ckpt["heads"]) if ckpt["decoder"] else (0, False)
     classes = {"AutoConfig": "NanoMLMConfig", "AutoModel": "NanoMLMModel",
                "AutoModelForMaskedLM": "NanoMLMForMaskedLM",
                "AutoModelForSequenceClassification": "NanoMLMForSequenceClassification"}
-    if ckpt.get("objective") == "gpt-bert":  # trained causally too: the pipeline's causal backend
+    if ckpt["predicts_before"]:  # gpt-bert, trained causally too: the pipeline's causal backend
         classes["AutoModelForCausalLM"] = "NanoMLMForCausalLM"
     return {**ckpt["config"], "boot_decoder_layers": depth, "boot_mae": mae,
             "model_type": "nanomlm", "architectures": ["NanoMLMForMaskedLM"],
             "auto_map": {k: f"modeling_nanomlm.{v}" for k, v in classes.items()},
             "pad_token_id": PAD, "mask_token_id": MASK, "bos_token_id": CLS, "eos_token_id": SEP,
-            "objective": ckpt.get("objective"), "step": ckpt.get("step"),
+            "objective": ckpt.get("objective"), "predicts_before": ckpt["predicts_before"],
+            "step": ckpt.get("step"),
             "words_seen": ckpt.get("words_seen")}
 
 

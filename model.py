@@ -477,12 +477,10 @@ def load_weights(model: "Encoder", path, reset=()) -> None:
 
 def load_checkpoint(path, device="cpu", encoder_only=False):
     """-> (model in eval mode on `device`, its sentencepiece tokenizer). The model predicts a
-    hidden token by the path its objective trained: the Encoder and its MLM head, or for boot a
-    BootPredictor (the student's decoder before the head). encoder_only: the Encoder alone, for
-    its states (fine-tuning, dictionaries). model.train_args holds the arguments it was trained
-    with (its seed, objective, data...), model.trained_steps the step it was saved at, and
-    model.predicts_before whether it predicts a hidden token at the position before it (gpt-bert's
-    masked next-token prediction)."""
+    hidden token as the checkpoint says its objective trained it: the Encoder and its MLM head,
+    or through a decoder a BootPredictor (BootBERT's student); model.predicts_before: at the
+    position before it (gpt-bert's masked next-token prediction). encoder_only: the Encoder alone,
+    for its states. model.train_args: the flags it was trained with; trained_steps: its step."""
     ckpt = read_checkpoint(path)
     model = Encoder(ModelConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"], strict=True)
@@ -490,11 +488,13 @@ def load_checkpoint(path, device="cpu", encoder_only=False):
     if tok.get_piece_size() != model.config.vocab_size:
         raise SystemExit(f"error: {path} pairs a {model.config.vocab_size}-token model with a "
                          f"{tok.get_piece_size()}-piece tokenizer; it was not written by train.py")
-    if ckpt.get("objective") == "boot" and not encoder_only:
+    if "decoder" not in ckpt:  # before 2026-11-27, the objective's name said it
+        raise SystemExit(f"error: {path} predates checkpoints that say how they predict")
+    if ckpt["decoder"] and not encoder_only:
         boot = BootHeads(model.config, *boot_shape(ckpt["heads"]))
         boot.load_state_dict(ckpt["heads"], strict=True)
         model = BootPredictor(model, boot, tok.piece_to_id("[MASK]"))
     model.train_args = ckpt.get("args", {})
     model.trained_steps = ckpt.get("step")  # what an evaluation of it records as its step
-    model.predicts_before = model.train_args.get("objective") == "gpt-bert"
+    model.predicts_before = ckpt["predicts_before"]
     return model.to(device).eval(), tok

@@ -1,7 +1,7 @@
 """The pretraining objectives, each one loss function and one OBJECTIVES entry, read by
 train.py's loop (which names no objective):
 
-    loss, stats = OBJECTIVES[name].loss(model, batch, extras)
+    loss, stats = OBJECTIVES[name].loss(model, batch, parts)
 
   mlm       masked language modelling, LTG-BERT's recipe (docs/objectives/mlm.md)
   gpt-bert  GPT-BERT's hybrid: masked next-token prediction and causal LM (gpt-bert.md)
@@ -9,10 +9,13 @@ train.py's loop (which names no objective):
   kd, kd+mlm, mlsm, mlsm+mlm   taught by the phase-1 model's predictions, or by the sparse
             codes of its states (kd.md, mlsm.md)
 An entry adds a setup function where the objective trains extra modules or reads a teacher, its
-paper's defaults, and whether a phase of plain MLM comes first.
+paper's defaults, and what the loop, the scorers and the export need to know of it (a phase of
+plain MLM first, the flags of its own, how its checkpoints predict): fields, never its name.
 """
+import argparse
 import copy
 import functools
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -21,24 +24,52 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sparse
-from training.run import ObjectiveParts
 from machinery.device import use_compile
 from model import (BootHeads, BootPredictor, boot_states, init_linears, load_checkpoint,
                    small_init)
 
 
 # ---------------------------------------------------------------------------------------------
-# Objectives: loss, stats = fn(model, batch, extras)
+# Objectives: loss, stats = fn(model, batch, parts)
 #   model:   a Trainee; model.encoder is the shared Encoder, model.heads what the objective adds
 #   batch:   input_ids (B, T) clean, attention_mask (B, T), inputs (B, T) masked, labels (B, T)
 #            (-100 where nothing is predicted); slots (C,) the flat positions b * T + t of the
 #            predicted tokens, then padding slots; targets (C,) their labels, -100 in padding
-#   extras:  what the loss reads besides the batch that the optimizer does not train: frozen
-#            teachers, a dictionary..., and "args"; a mean teacher under "ema" is updated by the
-#            loop after every optimizer step
+#   parts:   ObjectiveParts: the run's flags and what the loss reads besides the batch that the
+#            optimizer does not train (frozen teachers, a dictionary...), in named fields
 #   stats:   {name: 0-dim tensor}, averaged over the log interval and written to log.jsonl
 # Losses are means over the predicted slots, padding weighed out: a batch with nothing to
 # predict gives 0 and no gradient, not 0/0. No tensor becomes a Python number in a loss.
+
+
+@dataclass
+class ObjectiveParts:
+    """What an objective's setup adds to its phase besides the loss: the heads trained with the
+    encoder, and what the loss reads besides the batch. A module here other than `heads` is not
+    trained by the optimizer."""
+    heads: nn.Module = field(default_factory=nn.ModuleDict)
+    args: argparse.Namespace | None = None  # the run's flags (set as the phase starts)
+    ema: nn.Module | None = None       # boot: the mean teacher, which the loop updates after
+    #                                    every optimizer step; kept in checkpoints
+    compact: bool = False              # boot: the student encodes only the kept tokens (eager)
+    teacher: nn.Module | None = None   # kd, mlsm: the frozen phase-1 model (or --teacher)
+    dictionary: torch.Tensor | None = None  # mlsm: D (d, k), unit columns
+    lipschitz: torch.Tensor | None = None   # mlsm: ||D||_2^2, fista_fixed's step is 1/L
+    layer: int = -1                    # mlsm: the teacher's layer whose states are coded
+    momentum: torch.Tensor | None = None    # mlsm: fista_fixed's momentum schedule (steps,)
+    exact_coder: Callable | None = None     # mlsm --mlsm-coder exact: sparse_code, run eagerly
+
+
+class Trainee(nn.Module):
+    """What one phase trains: the encoder plus the modules its objective adds. Its forward is
+    the objective's loss, so DDP and torch.compile see every trained parameter in one call."""
+
+    def __init__(self, encoder, heads, loss):
+        super().__init__()
+        self.encoder, self.heads, self.loss = encoder, heads, loss
+
+    def forward(self, batch, parts: ObjectiveParts):
+        return self.loss(self, batch, parts)
 
 
 def slot_mean(x, predicted):
@@ -56,7 +87,7 @@ def slot_accuracy(logits, targets):
     return slot_mean((logits.argmax(-1) == targets).float(), targets != -100)
 
 
-def mlm(model, batch, extras):
+def mlm(model, batch, parts):
     """Masked language modelling (Devlin et al. 2019): cross-entropy at the chosen positions."""
     _, logits = model.encoder(batch["inputs"], batch["attention_mask"],
                               predict=batch["slots"])                       # (C, V)
@@ -70,7 +101,7 @@ def causal_rows(B: int, fraction: float) -> int:
     return min(max(round(B * fraction), int(fraction > 0)), B - int(fraction < 1))
 
 
-def gpt_bert(model, batch, extras):
+def gpt_bert(model, batch, parts):
     """GPT-BERT's hybrid (Charpentier & Samuel 2024, "GPT or BERT: why not both?", sec. 2): the
     first rows of the batch are masked next-token prediction (MNTP), the last B_c causal LM
     (B_c = causal_rows), in the same encoder and its relative attention.
@@ -84,7 +115,7 @@ def gpt_bert(model, batch, extras):
     gives each GPU one objective and averages the GPUs' means: the same weighting), plus
     gpt-bert's z-loss 1e-4 mean(logsumexp(logits)^2) on every scored position."""
     B, T = batch["input_ids"].shape
-    n = B - causal_rows(B, extras["args"].causal_fraction)                 # MNTP rows: [0, n)
+    n = B - causal_rows(B, parts.args.causal_fraction)                    # MNTP rows: [0, n)
     parts = {}                                 # name: (its share, logits (N, V), targets (N,))
     if n > 0:
         slots, targets = batch["slots"], batch["targets"]                  # (C,)
@@ -109,7 +140,7 @@ def gpt_bert(model, batch, extras):
     return loss + 1e-4 * z, {**stats, "z_loss": z.detach()}
 
 
-def boot(model, batch, extras):
+def boot(model, batch, parts):
     """Latent bootstrapping (Samuel 2023, "Mean BERTs make erratic language teachers", sec. 3).
 
     The student encoder sees only the kept tokens, each at its original position (a masked
@@ -121,15 +152,15 @@ def boot(model, batch, extras):
     loss = lb_weight * LB + mlm_weight * MLM. Student, teacher and decoder each end in an affine
     LayerNorm (--final-norm, on for boot).
     """
-    args, enc, heads = extras["args"], model.encoder, model.heads
+    args, enc, heads = parts.args, model.encoder, model.heads
     ids, mask, slots, targets = (batch[k] for k in ("input_ids", "attention_mask", "slots",
                                                     "targets"))
     hide = batch["labels"] != -100                                         # (B, T)
     predicted = targets != -100                                            # (C,)
-    out = boot_states(enc, heads, batch["inputs"], mask, hide, extras["compact"])
+    out = boot_states(enc, heads, batch["inputs"], mask, hide, parts.compact)
     out = out.flatten(0, 1)[slots]                                         # (C, D)
     with torch.no_grad():
-        target = extras["ema"](ids, mask).flatten(0, 1)[slots].float()        # (C, D)
+        target = parts.ema(ids, mask).flatten(0, 1)[slots].float()            # (C, D)
         target = F.layer_norm(target, target.shape[-1:])
     per_slot = F.smooth_l1_loss(heads.regress(out).float(), target, reduction="none").mean(-1)
     lb = slot_mean(per_slot, predicted)
@@ -147,30 +178,30 @@ def boot(model, batch, extras):
 
 def setup_boot(encoder, args, run_dir, device) -> ObjectiveParts:
     """The student's extra parts, and the mean teacher: an EMA copy of the encoder (its
-    embeddings, layers and final norm, not the decoder). As extras["ema"], the loop updates it after
+    embeddings, layers and final norm, not the decoder). As parts.ema, the loop updates it after
     every optimizer step, its decay scheduled over the phase (optim.ema_decay_at)."""
     # --decoder-layers, by default a third of the encoder's, at least 1: the paper's 4 on 12
     n = args.decoder_layers or max(1, encoder.config.n_layer // 3)
     heads = BootHeads(encoder.config, n, args.boot_student == "mae")
     ema = copy.deepcopy(encoder).eval().requires_grad_(False)
     # compiled, the student reads all T slots: the kept count varies per batch (boot_states)
-    extras = {"ema": ema, "compact": not use_compile(torch.device(device), args.compile)}
-    return ObjectiveParts(heads, extras=extras, saved={"ema": ema})
+    return ObjectiveParts(heads, ema=ema,
+                          compact=not use_compile(torch.device(device), args.compile))
 
 
-def kd(model, batch, extras, with_mlm=False):
+def kd(model, batch, parts, with_mlm=False):
     """Knowledge distillation (Hinton et al. 2015) from the frozen phase-1 model (Berend 2023,
     "Better Together", sec. 2.2): KL(teacher || student) over the vocabulary at the masked
     positions, mean over positions, at temperature T and times T^2 (so gradients keep their
     size as T changes); kd+mlm adds --mlm-weight x the MLM cross-entropy."""
-    args, slots, targets = extras["args"], batch["slots"], batch["targets"]
+    args, slots, targets = parts.args, batch["slots"], batch["targets"]
     _, logits = model.encoder(batch["inputs"], batch["attention_mask"], predict=slots)  # (C, V)
     with torch.no_grad():
         seen = batch["input_ids"] if args.kd_teacher_input == "clean" else batch["inputs"]
         # a boot teacher hides what it predicts from its encoder, as it was trained to
-        hidden = ({"hide": batch["labels"] != -100} if isinstance(extras["teacher"], BootPredictor)
+        hidden = ({"hide": batch["labels"] != -100} if isinstance(parts.teacher, BootPredictor)
                   else {})
-        _, teacher = extras["teacher"](seen, batch["attention_mask"], predict=slots, **hidden)
+        _, teacher = parts.teacher(seen, batch["attention_mask"], predict=slots, **hidden)
     T = args.kd_temperature
     per_slot = F.kl_div(F.log_softmax(logits.float() / T, -1),
                         F.log_softmax(teacher.float() / T, -1),
@@ -202,7 +233,7 @@ def setup_kd(encoder, args, run_dir, device) -> ObjectiveParts:
     teacher = load_teacher(encoder, args, run_dir, device)[0]
     if isinstance(teacher, BootPredictor):
         teacher.compact = not use_compile(torch.device(device), args.compile)
-    return ObjectiveParts(extras={"teacher": teacher})
+    return ObjectiveParts(teacher=teacher)
 
 
 # the MLSM code's targets (szegedai/MLSM, sparser.py): this many FISTA steps from zero, no stopping
@@ -210,7 +241,7 @@ def setup_kd(encoder, args, run_dir, device) -> ObjectiveParts:
 MLSM_FISTA_STEPS = 100
 
 
-def mlsm(model, batch, extras, with_mlm=False):
+def mlsm(model, batch, parts, with_mlm=False):
     """Masked latent semantic modeling (Berend 2023, "Masked Latent Semantic Modeling", sec. 3;
     "Better Together", sec. 2.3). At every masked position the frozen phase-1 model, reading the
     unmasked sequence, gives its layer-L state h; the target is the l1-normalised non-negative
@@ -219,19 +250,20 @@ def mlsm(model, batch, extras, with_mlm=False):
     Loss: KL(target || prediction), mean over the positions whose code is not all zero (those
     have no distribution to predict and are left out, counted in zero_rate); mlsm+mlm adds
     --mlm-weight x the MLM cross-entropy at the same positions."""
-    args, enc, slots, targets = extras["args"], model.encoder, batch["slots"], batch["targets"]
+    args, enc, slots, targets = parts.args, model.encoder, batch["slots"], batch["targets"]
     predicted = targets != -100                                           # (C,)
     with torch.no_grad():
-        states = extras["teacher"](batch["input_ids"], batch["attention_mask"], all_layers=True)
-        h = states[extras["layer"]].flatten(0, 1)[slots]                     # (C, d)
+        states = parts.teacher(batch["input_ids"], batch["attention_mask"], all_layers=True)
+        h = states[parts.layer].flatten(0, 1)[slots]                         # (C, d)
         with torch.autocast(h.device.type, enabled=False):
             h = F.normalize(h.float(), dim=-1)
             if args.mlsm_coder == "fista100":  # the MLSM code's targets
-                codes = sparse.fista_fixed(h, extras["dict"], args.mlsm_lam, MLSM_FISTA_STEPS,
-                                           extras["L"], extras["momentum"])             # (C, k)
+                codes = sparse.fista_fixed(h, parts.dictionary, args.mlsm_lam,
+                                           MLSM_FISTA_STEPS, parts.lipschitz,
+                                           parts.momentum)                    # (C, k)
             else:  # its working set is sized by the data: run eagerly (setup_mlsm)
-                codes = extras["exact_coder"](h, extras["dict"], args.mlsm_lam, args.mlsm_iters,
-                                           args.mlsm_tol)
+                codes = parts.exact_coder(h, parts.dictionary, args.mlsm_lam, args.mlsm_iters,
+                                          args.mlsm_tol)
         mass = codes.sum(1, keepdim=True)                                 # (C, 1)
         coded = (mass.squeeze(1) > 0) & predicted                         # (C,)
         # rows sum to 1; all-zero codes and padding slots stay 0
@@ -282,41 +314,48 @@ def setup_mlsm(encoder, args, run_dir, device) -> ObjectiveParts:
     init_linears(small_init(encoder.config.d_model), head)
     D = D.to(device)
     L = torch.linalg.matrix_norm(D, ord=2) ** 2  # fista_fixed's step 1/L, of the frozen D: once
-    extras = {"teacher": teacher, "dict": D, "L": L, "layer": layer,
-              "momentum": sparse.fista_momentum(MLSM_FISTA_STEPS, device)}
-    if args.mlsm_coder == "exact":  # outside any compiled graph: a break in a compiled step
-        extras["exact_coder"] = torch.compiler.disable(sparse.sparse_code)
-    return ObjectiveParts(nn.ModuleDict({"latent": head}), extras=extras)
+    # the exact coder outside any compiled graph: a break in a compiled step
+    exact = torch.compiler.disable(sparse.sparse_code) if args.mlsm_coder == "exact" else None
+    return ObjectiveParts(nn.ModuleDict({"latent": head}), teacher=teacher, dictionary=D,
+                          lipschitz=L, layer=layer, exact_coder=exact,
+                          momentum=sparse.fista_momentum(MLSM_FISTA_STEPS, device))
 
 
 class Objective(NamedTuple):
-    loss: Callable                  # (model, batch, extras) -> (loss, stats)
+    loss: Callable                  # (model, batch, parts) -> (loss, stats)
     setup: Callable | None = None   # (encoder, args, run_dir, device) -> ObjectiveParts
     two_phase: bool = False         # plain MLM first; then this, taught by the phase-1 model
     defaults: dict | None = None    # shared flags whose default differs, as its paper trained it
     note: str | Callable | None = None  # said as a run starts (a function: of the args)
+    flags: tuple = ()               # flags (their dest) of its own, refused for the others
+    # how its checkpoints predict a hidden token, written into them for the scorers and export:
+    predicts_before: bool = False   # from the state at the position before it (MNTP)
+    decoder: bool = False           # through its heads' decoder (BootBERT's student)
 
 
 UNIFORM = dict(masking="uniform")  # Berend 2023's masking, in both phases (szegedai/MLSM)
+BASELINE = "mlm"  # plain MLM: what every objective is compared with, and a two-phase one's phase 1
 OBJECTIVES = {
-    "mlm": Objective(mlm),
-    "gpt-bert": Objective(gpt_bert, note=lambda args: (
+    BASELINE: Objective(mlm, flags=("two_phase",)),
+    "gpt-bert": Objective(gpt_bert, predicts_before=True, flags=("causal_fraction",),
+                          note=lambda args: (
         f"gpt-bert trains {causal_rows(args.batch_size, args.causal_fraction)} of each "
         f"micro-batch's {args.batch_size} rows causally, the rest masked next-token prediction "
         f"(--causal-fraction {args.causal_fraction:g})")),
-    "boot": Objective(boot, setup_boot, defaults=dict(lr=5e-3, weight_decay=0.02,
-                                                      weight_decay_end=0.2, mlm_weight=0.1,
-                                                      final_norm=True)),
-    "kd": Objective(kd, setup_kd, two_phase=True, defaults=UNIFORM),
+    "boot": Objective(boot, setup_boot, decoder=True,
+                      defaults=dict(lr=5e-3, weight_decay=0.02, weight_decay_end=0.2,
+                                    mlm_weight=0.1, final_norm=True)),
+    "kd": Objective(kd, setup_kd, two_phase=True, defaults=UNIFORM, flags=("teacher",)),
     "kd+mlm": Objective(functools.partial(kd, with_mlm=True), setup_kd, two_phase=True,
-                        defaults=UNIFORM),
+                        defaults=UNIFORM, flags=("teacher",)),
     # faithful: Berend 2023 (Table 1a) has MLSM alone below MLSM+MLM on BLiMP
-    "mlsm": Objective(mlsm, setup_mlsm, two_phase=True, defaults=UNIFORM, note=(
+    "mlsm": Objective(mlsm, setup_mlsm, two_phase=True, defaults=UNIFORM,
+                      flags=("teacher", "dict"), note=(
         "mlsm's phase 2 trains the latent head alone: no loss trains the vocabulary logits after "
         "phase 1 while the encoder under them moves, and BLiMP's pseudo-log-likelihoods read "
         "those logits; mlsm+mlm is the joint objective")),
     "mlsm+mlm": Objective(functools.partial(mlsm, with_mlm=True), setup_mlsm, two_phase=True,
-                          defaults=UNIFORM),
+                          defaults=UNIFORM, flags=("teacher", "dict")),
 }
 TWO_PHASE = sorted(name for name, o in OBJECTIVES.items() if o.two_phase)
 

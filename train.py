@@ -39,18 +39,18 @@ import torch.distributed as dist
 
 import sparse
 from data.prepare import VOCAB_SIZE
-from training.run import (Phase, Run, check_warmup, checked_settings, describe, log_line,
-                                  nothing_to_do, open_run, save, save_words_flag, start_phase,
-                                  summary, train_batch, validate, word_marks)
 from machinery import flags
-from machinery.device import add_device_flag
+from machinery.device import add_device_flag, seed_of
 from machinery.optim import ema_decay_at, ema_update, set_schedule
 from machinery.progress import bar, line_buffered
 from machinery.run_folder import REPO, repo_sources
 from machinery.stopping import SafetyNet, exit_now, on_stop_signals
 from model import PARTS, PRESETS, ModelConfig
-from objectives import (DICT_FLAG_NAMES, DICT_FLAGS, OBJECTIVES, TWO_PHASE, causal_fraction,
-                        dict_config, setup_mlsm)
+from objectives import (BASELINE, DICT_FLAG_NAMES, DICT_FLAGS, OBJECTIVES,
+                        ObjectiveParts, Trainee, causal_fraction, dict_config)
+from training.run import (Phase, Run, check_warmup, checked_settings, describe, log_line,
+                          nothing_to_do, open_run, save, save_words_flag, start_phase, summary,
+                          train_batch, validate, word_marks)
 
 
 # Per-size defaults, under an objective's own. On an H100 `small` MLM at LAMB lr 1e-2 with
@@ -75,13 +75,28 @@ def phase1_steps(args) -> int:
 def phase_of(step, args):
     """(objective, first step, end step) of the training phase that `step` belongs to."""
     p1 = phase1_steps(args)
-    return ("mlm", 0, p1) if step < p1 else (args.objective, p1, args.max_steps)
+    return (BASELINE, 0, p1) if step < p1 else (args.objective, p1, args.max_steps)
 
 
 def phase_at(run: Run, step: int) -> Phase:
-    """The phase `step` belongs to, ready to train (training/run.start_phase)."""
+    """The phase `step` belongs to, ready to train: its objective's parts (heads, a teacher...)
+    and trainee, then training/run.start_phase. Phase 2 with --student-init scratch starts from
+    a fresh encoder."""
     objective, start, end = phase_of(step, run.args)
-    return start_phase(run, step, objective, start, end, OBJECTIVES[objective])
+    entry, args = OBJECTIVES[objective], run.args
+    if step == start > 0 and args.student_init == "scratch":
+        torch.manual_seed(seed_of(args.seed, step))
+        run.encoder.init_weights()
+    parts = (entry.setup(run.encoder, args, run.folder.path, run.device) if entry.setup
+             else ObjectiveParts())
+    parts.args = args
+    if step == start > 0:
+        init = "scratch" if args.student_init == "scratch" else "the phase-1 weights"
+        teacher = args.teacher or run.folder.path / "phase1.pt"
+        run.say(f"step {step}: phase 2, {objective} from {init}, a fresh optimizer and warm-up"
+                + (f", taught by {teacher}" if entry.setup else ""))
+    trainee = Trainee(run.encoder, parts.heads.to(run.device), entry.loss)
+    return start_phase(run, step, objective, entry, start, end, trainee, parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,7 +106,7 @@ def phase_at(run: Run, step: int) -> Phase:
 def build_parser():
     p = flags.Parser(prog="train.py", description=__doc__, allow_abbrev=False)
     add = p.add_argument
-    add("--objective", default="mlm", choices=sorted(OBJECTIVES), help="pretraining objective")
+    add("--objective", default=BASELINE, choices=sorted(OBJECTIVES), help="pretraining objective")
     add("--data", default="babylm_10m", help="corpus name under $NANOMLM_RAW, a folder of text "
         "files, or a prepared folder")
     # the 5 specials and 256 byte pieces at least (sentencepiece may need more for a corpus)
@@ -246,15 +261,15 @@ def build_parser():
 def get_args(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
-    mlsm_family = OBJECTIVES[args.objective].setup is setup_mlsm
-    for flag, applies, to in (("teacher", args.objective in TWO_PHASE, ", ".join(TWO_PHASE)),
-                              ("dict", mlsm_family, "mlsm and mlsm+mlm"),
-                              ("reset", args.init_from, "with --init-from")):
-        if getattr(args, flag) and not applies:
-            parser.error(f"--{flag} only applies {'' if to.startswith('with') else 'to '}{to}")
-    if args.two_phase and args.objective != "mlm":
-        parser.error(f"--two-phase only applies to mlm ({', '.join(TWO_PHASE)} always have two)")
-    if mlsm_family:  # fail now, not after phase 1
+    args.given = flags.typed(parser, argv)  # a resumed run refuses those that differ
+    entry = OBJECTIVES[args.objective]
+    for flag in sorted({f for o in OBJECTIVES.values() for f in o.flags} - set(entry.flags)):
+        if flag in args.given and not args.resume:  # a resumed run's saved objective decides
+            mine = ", ".join(name for name, o in OBJECTIVES.items() if flag in o.flags)
+            parser.error(f"--{flag.replace('_', '-')} only applies to {mine}")
+    if args.reset and not args.init_from:
+        parser.error("--reset only applies with --init-from")
+    if "dict" in entry.flags:  # the dictionary's flags: fail now, not after phase 1
         dict_config(args).check(flags=DICT_FLAG_NAMES)
     for flag, allowed in (("reset", PARTS), ("freeze", ["embeddings"])):
         bad = [x for x in getattr(args, flag).split(",") if x and x not in allowed]
@@ -264,9 +279,6 @@ def get_args(argv):
         check_phases(args)
     if args.out_dir is None:
         args.out_dir = str(REPO / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
-    args.given = flags.typed(parser, argv)  # a resumed run refuses those that differ
-    if "causal_fraction" in args.given and args.objective != "gpt-bert" and not args.resume:
-        parser.error("--causal-fraction only applies to gpt-bert")
     preset = {**SIZE_DEFAULTS[args.size], **(OBJECTIVES[args.objective].defaults or {})}
     flags.fill_unset(args, preset, typed=args.given)
     if args.masking == "uniform" and int(args.mask_p * args.seq_len) < 1:
@@ -324,7 +336,7 @@ def main(argv=None):
             sync = not run.ddp or micro == args.grad_accum - 1  # DDP all-reduces on the last one
             with contextlib.nullcontext() if sync else phase.model.no_sync():
                 with run.amp:
-                    loss, stats = phase.model(batch, phase.extras)
+                    loss, stats = phase.model(batch, phase.parts)
                 (loss / args.grad_accum).backward()
             step_loss = step_loss + loss.detach()
             for name, v in {"loss": loss, **stats}.items():
@@ -335,9 +347,9 @@ def main(argv=None):
         guard.watch(step, step_loss, grad_norm)
         phase.optimizer.step()
         phase.optimizer.zero_grad(set_to_none=True)
-        if "ema" in phase.extras:  # a mean teacher follows the student (BootBERT, sec. 3)
+        if phase.parts.ema is not None:  # a mean teacher follows the student (BootBERT, sec. 3)
             decay = ema_decay_at(step, args, phase.start, phase.end)
-            ema_update(phase.extras["ema"], run.encoder, decay)  # one fused lerp over all tensors
+            ema_update(phase.parts.ema, run.encoder, decay)  # one fused lerp over all tensors
         step += 1
         since_log += 1
         progress.update()

@@ -265,7 +265,7 @@ class NanoMLMForMaskedLM(NanoMLMPreTrainedModel):
         loss = None
         if labels is not None:
             scored = logits
-            if getattr(self.config, "objective", None) == "gpt-bert":  # predicted a step before
+            if getattr(self.config, "predicts_before", False):  # gpt-bert: a step before
                 scored, labels = logits[:, :-1], labels[:, 1:]
             loss = F.cross_entropy(scored.flatten(0, 1).float(), labels.flatten(),
                                    ignore_index=-100)

@@ -2,6 +2,7 @@
 against the CPU's, resume. Skipped without one (CI has none); gpu_check.sh runs this file where a
 GPU is lent (../shared/GPU.md). There the corpus is the carried, prepared babylm_10m
 ($NANOMLM_DATA), found as train.py finds it; elsewhere the tests' own."""
+import dataclasses
 import os
 from pathlib import Path
 
@@ -73,11 +74,12 @@ def test_a_step_replayed_as_cuda_graphs_never_waits_for_the_gpu(corpus, objectiv
 
 def take_steps(corpus, objective, backend):
     device = torch.device("cuda")
-    trainee, extras, args = compiled_trainee(objective)
+    trainee, parts, args = compiled_trainee(objective)
     trainee.to(device)
     move = lambda v: (v.to(device) if isinstance(v, (torch.Tensor, torch.nn.Module))
                       else [move(x) for x in v] if isinstance(v, list) else v)
-    extras = {k: move(v) for k, v in extras.items()}
+    parts = dataclasses.replace(parts, **{f.name: move(getattr(parts, f.name))
+                                          for f in dataclasses.fields(parts)})
     train = Segments(corpus / "train.bin", 22, 0, shuffle=True).to(device)
     model = torch.compile(trainee, fullgraph=True, backend=backend)
     optimizer = Lamb(trainee.parameters(), lr=1e-3)
@@ -89,13 +91,13 @@ def take_steps(corpus, objective, backend):
             gen = torch.Generator(device).manual_seed(step)
             batch = make_batch(train.batch(4 * step, 4) % 300, args, 300, gen)
             with torch.autocast("cuda", torch.bfloat16):
-                loss, stats = model(batch, extras)
+                loss, stats = model(batch, parts)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainee.parameters(), 2.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if "ema" in extras:
-                ema_update(extras["ema"], trainee.encoder, 0.99)
+            if parts.ema is not None:
+                ema_update(parts.ema, trainee.encoder, 0.99)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         finite = torch.isfinite(loss).item()  # read now: the next replay may overwrite it

@@ -1,5 +1,6 @@
 """The house rules, checked on the source: layers with arrows pointing down only, no stage that
-runs another as a subprocess, a training loop that names no objective, lines of at most 100
+runs another as a subprocess, a training loop that names no objective and no stage that tells
+one by its name, lines of at most 100
 characters."""
 import ast
 import inspect
@@ -86,6 +87,50 @@ def test_the_training_loop_names_no_objective():
     loop = inspect.getsource(train.main)
     for name in objectives.OBJECTIVES:
         assert not re.search(rf"(?<![\w+]){re.escape(name)}(?![\w+])", loop), name
+
+
+def objective_tests(source: str) -> list[str]:
+    """The places in `source` that tell an objective by its name or its functions: a comparison
+    of an objective's name with something named for an objective, a startswith / endswith of
+    such a thing by a part of a name, an `is` against an entry's function."""
+    names = set(objectives.OBJECTIVES)
+    named = lambda node: "objective" in ast.unparse(node).lower()
+    strings = lambda node: {c.value for c in ast.walk(node)
+                            if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if (any(named(x) for x in sides) and set().union(*map(strings, sides)) & names
+                    or any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
+                    and any(ast.unparse(x).endswith((".setup", ".loss")) for x in sides)):
+                found.append(ast.unparse(node))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith") and named(node.func.value)
+              and any(n.startswith(x) or n.endswith(x) for n in names
+                      for x in set().union(*map(strings, node.args)))):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_the_name_detector_finds_each_way_of_naming_an_objective():
+    """What the test below reads for: each way an objective was told by its name before
+    (2026-11-27), and what it must leave alone (meta.py's label kinds, a study's evaluations)."""
+    told = ['ckpt.get("objective") == "boot"', 'args.objective != "mlm"',
+            'objective.split("+")[0] in ("kd", "mlsm")', 'objective.startswith("mlsm")',
+            'args.objectives[0] != "mlm"', 'OBJECTIVES[o].setup is setup_mlsm',
+            'getattr(self.config, "objective", None) == "gpt-bert"']
+    assert all(objective_tests(line) for line in told)
+    assert not objective_tests('args.labels == "mlm"\n"mlm" in ev\nx = OBJECTIVES[BASELINE]')
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_objective_is_told_by_its_name_outside_the_registry(path):
+    """What a stage, the loop or a scorer needs to know of an objective is a field of its
+    OBJECTIVES entry (written into its checkpoints), never a test of its name: objectives.py
+    alone holds the names."""
+    if path.name != "objectives.py":
+        assert not objective_tests(path.read_text())
 
 
 @pytest.mark.parametrize("path", sources(tests=True, patterns=("*.py", "*.sh", "*.toml")),

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import lasso_exact as lasso
 import objectives as O
+from objectives import ObjectiveParts, Trainee
 import sparse
 import train as T
 import warm_python
@@ -22,7 +23,6 @@ from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
 from training import run as training_run
-from training.run import ObjectiveParts, Trainee
 from machinery import optim, stopping
 from machinery.storage import save_checkpoint
 from model import PRESETS, BootPredictor, Encoder, ModelConfig, boot_states
@@ -442,7 +442,7 @@ def test_divergence_stops_the_run_and_a_healthy_run_trains_on(prepared, tmp_path
 # --- objectives, in process ----------------------------------------------------------------------
 
 def objective_setup(objective, **flags):
-    """A tiny encoder, the Trainee and extras an objective trains with, and a masked batch."""
+    """A tiny encoder, the Trainee and parts an objective trains with, and a masked batch."""
     args = T.get_args(["--objective", objective])  # with the objective's own defaults
     for k, v in flags.items():
         setattr(args, k, v)
@@ -456,15 +456,16 @@ def objective_setup(objective, **flags):
     ids[:, 0], ids[:, -1] = CLS, SEP
     batch = make_batch(ids, args, 300, torch.Generator().manual_seed(1))
     loss = O.OBJECTIVES[objective].loss
-    return Trainee(encoder, parts.heads, loss), {**parts.extras, "args": args}, batch
+    parts.args = args
+    return Trainee(encoder, parts.heads, loss), parts, batch
 
 
 def test_boot_teacher_starts_as_the_student_and_gets_no_gradient():
-    trainee, extras, batch = objective_setup("boot")
-    teacher = extras["ema"]
+    trainee, parts, batch = objective_setup("boot")
+    teacher = parts.ema
     for (name, s), t in zip(trainee.encoder.named_parameters(), teacher.parameters()):
         assert torch.equal(s, t), name
-    loss, stats = trainee(batch, extras)
+    loss, stats = trainee(batch, parts)
     loss.backward()
     assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
     assert trainee.heads.mask.grad is not None and trainee.encoder.word.weight.grad is not None
@@ -474,13 +475,13 @@ def test_boot_teacher_starts_as_the_student_and_gets_no_gradient():
 
 @pytest.mark.parametrize("compact", [True, False])  # False: the static layout compiled runs use
 def test_mae_student_never_embeds_mask(compact):
-    trainee, extras, batch = objective_setup("boot")
-    assert extras["compact"]  # on the CPU, not compiled
-    extras["compact"] = compact
+    trainee, parts, batch = objective_setup("boot")
+    assert parts.compact  # on the CPU, not compiled
+    parts.compact = compact
     assert (batch["inputs"] == MASK).any()  # the masked input has some, so the check can fail
     seen = []
     trainee.encoder.word.register_forward_pre_hook(lambda m, a: seen.append(a[0].flatten()))
-    trainee(batch, extras)
+    trainee(batch, parts)
     assert seen and not (torch.cat(seen) == MASK).any()
     heads = trainee.heads
     assert heads.mask.std().item() == pytest.approx(1.0, abs=0.3)  # N(0, 1), boot-bert's scale
@@ -488,8 +489,8 @@ def test_mae_student_never_embeds_mask(compact):
 
 
 def test_boot_ablations():
-    trainee, extras, batch = objective_setup("boot", lb_weight=0.0, boot_student="bert")
-    loss, stats = trainee(batch, extras)
+    trainee, parts, batch = objective_setup("boot", lb_weight=0.0, boot_student="bert")
+    loss, stats = trainee(batch, parts)
     assert trainee.heads.mask is None  # the BERT-style student has nothing to fill in
     assert loss.item() == pytest.approx(0.1 * stats["mlm"].item())
 
@@ -498,24 +499,24 @@ def test_slot_losses_equal_the_boolean_index_ones():
     """Span masking leaves padding slots in the batch; mlm's and boot's losses and stats over
     the slots equal the same formulas over x[labels != -100] (the loss before static slots),
     recomputed here."""
-    trainee, extras, batch = objective_setup("mlm")
+    trainee, parts, batch = objective_setup("mlm")
     trainee.eval()
     assert (batch["targets"] == -100).any()  # there are padding slots to weigh out
     hide = batch["labels"] != -100
-    loss, stats = trainee(batch, extras)
+    loss, stats = trainee(batch, parts)
     _, logits = trainee.encoder(batch["inputs"], predict=hide)
     want = torch.nn.functional.cross_entropy(logits, batch["labels"][hide])
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
     acc = (logits.argmax(-1) == batch["labels"][hide]).float().mean()
     assert stats["acc"].item() == pytest.approx(acc.item())
 
-    trainee, extras, batch = objective_setup("boot")
+    trainee, parts, batch = objective_setup("boot")
     trainee.eval()
     hide = batch["labels"] != -100
-    _, stats = trainee(batch, extras)
+    _, stats = trainee(batch, parts)
     out = boot_states(trainee.encoder, trainee.heads, batch["inputs"],
                         batch["attention_mask"], hide)[hide]
-    target = extras["ema"](batch["input_ids"])[hide]
+    target = parts.ema(batch["input_ids"])[hide]
     target = torch.nn.functional.layer_norm(target, target.shape[-1:])
     lb = torch.nn.functional.smooth_l1_loss(trainee.heads.regress(out), target)
     ce = torch.nn.functional.cross_entropy(trainee.encoder.head(out), batch["labels"][hide])
@@ -526,10 +527,10 @@ def test_slot_losses_equal_the_boolean_index_ones():
 def test_a_batch_with_nothing_to_predict_adds_nothing():
     """Every loss is a mean over the predicted slots: with none, 0 and zero gradients, not 0/0."""
     for objective in ("mlm", "boot"):
-        trainee, extras, batch = objective_setup(objective)
+        trainee, parts, batch = objective_setup(objective)
         batch["labels"][:] = -100
         batch["targets"][:] = -100
-        loss, stats = trainee(batch, extras)
+        loss, stats = trainee(batch, parts)
         loss.backward()
         assert loss.item() == 0.0 and all(torch.isfinite(v) for v in stats.values())
         assert all((p.grad == 0).all() for p in trainee.parameters() if p.grad is not None)
@@ -547,14 +548,14 @@ def test_kd_loss(temperature):
     teacher = copy.deepcopy(trainee.encoder)
     args = T.build_parser().parse_args(["--objective", "kd", "--kd-temperature", str(temperature),
                                         "--kd-teacher-input", "masked"])
-    extras = {"teacher": teacher, "args": args}
+    parts = ObjectiveParts(teacher=teacher, args=args)
     kd = Trainee(trainee.encoder, trainee.heads, O.OBJECTIVES["kd"].loss)
     # student = teacher (up to float noise)
-    assert kd(batch, extras)[0].item() == pytest.approx(0.0, abs=1e-5)
+    assert kd(batch, parts)[0].item() == pytest.approx(0.0, abs=1e-5)
     with torch.no_grad():
         for p in teacher.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    loss, stats = kd(batch, extras)
+    loss, stats = kd(batch, parts)
     predict = batch["labels"] != -100
     _, s = trainee.encoder(batch["inputs"], predict=predict)
     _, t = teacher(batch["inputs"], predict=predict)
@@ -564,7 +565,7 @@ def test_kd_loss(temperature):
     want = (p_t * log_ratio).sum(-1).mean() * temperature ** 2
     assert loss.item() == pytest.approx(want.item(), rel=1e-5) and loss.item() > 1e-3
     kd_mlm = Trainee(trainee.encoder, trainee.heads, O.OBJECTIVES["kd+mlm"].loss)
-    mixed, mfigs = kd_mlm(batch, extras)
+    mixed, mfigs = kd_mlm(batch, parts)
     assert mixed.item() == pytest.approx(mfigs["kd"].item() + mfigs["mlm"].item())
 
 
@@ -590,7 +591,7 @@ def test_gpt_bert_predicts_a_masked_token_from_the_position_before():
     """By hand: masked tokens at (row 0, t 3), (1, 1), (1, 6) of 2 x 8, every row masked next-
     token prediction (--causal-fraction 0): the head reads flat positions 2, 8, 13, the state
     before each (b T + t - 1), and nothing of a padding slot is scored."""
-    trainee, extras, _ = objective_setup("gpt-bert", causal_fraction=0.0)
+    trainee, parts, _ = objective_setup("gpt-bert", causal_fraction=0.0)
     ids = torch.randint(5, 300, (2, 8), generator=torch.Generator().manual_seed(0))
     ids[:, 0] = CLS
     labels = torch.full_like(ids, -100)
@@ -604,7 +605,7 @@ def test_gpt_bert_predicts_a_masked_token_from_the_position_before():
     trainee.encoder.forward = lambda *a, predict=None, **kw: (
         read.append(predict), forward(*a, predict=predict, **kw))[1]
     trainee.eval()
-    loss, stats = trainee(batch, extras)
+    loss, stats = trainee(batch, parts)
     assert read[0][batch["targets"] != -100].tolist() == [2, 8, 13] and "clm_loss" not in stats
     logits = trainee.encoder.logits(inputs)                                # (2, 8, V)
     scored = torch.stack([logits[0, 2], logits[1, 0], logits[1, 5]])
@@ -619,12 +620,12 @@ def test_gpt_bert_loss_against_a_loop_over_positions(mix):
     masked row; each causal row: each token of the text (not the closing [SEP]) scored from the
     last logits of a causal forward of the tokens before it alone (the mask itself: the test
     above). Weighted by the rows' shares, plus the z-loss."""
-    trainee, extras, batch = objective_setup("gpt-bert", causal_fraction=O.MIXES[mix])
+    trainee, parts, batch = objective_setup("gpt-bert", causal_fraction=O.MIXES[mix])
     trainee.eval()
     enc, (B, n_tok) = trainee.encoder, batch["input_ids"].shape
     n = B - O.causal_rows(B, O.MIXES[mix])
     assert 0 < n < B                          # both objectives, even at the tests' 4 rows
-    parts = {"mntp": [], "clm": []}           # (cross-entropy, z) per scored token
+    scored = {"mntp": [], "clm": []}           # (cross-entropy, z) per scored token
     with torch.no_grad():
         for b in range(B):
             for t in range(1, n_tok):
@@ -636,10 +637,10 @@ def test_gpt_bert_loss_against_a_loop_over_positions(mix):
                 else:
                     continue
                 ce = F.cross_entropy(lg, batch["input_ids"][b, t])
-                parts[part].append(torch.stack([ce, torch.logsumexp(lg, -1) ** 2]))
-        loss, stats = trainee(batch, extras)
+                scored[part].append(torch.stack([ce, torch.logsumexp(lg, -1) ** 2]))
+        loss, stats = trainee(batch, parts)
     # (a row may hold no masked token: then its objective adds 0, as a slot mean over nothing)
-    mean = {k: torch.stack(v).mean(0) if v else torch.zeros(2) for k, v in parts.items()}
+    mean = {k: torch.stack(v).mean(0) if v else torch.zeros(2) for k, v in scored.items()}
     want = n / B * mean["mntp"] + (B - n) / B * mean["clm"]
     torch.testing.assert_close(loss, want[0] + 1e-4 * want[1], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(stats["mntp_loss"], mean["mntp"][0], rtol=1e-5, atol=1e-6)
@@ -649,7 +650,7 @@ def test_gpt_bert_loss_against_a_loop_over_positions(mix):
 def test_kd_from_a_boot_teacher_hides_what_it_predicts():
     """A boot teacher reads clean text (kd's default), but its encoder is not shown the tokens
     it predicts: its logits are those of the [MASK]-filled input, its trained path."""
-    trainee, extras, batch = objective_setup("boot")
+    trainee, parts, batch = objective_setup("boot")
     teacher = BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
     kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), O.OBJECTIVES["kd"].loss)
     args = T.get_args(["--objective", "kd"])
@@ -657,7 +658,7 @@ def test_kd_from_a_boot_teacher_hides_what_it_predicts():
     _, want = teacher(batch["input_ids"].masked_fill(predict, MASK), predict=predict)
     _, clean = teacher(batch["input_ids"], predict=predict, hide=torch.zeros_like(predict))
     assert not torch.allclose(want, clean)  # showing the tokens would change the teacher
-    loss, _ = kd(batch, {"teacher": teacher, "args": args})
+    loss, _ = kd(batch, ObjectiveParts(teacher=teacher, args=args))
     _, s = kd.encoder(batch["inputs"], predict=predict)
     p_t = torch.softmax(want.double(), -1)
     ref = (p_t * (torch.log(p_t) - torch.log_softmax(s.double(), -1))).sum(-1).mean()
@@ -692,7 +693,7 @@ def test_gpt_bert_flags_and_teachers(trained, tmp_path, capsys):
     assert "--causal-fraction only applies to gpt-bert" in capsys.readouterr().err
     state = torch.load(trained, weights_only=False)
     teacher = tmp_path / "gpt-bert.pt"
-    save_checkpoint({**state, "args": {**state["args"], "objective": "gpt-bert"}}, teacher)
+    save_checkpoint({**state, "predicts_before": True}, teacher)  # as gpt-bert's entry says
     encoder = Encoder(ModelConfig(**state["config"]))
     args = T.get_args(["--objective", "kd", "--teacher", str(teacher)])
     with pytest.raises(SystemExit, match="is a gpt-bert model"):
@@ -703,13 +704,13 @@ def test_gpt_bert_flags_and_teachers(trained, tmp_path, capsys):
 
 
 def test_mae_decoder_input_is_the_kept_tokens_encoding_and_the_mask_vector():
-    trainee, extras, batch = objective_setup("boot")
+    trainee, parts, batch = objective_setup("boot")
     trainee.eval()
     seen = {}
     decode = trainee.heads.decoder.forward
     # record its input
     trainee.heads.decoder.forward = lambda x, att: decode(seen.setdefault("x", x), att)
-    trainee(batch, extras)
+    trainee(batch, parts)
     hide = batch["labels"] != -100
     keep = ~hide
     want = trainee.encoder(batch["input_ids"], keep.long())  # hidden tokens out of attention
@@ -766,28 +767,29 @@ def mlsm_setup(lam=0.05, with_mlm=False, coder="exact"):
     args = T.get_args(["--objective", "mlsm+mlm" if with_mlm else "mlsm", "--mlsm-lam", str(lam),
                        "--mlsm-tol", "1e-5", "--mlsm-coder", coder])
     head = torch.nn.Linear(32, 40)
-    extras = {"teacher": teacher, "dict": D, "L": torch.linalg.matrix_norm(D, ord=2) ** 2,
-              "layer": 1, "momentum": sparse.fista_momentum(O.MLSM_FISTA_STEPS),
-              "exact_coder": sparse.sparse_code, "args": args}
+    parts = ObjectiveParts(teacher=teacher, dictionary=D, layer=1, args=args,
+                            lipschitz=torch.linalg.matrix_norm(D, ord=2) ** 2,
+                            momentum=sparse.fista_momentum(O.MLSM_FISTA_STEPS),
+                            exact_coder=sparse.sparse_code)
     heads = torch.nn.ModuleDict({"latent": head})
-    return Trainee(trainee.encoder, heads, O.OBJECTIVES[args.objective].loss), extras, batch
+    return Trainee(trainee.encoder, heads, O.OBJECTIVES[args.objective].loss), parts, batch
 
 
 def test_mlsm_loss_against_a_per_position_loop():
     """Targets: l1-normalised codes of the teacher's unit-norm layer states at the masked
     positions, each a distribution (sums to 1); the loss is the mean over positions of
     KL(target || softmax(student)), here recomputed position by position with the exact solver."""
-    trainee, extras, batch = mlsm_setup()
+    trainee, parts, batch = mlsm_setup()
     trainee.eval()
-    loss, stats = trainee(batch, extras)
+    loss, stats = trainee(batch, parts)
     predict = batch["labels"] != -100
-    states = extras["teacher"](batch["input_ids"], all_layers=True)[1][predict]
+    states = parts.teacher(batch["input_ids"], all_layers=True)[1][predict]
     feats = trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict])
     logits = trainee.heads.latent(feats)
     want, nnz = [], []
     for h, z in zip(states, logits):
         unit = (h / h.norm())[None].double()
-        code = lasso.encode(unit, extras["dict"].double(), 0.05, method="lars")[0]
+        code = lasso.encode(unit, parts.dictionary.double(), 0.05, method="lars")[0]
         assert code.sum() > 0
         target = code / code.sum()
         assert target.sum().item() == pytest.approx(1.0, abs=1e-12) and (target >= 0).all()
@@ -801,9 +803,9 @@ def test_mlsm_loss_against_a_per_position_loop():
     loss.backward()
     assert trainee.heads.latent.weight.grad is not None
     assert trainee.encoder.word.weight.grad is not None
-    assert all(p.grad is None for p in extras["teacher"].parameters())
+    assert all(p.grad is None for p in parts.teacher.parameters())
     mlsm_mlm = Trainee(trainee.encoder, trainee.heads, O.OBJECTIVES["mlsm+mlm"].loss)
-    mixed, mfigs = mlsm_mlm(batch, extras)
+    mixed, mfigs = mlsm_mlm(batch, parts)
     assert mixed.item() == pytest.approx(mfigs["kl"].item() + mfigs["mlm"].item(), rel=1e-6)
 
 
@@ -812,14 +814,14 @@ def test_mlsm_fista100_targets_are_the_mlsm_codes_coder():
     steps from zero (a float64 transcription of the MLSM code's rule, in test_sparse), and the
     loss the mean KL over positions, recomputed position by position."""
     from test_sparse import mlsm_code_fista
-    trainee, extras, batch = mlsm_setup(coder="fista100")
+    trainee, parts, batch = mlsm_setup(coder="fista100")
     assert T.get_args(["--objective", "mlsm"]).mlsm_coder == "fista100"
     trainee.eval()
-    loss, stats = trainee(batch, extras)
+    loss, stats = trainee(batch, parts)
     predict = batch["labels"] != -100
-    states = extras["teacher"](batch["input_ids"], all_layers=True)[1][predict]
+    states = parts.teacher(batch["input_ids"], all_layers=True)[1][predict]
     units = (states / states.norm(dim=1, keepdim=True)).detach().double().numpy()
-    codes = mlsm_code_fista(units.T, extras["dict"].double().numpy(), 0.05, 100).T       # (N, k)
+    codes = mlsm_code_fista(units.T, parts.dictionary.double().numpy(), 0.05, 100).T       # (N, k)
     feats = trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict])
     logits = trainee.heads.latent(feats)
     want = []
@@ -835,32 +837,32 @@ def test_mlsm_skips_all_zero_codes_without_nan():
     """lam above every correlation: all codes are 0, there is nothing to predict; the loss is 0 with
     finite gradients, not 0/0. At a middle lam, the positions with zero codes are left out of the
     mean: the loss equals the mean over the others."""
-    trainee, extras, batch = mlsm_setup(lam=10.0)
-    loss, stats = trainee(batch, extras)
+    trainee, parts, batch = mlsm_setup(lam=10.0)
+    loss, stats = trainee(batch, parts)
     assert loss.item() == 0.0 and stats["zero_rate"].item() == 1.0
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in trainee.parameters() if p.grad is not None)
 
-    trainee, extras, batch = mlsm_setup()
+    trainee, parts, batch = mlsm_setup()
     trainee.eval()
     predict = batch["labels"] != -100
-    states = extras["teacher"](batch["input_ids"], all_layers=True)[1][predict]
+    states = parts.teacher(batch["input_ids"], all_layers=True)[1][predict]
     states = torch.nn.functional.normalize(states, dim=-1)
-    best = (states @ extras["dict"]).amax(1)  # a row codes to 0 iff its best correlation <= lam
+    best = (states @ parts.dictionary).amax(1)  # a row codes to 0 iff its best correlation <= lam
     # lam halfway between the two middle correlations, not on one of them: a row exactly at lam
     # would code to zero or not by float rounding, which differs from CPU to CPU
     low, high = best.sort().values[len(best) // 2 - 1:len(best) // 2 + 1].tolist()
     assert high - low > 1e-4
     lam = (low + high) / 2
-    extras["args"].mlsm_lam = lam
-    loss, stats = trainee(batch, extras)
+    parts.args.mlsm_lam = lam
+    loss, stats = trainee(batch, parts)
     zero = best <= lam
     assert 0 < zero.sum() < len(zero)
     assert stats["zero_rate"].item() == pytest.approx(zero.float().mean().item())
     per_row = []
     feats = trainee.encoder.head_in(trainee.encoder(batch["inputs"])[predict])
     logits = trainee.heads.latent(feats)
-    codes = sparse.sparse_code(states, extras["dict"], lam, tol=1e-5)  # 1e-6: below float32's floor
+    codes = sparse.sparse_code(states, parts.dictionary, lam, tol=1e-5)  # 1e-6: below float32
     for code, z in zip(codes[~zero], logits[~zero]):
         t = code / code.sum()
         kl = torch.nn.functional.kl_div(torch.log_softmax(z, -1), t, reduction="sum")
@@ -945,7 +947,7 @@ def test_reset_and_freeze_change_exactly_the_intended_tensors(prepared, small_ra
 # --- torch.compile: shapes that settle ---------------------------------------------------------
 
 def compiled_trainee(objective, monkeypatch=None):
-    """(Trainee, extras, args) for `objective` as a compiled run holds them: tiny, on the CPU,
+    """(Trainee, parts, args) for `objective` as a compiled run holds them: tiny, on the CPU,
     with a perturbed copy as the frozen teacher and a random dictionary where the objective needs
     them. Given monkeypatch, mlsm's targets take 4 FISTA steps, not MLSM_FISTA_STEPS (100): the
     unrolled steps repeat one step's code, so what the compile tests check (one graph, no size
@@ -954,16 +956,16 @@ def compiled_trainee(objective, monkeypatch=None):
     if objective.startswith("mlsm"):
         if monkeypatch is not None:
             monkeypatch.setattr(O, "MLSM_FISTA_STEPS", 4)
-        trainee, extras, _ = mlsm_setup(with_mlm=objective == "mlsm+mlm", coder="fista100")
+        trainee, parts, _ = mlsm_setup(with_mlm=objective == "mlsm+mlm", coder="fista100")
     elif objective.startswith("kd"):
-        trainee, extras, _ = objective_setup("mlm")
+        trainee, parts, _ = objective_setup("mlm")
         args = T.get_args(["--objective", objective])
-        extras = {"teacher": copy.deepcopy(trainee.encoder).eval(), "args": args}
+        parts = ObjectiveParts(teacher=copy.deepcopy(trainee.encoder).eval(), args=args)
         trainee = Trainee(trainee.encoder, trainee.heads, O.OBJECTIVES[objective].loss)
     else:
-        trainee, extras, _ = objective_setup(objective)
-    extras["compact"] = False  # what setup_boot picks for a compiled run
-    return trainee, extras, extras["args"]
+        trainee, parts, _ = objective_setup(objective)
+    parts.compact = False  # what setup_boot picks for a compiled run
+    return trainee, parts, parts.args
 
 
 def fresh_batch(args, i):
@@ -982,7 +984,7 @@ def test_every_loss_compiles_whole_and_matches_eager(objective, monkeypatch):
     training graph, dropout on, is traced by the next test). mlm and boot mask spans here, so
     padding slots are in the batch."""
     torch._dynamo.reset()
-    trainee, extras, args = compiled_trainee(objective, monkeypatch)
+    trainee, parts, args = compiled_trainee(objective, monkeypatch)
     batch = fresh_batch(args, 0)
     assert (batch["targets"] == -100).any() == (args.masking != "uniform")
     compiled = torch.compile(trainee, fullgraph=True, backend="aot_eager")
@@ -990,7 +992,7 @@ def test_every_loss_compiles_whole_and_matches_eager(objective, monkeypatch):
     for name, model in (("eager", trainee), ("compiled", compiled)):
         trainee.eval()
         trainee.zero_grad()
-        loss, stats = model(batch, extras)
+        loss, stats = model(batch, parts)
         loss.backward()
         got[name] = ({"loss": loss.detach(), **stats},
                      {n: p.grad.clone() for n, p in trainee.named_parameters()
@@ -1029,12 +1031,12 @@ def test_compiled_objectives_stop_recompiling(objective, monkeypatch):
         graphs.append(graph)
         return graph.forward
     torch._dynamo.reset()
-    trainee, extras, args = compiled_trainee(objective, monkeypatch)
+    trainee, parts, args = compiled_trainee(objective, monkeypatch)
     step = torch.compile(trainee, fullgraph=True, backend=keep)
     # above dynamo's limit (8) a function runs uncompiled and stops adding graphs: count on
     with torch._dynamo.config.patch(recompile_limit=64):
         for i in range(50):
-            loss, _ = step(fresh_batch(args, i), extras)
+            loss, _ = step(fresh_batch(args, i), parts)
             loss.backward()
     assert 1 <= len(graphs) <= 3
     assert not [node for g in graphs for node in symbolic_shapes(g)]
@@ -1050,12 +1052,12 @@ def test_gpt_bert_compiles_to_one_graph_in_each_mix(mix):
         graphs.append(graph)
         return graph.forward
     torch._dynamo.reset()
-    trainee, extras, args = compiled_trainee("gpt-bert")
+    trainee, parts, args = compiled_trainee("gpt-bert")
     args.causal_fraction = O.MIXES[mix]
     batch = fresh_batch(args, 0)
     trainee.eval()
-    want, _ = trainee(batch, extras)
-    got, _ = torch.compile(trainee, fullgraph=True, backend=keep)(batch, extras)
+    want, _ = trainee(batch, parts)
+    got, _ = torch.compile(trainee, fullgraph=True, backend=keep)(batch, parts)
     assert len(graphs) == 1 and not [node for g in graphs for node in symbolic_shapes(g)]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -1068,11 +1070,11 @@ def test_kd_from_a_boot_teacher_compiles_whole():
     teacher = BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
     kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), O.OBJECTIVES["kd"].loss)
     args = T.get_args(["--objective", "kd"])
-    extras = {"teacher": teacher, "args": args}
+    parts = ObjectiveParts(teacher=teacher, args=args)
     batch = fresh_batch(args, 0)
-    want = kd(batch, extras)[0]
+    want = kd(batch, parts)[0]
     teacher.compact = False
-    torch.testing.assert_close(kd(batch, extras)[0], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kd(batch, parts)[0], want, rtol=1e-5, atol=1e-6)
     graphs = []
 
     def keep(graph, example_inputs):
@@ -1081,7 +1083,7 @@ def test_kd_from_a_boot_teacher_compiles_whole():
     torch._dynamo.reset()
     step = torch.compile(kd, fullgraph=True, backend=keep)
     for i in range(20):
-        loss, _ = step(fresh_batch(args, i), extras)
+        loss, _ = step(fresh_batch(args, i), parts)
         loss.backward()
     assert len(graphs) == 1 and not symbolic_shapes(graphs[0])
 

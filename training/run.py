@@ -1,18 +1,19 @@
 """A training run's machinery, under train.py's loop: the processes, device, folder, data and
 encoder of a run, opened fresh or resumed with its saved settings; a phase made ready to train
-(its objective's parts, the trainee wrapped for DDP and compiled, a fresh or restored optimizer);
-its checkpoints; the steps at which --save-words keeps the weights. Nothing here knows an
-objective: train.py hands each phase its objective's loss and setup. What a run folder holds:
+(the trainee wrapped for DDP and compiled, a fresh or restored optimizer); its checkpoints; the
+steps at which --save-words keeps the weights. Nothing here knows an objective: train.py hands
+each phase its objective's entry, trainee and parts. What a run folder holds:
 machinery/run_folder.py. A checkpoint (ckpt.pt) holds the model, heads, optimizer, config, args,
-step, RNG states, data position, code version, tokenizer and a checksum (save, below).
+step, RNG states, data position, code version, tokenizer, how it predicts (its objective's
+predicts_before and decoder) and a checksum (save, below).
 """
 import argparse
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,26 +29,6 @@ from machinery.progress import duration
 from machinery.run_folder import RunFolder, code_version
 from machinery.storage import read_checkpoint
 from model import PRESETS, Encoder, ModelConfig, check_config, load_weights, use_attention
-
-
-class Trainee(nn.Module):
-    """What one phase trains: the encoder plus the modules its objective adds. Its forward is
-    the objective's loss, so DDP and torch.compile see every trained parameter in one call."""
-
-    def __init__(self, encoder, heads, loss):
-        super().__init__()
-        self.encoder, self.heads, self.loss = encoder, heads, loss
-
-    def forward(self, batch, extras):
-        return self.loss(self, batch, extras)
-
-
-@dataclass
-class ObjectiveParts:
-    """What an objective adds to the loop besides its loss; its setup function returns one."""
-    heads: nn.Module = field(default_factory=nn.ModuleDict)  # trained along with the encoder
-    extras: dict = field(default_factory=dict)   # what the loss reads: frozen teachers, ...
-    saved: dict = field(default_factory=dict)    # {name: module}: ckpt["extras_state"], restored
 
 
 # the flags a resumed run may change
@@ -119,14 +100,14 @@ class Run:
 class Phase:
     """One phase of training: its objective, its steps [start, end), and what trains in it."""
     objective: str
+    entry: NamedTuple          # its OBJECTIVES entry (objectives.Objective)
     start: int
     end: int
-    trainee: Trainee           # the encoder and the objective's heads; its forward is the loss
+    trainee: nn.Module         # the encoder and the objective's heads; its forward is the loss
     model: nn.Module           # the trainee, wrapped for DDP and compiled as asked
     graphs: bool               # its compiled forward and backward replayed as CUDA graphs
     optimizer: torch.optim.Optimizer
-    parts: ObjectiveParts
-    extras: dict               # what the loss reads besides the batch: parts.extras and args
+    parts: object              # objectives.ObjectiveParts: what the loss reads besides the batch
 
 
 def resumed_args(args, path, defaults: dict):
@@ -241,24 +222,12 @@ def open_run(args, code: list[str], defaults: dict, check_steps: Callable) -> Ru
     return run
 
 
-def start_phase(run: Run, step: int, objective: str, start: int, end: int, entry) -> Phase:
-    """The phase [start, end) of `objective` that `step` belongs to, ready to train: the parts
-    of its OBJECTIVES entry (train.Objective: its loss and setup), the trainee wrapped for DDP
-    and compiled as asked, a fresh optimizer; restored from the checkpoint when resuming inside
-    the phase.
-    Phase 2 with --student-init scratch starts from a fresh encoder."""
+def start_phase(run: Run, step: int, objective: str, entry, start: int, end: int,
+                trainee: nn.Module, parts) -> Phase:
+    """The phase [start, end) of `objective` (its OBJECTIVES entry, the trainee and parts its
+    setup made) ready to train: the trainee wrapped for DDP and compiled as asked, a fresh
+    optimizer; restored from the checkpoint when resuming inside the phase."""
     args = run.args
-    if step == start > 0 and args.student_init == "scratch":
-        torch.manual_seed(seed_of(args.seed, step))
-        run.encoder.init_weights()
-    parts = (entry.setup(run.encoder, args, run.folder.path, run.device) if entry.setup
-             else ObjectiveParts())
-    if step == start > 0:
-        init = "scratch" if args.student_init == "scratch" else "the phase-1 weights"
-        teacher = args.teacher or run.folder.path / "phase1.pt"
-        run.say(f"step {step}: phase 2, {objective} from {init}, a fresh optimizer and warm-up"
-                + (f", taught by {teacher}" if entry.setup else ""))
-    trainee = Trainee(run.encoder, parts.heads.to(run.device), entry.loss)
     use_attention(trainee, args.attention)  # the same function in each form (not saved)
     model = trainee
     if run.ddp:
@@ -276,11 +245,10 @@ def start_phase(run: Run, step: int, objective: str, start: int, end: int, entry
                          f"{objective} phase; it cannot be resumed with these settings")
     if saved is not None and step > start:  # resumed inside the phase, not at its start
         trainee.heads.load_state_dict(saved["heads"], strict=True)
-        for name, module in parts.saved.items():
-            module.load_state_dict(saved["extras_state"][name], strict=True)
+        if parts.ema is not None:
+            parts.ema.load_state_dict(saved["extras_state"]["ema"], strict=True)
         optimizer.load_state_dict(saved["optimizer"])
-    extras = {**parts.extras, "args": args}
-    return Phase(objective, start, end, trainee, model, graphs, optimizer, parts, extras)
+    return Phase(objective, entry, start, end, trainee, model, graphs, optimizer, parts)
 
 
 def replays_graphs(run: Run) -> bool:
@@ -298,6 +266,7 @@ def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | 
     if run.rank == 0:
         state = {
             "model": run.encoder.state_dict(), "objective": phase.objective,
+            "predicts_before": phase.entry.predicts_before, "decoder": phase.entry.decoder,
             "heads": phase.trainee.heads.state_dict(), "config": asdict(run.encoder.config),
             "args": {k: v for k, v in vars(run.args).items() if k != "given"}, "step": step,
             "code_version": run.version, "tokenizer": run.tokenizer,
@@ -306,7 +275,8 @@ def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | 
         if words is None:
             cuda = run.device.type == "cuda"
             state.update({
-                "extras_state": {k: m.state_dict() for k, m in phase.parts.saved.items()} or None,
+                "extras_state": ({"ema": phase.parts.ema.state_dict()} if phase.parts.ema
+                                 else None),
                 "optimizer": phase.optimizer.state_dict(),
                 "rng": {"torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state() if cuda else None},
@@ -443,7 +413,7 @@ def validate(run: Run, phase: Phase, step: int) -> dict:
         ids = val.batch(i * args.batch_size % val.n, min(args.batch_size, val.n)).to(run.device)
         gen = torch.Generator(run.device).manual_seed(seed_of(args.seed, 2**31, i))
         with run.amp:
-            loss, stats = trainee(make_batch(ids, args, run.meta["vocab_size"], gen), phase.extras)
+            loss, stats = trainee(make_batch(ids, args, run.meta["vocab_size"], gen), phase.parts)
         for k, v in {"loss": loss, **stats}.items():
             sums[k] = sums.get(k, 0.0) + v.float()
     trainee.train()
