@@ -14,7 +14,7 @@ training/run.py) keeps the settings, log, checkpoints and code of a run. SIGINT/
 save the current step and print the --resume command.
 
 The objectives sit one file below, in objectives.py: adding one = its loss function
-`loss, stats = fn(model, batch, extras)` (+ a setup function if it trains extra modules or needs
+`loss, stats = fn(model, batch, parts)` (+ a setup function if it trains extra modules or needs
 a teacher) + one OBJECTIVES entry; the loop names no objective. Two-phase objectives (kd,
 kd+mlm, mlsm, mlsm+mlm) train plain MLM for --phase1-steps, keep that model as phase1.pt, then
 continue with the objective against it as a frozen teacher: one command, one schedule per phase.
