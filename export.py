@@ -53,17 +53,18 @@ def need_transformers():
 def hf_config(ckpt: dict) -> dict:
     """config.json: the encoder's ModelConfig fields, the BootBERT decoder if it predicts
     through one, the special ids, and where transformers finds the classes."""
-    depth, mae = boot_shape(ckpt["heads"]) if ckpt["decoder"] else (0, False)
+    depth, mae = boot_shape(ckpt["heads"]) if ckpt.get("decoder") else (0, False)
     classes = {"AutoConfig": "NanoMLMConfig", "AutoModel": "NanoMLMModel",
                "AutoModelForMaskedLM": "NanoMLMForMaskedLM",
                "AutoModelForSequenceClassification": "NanoMLMForSequenceClassification"}
-    if ckpt["predicts_before"]:  # gpt-bert, trained causally too: the pipeline's causal backend
+    if ckpt.get("predicts_before"):  # gpt-bert, trained causally too: the causal backend
         classes["AutoModelForCausalLM"] = "NanoMLMForCausalLM"
     return {**ckpt["config"], "boot_decoder_layers": depth, "boot_mae": mae,
             "model_type": "nanomlm", "architectures": ["NanoMLMForMaskedLM"],
             "auto_map": {k: f"modeling_nanomlm.{v}" for k, v in classes.items()},
             "pad_token_id": PAD, "mask_token_id": MASK, "bos_token_id": CLS, "eos_token_id": SEP,
-            "objective": ckpt.get("objective"), "predicts_before": ckpt["predicts_before"],
+            "objective": ckpt.get("objective"),
+            "predicts_before": ckpt.get("predicts_before", False),
             "step": ckpt.get("step"),
             "words_seen": ckpt.get("words_seen")}
 
@@ -115,6 +116,8 @@ def fast_tokenizer(proto: bytes):
 def export(ckpt_path: Path, out: Path) -> dict:
     """One checkpoint into one folder; returns its config."""
     ckpt = read_checkpoint(ckpt_path)
+    if "code_version" in ckpt and "decoder" not in ckpt:  # as model.load_checkpoint
+        raise SystemExit(f"error: {ckpt_path} predates checkpoints that say how they predict")
     config = hf_config(ckpt)
     config["model_max_length"] = config["max_position"]
     tok = fast_tokenizer(ckpt["tokenizer"])

@@ -525,7 +525,8 @@ def run_glue(args, device, folder: RunFolder):
         text_only = lambda k, v: v[:V] if k in ("word.weight", "head_bias") else v
         sd = {k: text_only(k, v) for k, v in student.state_dict().items()}  # for evaluate.py
         folder.save({"model": sd, "config": asdict(replace(cfg, vocab_size=V)),
-                     "tokenizer": tokenizer, "step": step, "args": vars(args)}, "ckpt.pt")
+                     "tokenizer": tokenizer, "step": step, "args": vars(args),
+                     "predicts_before": False, "decoder": False}, "ckpt.pt")  # an MLM encoder
 
     def log(record):
         folder.log(record)

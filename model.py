@@ -488,13 +488,13 @@ def load_checkpoint(path, device="cpu", encoder_only=False):
     if tok.get_piece_size() != model.config.vocab_size:
         raise SystemExit(f"error: {path} pairs a {model.config.vocab_size}-token model with a "
                          f"{tok.get_piece_size()}-piece tokenizer; it was not written by train.py")
-    if "decoder" not in ckpt:  # before 2026-11-27, the objective's name said it
+    if "code_version" in ckpt and "decoder" not in ckpt:  # train.py before 2026-11-27
         raise SystemExit(f"error: {path} predates checkpoints that say how they predict")
-    if ckpt["decoder"] and not encoder_only:
+    if ckpt.get("decoder") and not encoder_only:
         boot = BootHeads(model.config, *boot_shape(ckpt["heads"]))
         boot.load_state_dict(ckpt["heads"], strict=True)
         model = BootPredictor(model, boot, tok.piece_to_id("[MASK]"))
     model.train_args = ckpt.get("args", {})
     model.trained_steps = ckpt.get("step")  # what an evaluation of it records as its step
-    model.predicts_before = ckpt["predicts_before"]
+    model.predicts_before = ckpt.get("predicts_before", False)
     return model.to(device).eval(), tok

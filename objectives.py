@@ -326,7 +326,7 @@ class Objective(NamedTuple):
     setup: Callable | None = None   # (encoder, args, run_dir, device) -> ObjectiveParts
     two_phase: bool = False         # plain MLM first; then this, taught by the phase-1 model
     defaults: dict | None = None    # shared flags whose default differs, as its paper trained it
-    note: str | Callable | None = None  # said as a run starts (a function: of the args)
+    note: Callable | None = None    # (args) -> what to say as a run starts
     flags: tuple = ()               # flags (their dest) of its own, refused for the others
     # how its checkpoints predict a hidden token, written into them for the scorers and export:
     predicts_before: bool = False   # from the state at the position before it (MNTP)
@@ -350,7 +350,7 @@ OBJECTIVES = {
                         defaults=UNIFORM, flags=("teacher",)),
     # faithful: Berend 2023 (Table 1a) has MLSM alone below MLSM+MLM on BLiMP
     "mlsm": Objective(mlsm, setup_mlsm, two_phase=True, defaults=UNIFORM,
-                      flags=("teacher", "dict"), note=(
+                      flags=("teacher", "dict"), note=lambda args: (
         "mlsm's phase 2 trains the latent head alone: no loss trains the vocabulary logits after "
         "phase 1 while the encoder under them moves, and BLiMP's pseudo-log-likelihoods read "
         "those logits; mlsm+mlm is the joint objective")),

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 import sparse
+from data.masking import MASKINGS
 from data.prepare import VOCAB_SIZE
 from machinery import flags
 from machinery.device import add_device_flag, seed_of
@@ -103,6 +104,17 @@ def phase_at(run: Run, step: int) -> Phase:
 # Arguments
 
 
+def objective_defaults(flag: str) -> str:
+    """For a flag's help, the objectives whose entries set its default otherwise, grouped by
+    value: 'boot 0.005', 'kd, kd+mlm, mlsm, mlsm+mlm uniform'."""
+    names = {}
+    for name, entry in OBJECTIVES.items():
+        if flag in (entry.defaults or {}):
+            names.setdefault(entry.defaults[flag], []).append(name)
+    return "; ".join(f"{', '.join(n)} {v:g}" if isinstance(v, float) else f"{', '.join(n)} {v}"
+                     for v, n in names.items())
+
+
 def build_parser():
     p = flags.Parser(prog="train.py", description=__doc__, allow_abbrev=False)
     add = p.add_argument
@@ -122,18 +134,20 @@ def build_parser():
         help="micro-batches per optimizer step")
     add("--optim", default="lamb", choices=["adamw", "lamb"],
         help="optimizer; betas (0.9, 0.98), eps 1e-6")
-    add("--lr", type=float, default=1e-2, help="peak learning rate (default: tiny 1e-2, small "
-        "and base 5e-3; boot 5e-3; see docs/objectives/mlm.md)", range=flags.at_least(0))
+    sizes = ", ".join(f"{size} {d['lr']:g}" for size, d in SIZE_DEFAULTS.items())
+    add("--lr", type=float, default=None, help=f"peak learning rate (default by --size: {sizes}; "
+        f"{objective_defaults('lr')}; see docs/objectives/mlm.md)", range=flags.at_least(0))
     add("--warmup", type=float, default=0.016,
         help="warmup: a fraction of --max-steps if < 1, else steps", range=flags.at_least(0))
     add("--schedule", default="cosine", choices=["cosine", "linear"], help="decay after warmup")
     add("--min-lr", type=float, default=0.1, range=flags.Range(0, 1),
         help="final learning rate as a fraction of --lr")
     add("--weight-decay", type=float, default=0.1, help="decoupled weight decay on weight "
-        "matrices (default 0.1; boot 0.02, rising to 0.2)", range=flags.at_least(0))
+        f"matrices (default %(default)s; {objective_defaults('weight_decay')})",
+        range=flags.at_least(0))
     add("--weight-decay-end", type=float, default=None, range=flags.at_least(0),
         help="cosine weight decay from --weight-decay to this over the phase (default: "
-        "constant; boot 0.2)")
+        f"constant; {objective_defaults('weight_decay_end')})")
     add("--clip", type=float, default=2.0, range=flags.at_least(0),
         help="gradient-norm clipping, 0 = off")
     add("--spike", type=float, default=10.0, range=flags.at_least(0),
@@ -146,14 +160,15 @@ def build_parser():
         help="gpt-bert: the share of each batch trained causally, the rest masked next-token "
         "prediction; a decimal fraction, or masked-focus (1/16, gpt-bert's 15:1), mixed (1/2) "
         "or causal-focus (15/16) (default masked-focus)")
-    add("--masking", default="span", choices=["span", "token", "uniform"], help="span: "
+    add("--masking", default="span", choices=list(MASKINGS), help="span: "
         "LTG-BERT's spans, 80/10/10 per span; token: BERT's, each token chosen alone, 80/10/10 "
         "(the synthetic-language blog's); uniform: int(p T) tokens per sequence, all [MASK], as "
-        "the MLSM code (default span; kd, kd+mlm, mlsm, mlsm+mlm uniform)")
+        f"the MLSM code (default %(default)s; {objective_defaults('masking')})")
     add("--max-steps", type=int, default=None, range=flags.at_least(1),
         help="optimizer steps (default: --epochs of the training data at the global batch)")
     add("--epochs", type=float, default=10.0, help="the budget when --max-steps is not given: "
-        "passes over the training segments, rounded down to whole steps (default 10, BabyLM's "
+        "passes over the training segments, rounded down to whole steps (default %(default)g, "
+        "BabyLM's "
         "limit: 7,246 steps of 128 x 128 on babylm_10m)", range=flags.above(0))
     add("--seed", type=int, default=0, range=flags.at_least(0),
         help="seed for init, data order, masks and dropout")
@@ -204,8 +219,8 @@ def build_parser():
     add_boot("--lb-weight", type=float, default=1.0, range=flags.at_least(0),
              help="weight of the latent-bootstrapping loss; 0 removes it")
     add_boot("--mlm-weight", type=float, default=1.0, range=flags.at_least(0),
-             help="weight of the MLM loss in kd+mlm, mlsm+mlm and boot (default 1; boot 0.1, "
-             "its decoder's)")
+             help="weight of the MLM loss in kd+mlm, mlsm+mlm and boot (default %(default)g; "
+             f"{objective_defaults('mlm_weight')}, its decoder's)")
     add_boot("--ema-start", type=float, default=0.996, range=flags.Range(0, 1),
              help="mean-teacher EMA decay at the first step")
     add_boot("--ema-end", type=float, default=1.0, range=flags.Range(0, 1),
@@ -258,8 +273,8 @@ def build_parser():
     return p
 
 
-def get_args(argv):
-    parser = build_parser()
+def get_args(argv, parser=None):
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
     args.given = flags.typed(parser, argv)  # a resumed run refuses those that differ
     entry = OBJECTIVES[args.objective]
@@ -281,7 +296,7 @@ def get_args(argv):
         args.out_dir = str(REPO / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
     preset = {**SIZE_DEFAULTS[args.size], **(OBJECTIVES[args.objective].defaults or {})}
     flags.fill_unset(args, preset, typed=args.given)
-    if args.masking == "uniform" and int(args.mask_p * args.seq_len) < 1:
+    if MASKINGS[args.masking] is None and int(args.mask_p * args.seq_len) < 1:
         parser.error(f"--mask-p {args.mask_p:g} masks no token of a --seq-len {args.seq_len} "
                      f"sequence under uniform masking (int(p T) = 0); raise either")
     return args
@@ -303,18 +318,17 @@ def check_phases(args):
 def main(argv=None):
     line_buffered()
     on_stop_signals(exit_now)
-    args = get_args(argv)
+    parser = build_parser()
+    args, defaults = get_args(argv, parser), vars(parser.parse_args([]))  # the flags' defaults
     if args.check:
-        print(json.dumps(checked_settings(args, vars(build_parser().parse_args([])))))
+        print(json.dumps(checked_settings(args, defaults)))
         return
-    run = open_run(args, repo_sources(), vars(build_parser().parse_args([])), check_phases)
+    run = open_run(args, repo_sources(), defaults, check_phases)
     args, step = run.args, run.step
     if nothing_to_do(run):  # a finished run resumed, or --stop-at already passed
         return
     phase = phase_at(run, step)
-    run.say(describe(run, phase1_steps(args)))
-    if note := OBJECTIVES[args.objective].note:
-        run.say("note: " + (note(args) if callable(note) else note))
+    run.say(describe(run, phase1_steps(args), OBJECTIVES[args.objective].note))
     word_saves = word_marks(run)  # {step: (name, words)} of --save-words
     guard = SafetyNet(run.folder, run.device, run.ddp, args.spike, args.log_every,
                       last_saved=step if run.ckpt is not None else None)

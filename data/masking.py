@@ -78,17 +78,21 @@ def predicted_slots(labels, capacity):
     return torch.argsort(rest, stable=True)[:capacity]
 
 
+# --masking: each scheme's mean span length, or None for the MLSM code's uniform int(p T) per row
+# (LTG-BERT's spans; BERT's tokens, spans of one; uniform_mask)
+MASKINGS = {"span": 3.0, "token": 1.0, "uniform": None}
+
+
 def make_batch(ids, args, vocab_size, gen):
     """ids (B, T) -> the batch every objective reads. The predicted positions are also given as
     a fixed number C of slots (mask_capacity: exactly B int(p T) for uniform masking, a bound
     for spans), so that the compiled step has one shape and never waits for the device."""
     B, T = ids.shape
-    if args.masking == "uniform":  # the MLSM code's: int(p T) tokens per row, all [MASK]
-        capacity = mask_capacity(B, T, args.mask_p)
+    mean_span = MASKINGS[args.masking]
+    capacity = mask_capacity(B, T, args.mask_p, mean_span)
+    if mean_span is None:  # the MLSM code's: int(p T) tokens per row, all [MASK]
         inputs, labels = uniform_mask(ids, args.mask_p, gen)
-    else:  # LTG-BERT's spans, 80/10/10 per span; token: spans of one, i.e. BERT's masking
-        mean_span = 1.0 if args.masking == "token" else 3.0
-        capacity = mask_capacity(B, T, args.mask_p, mean_span)
+    else:  # spans, 80/10/10 per span
         inputs, labels = span_mask(ids, args.mask_p, vocab_size, gen, mean_span, capacity)
     slots = predicted_slots(labels, capacity)                              # (C,)
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), inputs=inputs, labels=labels,

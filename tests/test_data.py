@@ -1,5 +1,6 @@
 """data/: the tokenizer, token streams and meta.json, reuse and staleness, the errors a user can
 cause, the Breton corpus, the segment reader and span masking."""
+import argparse
 import gzip
 import json
 import math
@@ -339,6 +340,33 @@ def test_mask_capacity_bounds_the_chosen_count(mean_span):
     assert torch.equal(cut[0].flatten()[keep], full[0].flatten()[keep])
     assert torch.equal(cut[0].flatten()[~keep], ids[:B].flatten()[~keep])
     assert masking.mask_capacity(B, T, p) == B * int(p * T)  # uniform: exactly int(p T) per row
+
+
+@pytest.mark.parametrize("scheme", sorted(masking.MASKINGS))
+def test_every_masking_scheme_predicts_within_its_capacity(scheme):
+    """make_batch under each --masking, over many batches of two shapes: the predicted tokens
+    never outnumber the fixed slot count (mask_capacity of the scheme's mean span), the slots
+    hold exactly them in row-major order and then padding, the targets are their tokens, [CLS]
+    and [SEP] are never chosen, and the inputs differ from the ids only where a token is
+    predicted. Uniform masking: exactly int(p T) per row."""
+    args = argparse.Namespace(masking=scheme, mask_p=0.15)
+    for B, T in ((8, 32), (4, 128)):
+        for seed in range(40):
+            gen = torch.Generator().manual_seed(seed)
+            ids = torch.randint(len(P.SPECIALS), 1000, (B, T), generator=gen)
+            ids[:, 0], ids[:, -1] = P.CLS, P.SEP
+            batch = masking.make_batch(ids, args, 1000, gen)
+            predicted = batch["labels"] != -100                            # (B, T)
+            n, slots = int(predicted.sum()), batch["slots"]
+            cap = masking.mask_capacity(B, T, 0.15, masking.MASKINGS[scheme])
+            assert 0 < n <= cap == slots.shape[0]
+            assert torch.equal(slots[:n], predicted.flatten().nonzero().squeeze(1))
+            assert torch.equal(batch["targets"][:n], ids[predicted])
+            assert (batch["targets"][n:] == -100).all()
+            assert not predicted[:, 0].any() and not predicted[:, -1].any()
+            assert torch.equal(batch["inputs"][~predicted], ids[~predicted])
+            if masking.MASKINGS[scheme] is None:
+                assert (predicted.sum(1) == int(0.15 * T)).all()
 
 
 def test_predicted_slots_are_the_boolean_index_then_padding():

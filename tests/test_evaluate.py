@@ -131,7 +131,7 @@ def boot_ckpt(prepared, tmp_path_factory, request):
             p.add_(0.3 * torch.randn_like(p))
     path = tmp_path_factory.mktemp("boot") / "ckpt.pt"
     save_checkpoint({"model": model.state_dict(), "config": asdict(cfg), "objective": "boot",
-                     "heads": heads.state_dict(), "args": {"seed": 3},
+                     "decoder": True, "heads": heads.state_dict(), "args": {"seed": 3},
                      "tokenizer": (prepared / "tokenizer.model").read_bytes()}, path)
     return path
 
@@ -459,7 +459,7 @@ def test_a_gpt_bert_model_is_scored_by_its_own_rule(ckpt, tmp_path):
     state = read_checkpoint(ckpt)
     run = tmp_path / "run"
     run.mkdir()
-    save_checkpoint({**state, "args": {**state["args"], "objective": "gpt-bert"}},
+    save_checkpoint({**state, "predicts_before": True},
                     run / "ckpt.pt")
     src = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
     folder = tmp_path / "mini"
@@ -610,7 +610,7 @@ def test_masked_lm_against_a_loop_over_hidden_tokens(ckpt, small_raw, prepared, 
     if objective == "gpt-bert":
         state = read_checkpoint(ckpt)
         ckpt = tmp_path / "gpt-bert.pt"
-        save_checkpoint({**state, "args": {**state["args"], "objective": "gpt-bert"}}, ckpt)
+        save_checkpoint({**state, "predicts_before": True}, ckpt)
     shift = int(objective == "gpt-bert")
     out = tmp_path / "mlm.json"
     E.main(["mlm", "--ckpt", str(ckpt), "--data", str(small_raw), "--segments", "6",
@@ -782,13 +782,14 @@ def test_fill_shows_the_models_own_top_guesses(ckpt, tmp_path, objective, capsys
     if objective == "gpt-bert":
         saved = torch.load(ckpt, weights_only=False)
         path = tmp_path / "gpt-bert.pt"
-        save_checkpoint({**saved, "args": {**saved["args"], "objective": "gpt-bert"}}, path)
+        save_checkpoint({**saved, "predicts_before": True}, path)
     if objective == "boot":
         saved = torch.load(ckpt, weights_only=False)
         torch.manual_seed(1)
         heads = BootHeads(ModelConfig(**saved["config"]), 1, mae=True)
         path = tmp_path / "boot.pt"
-        save_checkpoint({**saved, "objective": "boot", "heads": heads.state_dict()}, path)
+        save_checkpoint({**saved, "objective": "boot", "decoder": True,
+                         "heads": heads.state_dict()}, path)
     E.main(["fill", "--ckpt", str(path), "the cat [MASK] on the [MASK] .", "--top-k", "3",
             "--device", "cpu"])
     out = capsys.readouterr().out.splitlines()

@@ -20,6 +20,7 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
 
 import evaluate as E  # noqa: E402
 import export  # noqa: E402
+import objectives as O  # noqa: E402
 from conftest import run_script, run_train, shared_data  # noqa: E402
 from data.prepare import MASK  # noqa: E402
 from machinery import results  # noqa: E402
@@ -36,9 +37,11 @@ def checkpoint(path, tokenizer: bytes, objective="mlm", **kw):
     torch.manual_seed(0)
     cfg = ModelConfig(**{**PRESETS["tiny"], "vocab_size": 2000, "d_model": 64, **kw})
     model = Encoder(cfg)
+    entry = O.OBJECTIVES[objective]
     ckpt = {"model": model.state_dict(), "config": asdict(cfg), "tokenizer": tokenizer,
-            "objective": objective, "step": 7}
-    if objective == "boot":
+            "objective": objective, "step": 7, "predicts_before": entry.predicts_before,
+            "decoder": entry.decoder}
+    if entry.decoder:
         ckpt["heads"] = BootHeads(cfg, 1, mae=True).state_dict()
     for t in [*ckpt["model"].values(), *ckpt.get("heads", {}).values()]:
         if t.is_floating_point():

@@ -13,19 +13,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import evaluate as E
+import export
 import lasso_exact as lasso
 import objectives as O
-from objectives import ObjectiveParts, Trainee
 import sparse
 import train as T
 import warm_python
 from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
-from training import run as training_run
 from machinery import optim, stopping
 from machinery.storage import save_checkpoint
-from model import PRESETS, BootPredictor, Encoder, ModelConfig, boot_states
+from model import PRESETS, BootPredictor, Encoder, ModelConfig, boot_states, load_checkpoint
+from objectives import ObjectiveParts, Trainee
+from training import run as training_run
 
 
 # --- optimizer and schedule ----------------------------------------------------------------------
@@ -160,17 +162,21 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     assert "step 10/10 | loss" in r.stdout
 
 
+RESUME_STOPS = {"kd": 10, "kd+mlm": 25, "mlsm": 25, "mlsm+mlm": 25}  # the others: 20
+
+
 @pytest.mark.parametrize("objective,stop,mix", [
-    ("mlm", 20, None), ("boot", 20, None), ("kd", 10, None), ("kd+mlm", 25, None),
-    ("mlsm+mlm", 25, None), ("gpt-bert", 20, "masked-focus"), ("gpt-bert", 15, "mixed"),
-    ("gpt-bert", 25, "causal-focus")])
+    *[(o, RESUME_STOPS.get(o, 20), "masked-focus" if "causal_fraction" in e.flags else None)
+      for o, e in sorted(O.OBJECTIVES.items())],
+    ("gpt-bert", 15, "mixed"), ("gpt-bert", 25, "causal-focus")])
 def test_resume_is_exact(prepared, tmp_path, objective, stop, mix):
-    """40 steps in one go == `stop` steps, stop, resume, the rest: same parameters, optimizer and
-    teacher state and logged losses, bit for bit (dropout is on). kd stops exactly where phase 1
-    ends (step 10 of 40), kd+mlm and mlsm+mlm inside phase 2; gpt-bert in each of its mixes."""
+    """Every objective: 40 steps in one go == `stop` steps, stop, resume, the rest: same
+    parameters, optimizer and teacher state and logged losses, bit for bit (dropout is on). kd
+    stops exactly where phase 1 ends (step 10 of 40), the other two-phase ones inside phase 2;
+    gpt-bert in each of its mixes."""
     common = ["--data", prepared, "--max-steps", 40, "--objective", objective,
               *(["--causal-fraction", mix] if mix else ["--phase1-steps", 0.25]), *TINY]
-    if objective.startswith("mlsm"):
+    if "dict" in O.OBJECTIVES[objective].flags:
         common += MLSM_DICT
     whole, first = run_trains([*common, "--out-dir", tmp_path / "a"],
                               [*common, "--out-dir", tmp_path / "b", "--stop-at", stop])
@@ -183,7 +189,7 @@ def test_resume_is_exact(prepared, tmp_path, objective, stop, mix):
     for part in ("model", "heads"):
         for k in a[part]:
             assert torch.equal(a[part][k], b[part][k]), (part, k)
-    if objective == "boot":
+    if b["extras_state"]:  # a mean teacher (boot)
         ema = b["extras_state"]["ema"]
         assert all(torch.equal(v, ema[k]) for k, v in a["extras_state"]["ema"].items())
     if objective in O.TWO_PHASE:
@@ -198,6 +204,48 @@ def test_resume_is_exact(prepared, tmp_path, objective, stop, mix):
     log_a, log_b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
     assert [e.keys() for e in log_a] == [e.keys() for e in log_b]  # the same stats logged
     assert drop(log_a) == drop(log_b)
+
+
+@pytest.mark.parametrize("objective", sorted(O.OBJECTIVES))
+def test_every_objective_is_scored_filled_and_exported(prepared, small_raw, tmp_path, objective,
+                                                       monkeypatch, capsys):
+    """Each OBJECTIVES entry end to end, so that a new one missing a piece fails by name: a few
+    steps (in both phases where it has two), a checkpoint that says how it predicts (its entry's
+    predicts_before and decoder) and loads so, `evaluate.py mlm` and `fill` on it, and (where
+    requirements-export.txt is installed, as in CI) an export whose logits are load_checkpoint's
+    ((resume: test_resume_is_exact; masking schemes: tests/test_data.py)."""
+    entry, run = O.OBJECTIVES[objective], tmp_path / "run"
+    flags = ["--data", prepared, "--max-steps", 6, "--objective", objective, *TINY,
+             "--out-dir", run, *(["--phase1-steps", 3] if entry.two_phase else []),
+             *(MLSM_DICT if "dict" in entry.flags else [])]
+    r = run_train(*flags)
+    assert r.returncode == 0, r.stderr
+    ckpt = torch.load(run / "ckpt.pt", weights_only=False)
+    assert (ckpt["step"], ckpt["objective"]) == (6, objective)
+    assert (ckpt["predicts_before"], ckpt["decoder"]) == (entry.predicts_before, entry.decoder)
+    model, _ = load_checkpoint(run / "ckpt.pt")
+    assert isinstance(model, BootPredictor) == entry.decoder
+    assert model.predicts_before == entry.predicts_before
+    monkeypatch.setenv("NANOMLM_DATA", str(prepared.parent))
+    E.main(["mlm", "--ckpt", str(run / "ckpt.pt"), "--data", str(small_raw), "--segments", "4",
+            "--seq-len", "32", "--batch-size", "4", "--device", "cpu",
+            "--out", str(tmp_path / "mlm.json")])
+    scored = json.loads((tmp_path / "mlm.json").read_text())
+    assert scored["step"] == 6 and 0 < scored["loss"] < 20 and 0 <= scored["accuracy"] <= 1
+    E.main(["fill", "--ckpt", str(run / "ckpt.pt"), "the cat [MASK] on the mat .",
+            "--device", "cpu"])
+    assert "[MASK] 1:" in capsys.readouterr().out
+    try:
+        from transformers import AutoModelForMaskedLM
+    except ImportError:
+        return
+    export.main(["--ckpt", str(run / "ckpt.pt"), "--out", str(tmp_path / "hf")])
+    hf = AutoModelForMaskedLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    ids = torch.randint(5, 300, (2, 16))
+    ids[:, 0], ids[:, -1], ids[:, 5] = CLS, SEP, MASK
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, model.logits(ids),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_mlm_two_phase_restarts_optimizer_and_warmup(prepared, tmp_path):
@@ -677,6 +725,18 @@ def test_kd_with_a_given_teacher_skips_phase_one(trained, prepared, tmp_path):
     first = torch.load(trained, weights_only=True)["model"]
     last = torch.load(out / "ckpt.pt", weights_only=True)["model"]
     assert not torch.equal(last["word.weight"], first["word.weight"])
+
+
+def test_a_checkpoint_from_before_the_fields_is_refused_in_one_line(trained, tmp_path):
+    """A train.py checkpoint written before checkpoints said how they predict (2026-11-27) could
+    be a boot or gpt-bert model read the wrong way: load_checkpoint and export.py refuse it."""
+    state = torch.load(trained, weights_only=False)
+    old = tmp_path / "old.pt"
+    save_checkpoint({k: v for k, v in state.items() if k not in ("predicts_before", "decoder")},
+                    old)
+    for load in (lambda: load_checkpoint(old), lambda: export.export(old, tmp_path / "hf")):
+        with pytest.raises(SystemExit, match=f"error: {old} predates checkpoints that say how"):
+            load()
 
 
 def test_gpt_bert_flags_and_teachers(trained, tmp_path, capsys):

@@ -379,19 +379,22 @@ CPU_DEMO = ("python train.py --objective mlm --size tiny --batch-size 32 --max-s
             "--device cpu")
 
 
-def describe(run: Run, p1: int) -> str:
+def describe(run: Run, p1: int, note: Callable | None = None) -> str:
     """Two lines on what is about to train (after p1 steps of MLM), on what and where; a third
-    when it is a model larger than tiny on a CPU, for long (over 10M tokens): hours there."""
+    when it is a model larger than tiny on a CPU, for long (over 10M tokens): hours there; the
+    objective's own `note` (a function of the flags) last."""
     args, cfg, meta = run.args, run.encoder.config, run.meta
     phases = f"mlm for {p1} steps, then " if p1 else ""
     epochs = args.max_steps * run.global_batch / run.train.n
     epochs = f"{epochs:.1f}" if epochs >= 0.1 else f"{epochs:.2g}"  # a short run: not "0.0"
     tokens = args.max_steps * run.global_batch * args.seq_len
-    slow = (f"\nnote: {args.size} on a CPU, {tokens / 1e6:,.0f}M tokens: hours or days (the eta "
+    notes = (f"\nnote: {args.size} on a CPU, {tokens / 1e6:,.0f}M tokens: hours or days (the eta "
             f"says how long once it starts); this wants a GPU. The CPU demo: {CPU_DEMO}"
             if run.device.type == "cpu" and args.size != "tiny" and tokens > 1e7 else "")
     if args.cuda_graphs and not replays_graphs(run):
-        slow += "\nnote: --cuda-graphs needs CUDA and --compile; the step runs without them here"
+        notes += "\nnote: --cuda-graphs needs CUDA and --compile; the step runs without them here"
+    if note is not None:
+        notes += "\nnote: " + note(args)
     return (f"model: {run.encoder.num_params() / 1e6:.2f}M parameters ({args.size}: "
             f"{cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.position} positions) | data: "
             f"{meta['train_tokens']:,} train tokens, vocab {meta['vocab_size']}, unigram entropy "
@@ -399,7 +402,7 @@ def describe(run: Run, p1: int) -> str:
             f"train: {phases}{args.objective} on {run.device} x{run.world} | "
             f"{run.global_batch} seqs x {args.seq_len} tokens per step ({args.batch_size} x "
             f"{args.grad_accum} accum x {run.world} procs) | {args.max_steps} steps = "
-            f"{epochs} epochs | {run.folder.path}" + slow)
+            f"{epochs} epochs | {run.folder.path}" + notes)
 
 
 @torch.no_grad()
