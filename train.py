@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import sparse
-from data.masking import MASKINGS
+from data.masking import MASKINGS, make_batch
 from data.prepare import VOCAB_SIZE
 from machinery import flags
 from machinery.device import add_device_flag, seed_of
@@ -51,7 +51,7 @@ from objectives import (BASELINE, DICT_FLAG_NAMES, DICT_FLAGS, OBJECTIVES,
                         ObjectiveParts, Trainee, causal_fraction, dict_config)
 from training.run import (Phase, Run, check_warmup, checked_settings, describe, log_line,
                           nothing_to_do, open_run, save, save_words_flag, start_phase, summary,
-                          train_batch, validate, word_marks)
+                          validate, word_marks)
 
 
 # Per-size defaults, under an objective's own. On an H100 `small` MLM at LAMB lr 1e-2 with
@@ -98,6 +98,17 @@ def phase_at(run: Run, step: int) -> Phase:
                 + (f", taught by {teacher}" if entry.setup else ""))
     trainee = Trainee(run.encoder, parts.heads.to(run.device), entry.loss)
     return start_phase(run, step, objective, entry, start, end, trainee, parts)
+
+
+def train_batch(run: Run, step: int, micro: int) -> dict:
+    """Micro-batch `micro` of `step`, and dropout reseeded for it: both functions of (seed, step,
+    its index in the global batch), so a resumed run draws what an uninterrupted one would."""
+    args = run.args
+    k = run.rank * args.grad_accum + micro  # this micro-batch's index in the global batch
+    torch.manual_seed(seed_of(args.seed, step, k))  # dropout
+    gen = torch.Generator(run.device).manual_seed(seed_of(args.seed, step, k, 1))  # masks
+    ids = run.train.batch(step * run.global_batch + k * args.batch_size, args.batch_size)
+    return make_batch(ids.to(run.device), args, run.meta["vocab_size"], gen)  # ids: on the GPU
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,7 +374,7 @@ def main(argv=None):
         phase.optimizer.zero_grad(set_to_none=True)
         if phase.parts.ema is not None:  # a mean teacher follows the student (BootBERT, sec. 3)
             decay = ema_decay_at(step, args, phase.start, phase.end)
-            ema_update(phase.parts.ema, run.encoder, decay)  # one fused lerp over all tensors
+            ema_update(phase.parts.ema, phase.trainee.encoder, decay)  # one fused lerp, all tensors
         step += 1
         since_log += 1
         progress.update()

@@ -71,10 +71,7 @@ class Run:
     ckpt: dict | None          # the checkpoint resumed from
     tokenizer: bytes
     version: dict              # code_version of its code, kept in every checkpoint
-
-    @property
-    def global_batch(self):
-        return self.args.batch_size * self.args.grad_accum * self.world
+    global_batch: int          # segments per optimizer step, all processes and micro-batches
 
     def say(self, text):  # rank 0 only; tqdm.write keeps the progress bar intact
         if self.rank == 0:
@@ -201,7 +198,7 @@ def open_run(args, code: list[str], defaults: dict, check_steps: Callable) -> Ru
     encoder.to(device)
     version = code_version(code)
     run = Run(args, ddp, rank, world, device, amp, folder, meta, train, val, encoder, step, ckpt,
-              tokenizer, version)
+              tokenizer, version, args.batch_size * args.grad_accum * world)
     if args.max_steps is None:  # --epochs: saved in args.json as steps, so a resume keeps them
         args.max_steps = max(1, math.floor(args.epochs * train.n / run.global_batch))
         check_steps(args)
@@ -458,14 +455,3 @@ def log_line(record: dict, stats: dict, max_steps: int, eta: float) -> str:
     return (f"step {record['step']}/{max_steps} | loss {record['loss']:.4f}{terms} | "
             f"lr {record['lr']:.1e} | {record['tok_per_s'] / 1e3:.1f}k tok/s | "
             f"eta {duration(eta)}")
-
-
-def train_batch(run: Run, step: int, micro: int) -> dict:
-    """Micro-batch `micro` of `step`, and dropout reseeded for it: both functions of (seed, step,
-    its index in the global batch), so a resumed run draws what an uninterrupted one would."""
-    args = run.args
-    k = run.rank * args.grad_accum + micro  # this micro-batch's index in the global batch
-    torch.manual_seed(seed_of(args.seed, step, k))  # dropout
-    gen = torch.Generator(run.device).manual_seed(seed_of(args.seed, step, k, 1))  # masks
-    ids = run.train.batch(step * run.global_batch + k * args.batch_size, args.batch_size)
-    return make_batch(ids.to(run.device), args, run.meta["vocab_size"], gen)  # ids: on the GPU
