@@ -98,8 +98,9 @@ def bench_step(args, device, tmp):
             run = Path(tmp) / f"{objective}_{size}"
             case = f"{objective} {size} {B}x{T}{run_variant(args)}"
             flags = train_flags(args, device, objective, size, run)
-            entry = OBJECTIVES[objective]
-            two_phase, coded = entry.two_phase, "dict" in entry.flags  # coded: mlsm's targets
+            entry = OBJECTIVES.get(objective)  # unknown: train.py refuses it, a failed row
+            two_phase = bool(entry and entry.two_phase)
+            coded = bool(entry and "dict" in entry.flags)  # mlsm's targets: sparse codes
             if two_phase:  # phase 2 alone, taught by the baseline's run
                 flags += ["--teacher", str(Path(tmp) / f"{BASELINE}_{size}" / "ckpt.pt")]
             if coded:

@@ -90,13 +90,19 @@ def test_report_equals_compare_on_the_result_files(whole, tmp_path):
                 "--examples", metric, "--nboot", "300", "--out", str(tmp_path / "c.json")])
         direct = json.loads((tmp_path / "c.json").read_text())
         mine = report["metrics"][metric]["kd"]
-        for key in ("mean_a", "mean_b", "diff", "ci95", "p", "better"):
+        for key in ("mean_a", "mean_b", "diff", "ci95", "p", "better", "values_b", "seed_level"):
             assert mine[key] == direct[key], (metric, key)
         assert direct["seeds_a"] == direct["seeds_b"] == [0, 1] and direct["paired_seeds"]
         md = (folder / "REPORT.md").read_text()
-        show = results.read_result(folder / "results" / "kd" / "s0.json.gz")[metric]
-        fmt = study_report.fmt(direct["mean_b"], show.get("better", "higher"))
-        assert f"| kd | 2 | {fmt} |" in md
+        better = results.read_result(folder / "results" / "kd" / "s0.json.gz")[metric].get(
+            "better", "higher")
+        fmt = lambda x: study_report.fmt(x, better)
+        t = direct["seed_level"]  # two seeds: a t-interval with 1 degree of freedom
+        assert t["test"] == "paired t" and t["df"] == 1
+        assert (f"| kd | 2 | {' '.join(map(fmt, direct['values_b']))} | {fmt(direct['mean_b'])} "
+                f"| {study_report.signed(direct['diff'], better)} | "
+                f"{study_report.signed(t['ci95'][0], better)} .. "
+                f"{study_report.signed(t['ci95'][1], better)} | {t['p']:.3f} |") in md
     # a result file is small and holds what compare needs and what the report shows
     r = results.read_result(folder / "results" / "kd" / "s1.json.gz")
     assert (folder / "results" / "kd" / "s1.json.gz").stat().st_size < 100_000
@@ -131,7 +137,7 @@ def test_merged_from_two_folders_equals_one_folder(whole, tmp_path):
     want = json.loads((one / "report.json").read_text())
     assert got["runs"] == 4
     for metric, by_arm in want["metrics"].items():
-        for key in ("mean_a", "mean_b", "diff", "ci95", "p"):
+        for key in ("mean_a", "mean_b", "diff", "ci95", "p", "seed_level"):
             assert got["metrics"][metric]["kd"][key] == by_arm["kd"][key], (metric, key)
     assert got["phenomena"] == want["phenomena"]
 
