@@ -131,7 +131,7 @@ def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
                 t = r["seed_level"]
                 ci = (f"{signed(t['ci95'][0], better)} .. {signed(t['ci95'][1], better)}"
                       if t["ci95"] else "- (one seed)")
-                p = f"{t['p']:.3f}" if t["p"] is not None else "-"
+                p = "-" if t["p"] is None else "< 0.001" if t["p"] < 0.001 else f"{t['p']:.3f}"
                 lines.append(f"| {arm} | {len(r['seeds_b'])} | {each} | "
                              f"{fmt(r['mean_b'], better)} | {signed(r['diff'], better)} | {ci} "
                              f"| {p} |")
