@@ -1,5 +1,6 @@
-"""A study: every arm x seed trained, evaluated and compared with the baseline by the
-Multi-Bootstrap, in one command that resumes where it stopped.
+"""A study: every arm x seed trained, evaluated and compared with the baseline over the
+pretraining seeds (a Student's t interval; the Multi-Bootstrap beside it), in one command that
+resumes where it stopped.
 
     python study.py studies/better_together.toml                 # its cpu scale, all of it
     python study.py studies/better_together.toml --dry-run       # the plan and its cost
