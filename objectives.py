@@ -124,6 +124,7 @@ def gpt_bert(model, batch, parts):
         _, logits = model.encoder(batch["inputs"][:n], batch["attention_mask"][:n],
                                   predict=before)                          # (C, V)
         parts["mntp"] = (n / B, logits, torch.where(mine, targets, -100))
+        mask_rate = mine.sum() / (n * (T - 2))  # of the text's tokens ([CLS], [SEP] never)
     if n < B:
         ids, mask = batch["input_ids"][n:], batch["attention_mask"][n:]   # (B_c, T)
         h = model.encoder(ids, mask, causal=True)                          # (B_c, T, D)
@@ -137,6 +138,8 @@ def gpt_bert(model, batch, parts):
         loss = loss + share * part
         z = z + share * slot_mean(torch.logsumexp(logits.float(), -1) ** 2, targets != -100)
         stats[f"{name}_acc"], stats[f"{name}_loss"] = slot_accuracy(logits, targets), part.detach()
+    if n > 0:
+        stats["mask_rate"] = mask_rate
     return loss + 1e-4 * z, {**stats, "z_loss": z.detach()}
 
 
@@ -326,6 +329,7 @@ class Objective(NamedTuple):
     setup: Callable | None = None   # (encoder, args, run_dir, device) -> ObjectiveParts
     two_phase: bool = False         # plain MLM first; then this, taught by the phase-1 model
     defaults: dict | None = None    # shared flags whose default differs, as its paper trained it
+    size_defaults: dict | None = None  # {--size: {flag: default}}: its paper's widths, say
     note: Callable | None = None    # (args) -> what to say as a run starts
     flags: tuple = ()               # flags (their dest) of its own, refused for the others
     # how its checkpoints predict a hidden token, written into them for the scorers and export:
@@ -337,7 +341,11 @@ UNIFORM = dict(masking="uniform")  # Berend 2023's masking, in both phases (szeg
 BASELINE = "mlm"  # plain MLM: what every objective is compared with, and a two-phase one's phase 1
 OBJECTIVES = {
     BASELINE: Objective(mlm, flags=("two_phase",)),
+    # the reference's recipe (ltgoslo/gpt-bert, train_10m.py, configs/): docs/objectives/gpt-bert.md
     "gpt-bert": Objective(gpt_bert, predicts_before=True, flags=("causal_fraction",),
+                          defaults=dict(schedule="cosine-cooldown", cooldown=0.016, mask_p=0.3,
+                                        mask_p_end=0.15, decay_embeddings=True, eps=1e-8),
+                          size_defaults={"small": dict(d_ff=1280), "base": dict(d_ff=2560)},
                           note=lambda args: (
         f"gpt-bert trains {causal_rows(args.batch_size, args.causal_fraction)} of each "
         f"micro-batch's {args.batch_size} rows causally, the rest masked next-token prediction "

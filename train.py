@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import sparse
-from data.masking import MASKINGS, make_batch
+from data.masking import MASKINGS, make_batch, mask_p_at
 from data.prepare import VOCAB_SIZE
 from machinery import flags
 from machinery.device import add_device_flag, seed_of
@@ -108,7 +108,8 @@ def train_batch(run: Run, step: int, micro: int) -> dict:
     torch.manual_seed(seed_of(args.seed, step, k))  # dropout
     gen = torch.Generator(run.device).manual_seed(seed_of(args.seed, step, k, 1))  # masks
     ids = run.train.batch(step * run.global_batch + k * args.batch_size, args.batch_size)
-    return make_batch(ids.to(run.device), args, run.meta["vocab_size"], gen)  # ids: on the GPU
+    return make_batch(ids.to(run.device), args, run.meta["vocab_size"], gen,  # ids: on the GPU
+                      mask_p_at(step, args))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,8 +123,9 @@ def objective_defaults(flag: str) -> str:
     for name, entry in OBJECTIVES.items():
         if flag in (entry.defaults or {}):
             names.setdefault(entry.defaults[flag], []).append(name)
-    return "; ".join(f"{', '.join(n)} {v:g}" if isinstance(v, float) else f"{', '.join(n)} {v}"
-                     for v, n in names.items())
+    show = lambda v: ("on" if v else "off") if isinstance(v, bool) else (
+        f"{v:g}" if isinstance(v, float) else str(v))
+    return "; ".join(f"{', '.join(n)} {show(v)}" for v, n in names.items())
 
 
 def build_parser():
@@ -150,7 +152,11 @@ def build_parser():
         f"{objective_defaults('lr')}; see docs/objectives/mlm.md)", range=flags.at_least(0))
     add("--warmup", type=float, default=0.016,
         help="warmup: a fraction of --max-steps if < 1, else steps", range=flags.at_least(0))
-    add("--schedule", default="cosine", choices=["cosine", "linear"], help="decay after warmup")
+    add("--schedule", default="cosine", choices=["cosine", "linear", "cosine-cooldown"],
+        help="decay after warmup; cosine-cooldown: gpt-bert's, the cosine then a line to 0 over "
+        f"the last --cooldown (default %(default)s; {objective_defaults('schedule')})")
+    add("--cooldown", type=float, default=0.016, range=flags.Range(0, 1, high_open=True),
+        help="cosine-cooldown: the share of the phase's steps that falls linearly to 0")
     add("--min-lr", type=float, default=0.1, range=flags.Range(0, 1),
         help="final learning rate as a fraction of --lr")
     add("--weight-decay", type=float, default=0.1, help="decoupled weight decay on weight "
@@ -159,14 +165,24 @@ def build_parser():
     add("--weight-decay-end", type=float, default=None, range=flags.at_least(0),
         help="cosine weight decay from --weight-decay to this over the phase (default: "
         f"constant; {objective_defaults('weight_decay_end')})")
+    add("--decay-embeddings", action=argparse.BooleanOptionalAction, default=False,
+        help="weight-decay the embedding and position tables too, as gpt-bert's groups "
+        f"(default: not, as LTG-BERT's; {objective_defaults('decay_embeddings')})")
+    add("--eps", type=float, default=1e-6, range=flags.above(0), help="the optimizer's epsilon "
+        f"(default %(default)g; {objective_defaults('eps')})")
     add("--clip", type=float, default=2.0, range=flags.at_least(0),
         help="gradient-norm clipping, 0 = off")
     add("--spike", type=float, default=10.0, range=flags.at_least(0),
         help="stop a diverging run: when a log interval's mean gradient norm exceeds this "
         "multiple of its median over the phase so far, or its loss stays 1 nat above the "
         "phase's lowest for two log lines; 0 = off")
-    add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict",
+    add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict (with "
+        f"--mask-p-end: at the first step) (default %(default)s; {objective_defaults('mask_p')})",
         range=flags.Range(0, 1, low_open=True, high_open=True))
+    add("--mask-p-end", type=float, default=None, range=flags.Range(0, 1, low_open=True,
+                                                                    high_open=True),
+        help="the fraction falls linearly from --mask-p to this over the run, as gpt-bert's "
+        f"(default: constant; {objective_defaults('mask_p_end')})")
     add("--causal-fraction", type=causal_fraction, default=1 / 16, range=flags.Range(0, 1),
         help="gpt-bert: the share of each batch trained causally, the rest masked next-token "
         "prediction; a decimal fraction, or masked-focus (1/16, gpt-bert's 15:1), mixed (1/2) "
@@ -305,10 +321,12 @@ def get_args(argv, parser=None):
         check_phases(args)
     if args.out_dir is None:
         args.out_dir = str(REPO / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
-    preset = {**SIZE_DEFAULTS[args.size], **(OBJECTIVES[args.objective].defaults or {})}
+    preset = {**SIZE_DEFAULTS[args.size], **(entry.defaults or {}),
+              **(entry.size_defaults or {}).get(args.size, {})}
     flags.fill_unset(args, preset, typed=args.given)
-    if MASKINGS[args.masking] is None and int(args.mask_p * args.seq_len) < 1:
-        parser.error(f"--mask-p {args.mask_p:g} masks no token of a --seq-len {args.seq_len} "
+    lowest = min(args.mask_p, args.mask_p_end or 1)
+    if MASKINGS[args.masking] is None and int(lowest * args.seq_len) < 1:
+        parser.error(f"--mask-p {lowest:g} masks no token of a --seq-len {args.seq_len} "
                      f"sequence under uniform masking (int(p T) = 0); raise either")
     return args
 

@@ -83,17 +83,28 @@ def predicted_slots(labels, capacity):
 MASKINGS = {"span": 3.0, "token": 1.0, "uniform": None}
 
 
-def make_batch(ids, args, vocab_size, gen):
-    """ids (B, T) -> the batch every objective reads. The predicted positions are also given as
-    a fixed number C of slots (mask_capacity: exactly B int(p T) for uniform masking, a bound
-    for spans), so that the compiled step has one shape and never waits for the device."""
+def mask_p_at(step: int, args) -> float:
+    """The fraction to predict at `step`: --mask-p, or with --mask-p-end a line from one to the
+    other over the run (gpt-bert's dataset.py: start + (end - start) * step / max_steps)."""
+    if args.mask_p_end is None:
+        return args.mask_p
+    return args.mask_p + (args.mask_p_end - args.mask_p) * step / args.max_steps
+
+
+def make_batch(ids, args, vocab_size, gen, mask_p=None):
+    """ids (B, T) -> the batch every objective reads, `mask_p` (default --mask-p) of the tokens
+    predicted. The predicted positions are also given as a fixed number C of slots
+    (mask_capacity of the run's largest fraction: exactly B int(p T) for uniform masking, a
+    bound for spans), so that the compiled step has one shape and never waits for the device."""
     B, T = ids.shape
+    p = args.mask_p if mask_p is None else mask_p
     mean_span = MASKINGS[args.masking]
-    capacity = mask_capacity(B, T, args.mask_p, mean_span)
+    capacity = mask_capacity(B, T, max(args.mask_p, getattr(args, "mask_p_end", None) or 0),
+                             mean_span)
     if mean_span is None:  # the MLSM code's: int(p T) tokens per row, all [MASK]
-        inputs, labels = uniform_mask(ids, args.mask_p, gen)
+        inputs, labels = uniform_mask(ids, p, gen)
     else:  # spans, 80/10/10 per span
-        inputs, labels = span_mask(ids, args.mask_p, vocab_size, gen, mean_span, capacity)
+        inputs, labels = span_mask(ids, p, vocab_size, gen, mean_span, capacity)
     slots = predicted_slots(labels, capacity)                              # (C,)
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), inputs=inputs, labels=labels,
                 slots=slots, targets=labels.flatten()[slots])

@@ -104,25 +104,31 @@ class Lamb(torch.optim.Optimizer):
 
 def make_optimizer(model, args):
     """Group 0 decays (the weight matrices), group 1 does not (biases, LayerNorm gains,
-    embedding tables, BootBERT's mask vector), as LTG-BERT."""
+    embedding tables, BootBERT's mask vector), as LTG-BERT; with --decay-embeddings the
+    embedding and position tables decay too, as gpt-bert's groups (every parameter but biases
+    and LayerNorms; train_10m.py's no_decay = ["bias", "layer_norm"])."""
     table = lambda name: name.endswith(("word.weight", "pos.weight", ".rel")) or name == "rel"
-    decays = lambda name, p: p.ndim >= 2 and not table(name)
+    decays = lambda name, p: p.ndim >= 2 and (args.decay_embeddings or not table(name))
     named = list(model.named_parameters())
     groups = [dict(params=[p for n, p in named if decays(n, p)], weight_decay=args.weight_decay),
               dict(params=[p for n, p in named if not decays(n, p)], weight_decay=0.0)]
     device = next(model.parameters()).device
     if args.optim == "lamb":  # compiled where the model is: a few fused kernels a step
-        return Lamb(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6,
+        return Lamb(groups, lr=args.lr, betas=(0.9, 0.98), eps=args.eps,
                     compile=use_compile(device, args.compile))
     fused = device.type == "cuda" or None  # one kernel on a GPU
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6, fused=fused)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=args.eps, fused=fused)
 
 
 def lr_at(step, args, start=0, end=None):
     """Linear warmup to --lr, then cosine or linear decay to --min-lr * --lr, over the phase
-    [start, end) (default the whole run)."""
+    [start, end) (default the whole run); cosine-cooldown: gpt-bert's (cosine_with_cooldown)."""
     end = args.max_steps if end is None else end
     step, n = step - start, end - start
+    if args.schedule == "cosine-cooldown":
+        return args.lr * cosine_with_cooldown(step, int(args.warmup * n) if args.warmup < 1
+                                              else int(args.warmup), int(args.cooldown * n), n,
+                                              args.min_lr)
     warmup = round(args.warmup * n) if args.warmup < 1 else int(args.warmup)
     if step < warmup:
         return args.lr * (step + 1) / warmup
@@ -139,6 +145,20 @@ def cosine_with_warmup(step: int, warmup: int, steps: int, floor: float = 0.1) -
     steps, then a cosine from 1 down to `floor` at `steps`."""
     if step < warmup:
         return step / max(1, warmup)
+    progress = (step - warmup) / max(1, steps - warmup)
+    return max(floor, floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def cosine_with_cooldown(step: int, warmup: int, cooldown: int, steps: int,
+                         floor: float = 0.1) -> float:
+    """gpt-bert's pretraining schedule factor (ltgoslo/gpt-bert, pretraining/utils.py,
+    cosine_schedule_with_warmup_cooldown, as LambdaLR applies it at optimizer step `step`): linear
+    from 0 over `warmup` steps, a cosine from 1 towards `floor` over the steps after the warmup,
+    and over the last `cooldown` steps a line from `floor` down to 0 at `steps`."""
+    if step < warmup:
+        return step / max(1, warmup)
+    if step >= steps - cooldown:
+        return floor * (steps - step) / max(1, cooldown)
     progress = (step - warmup) / max(1, steps - warmup)
     return max(floor, floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 

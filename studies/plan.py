@@ -211,7 +211,9 @@ def plan(study: dict, scale_name: str, folder: Path, only=None, seeds=None) -> l
                     "--data-dir", raw(ft["data_dir"]), "--out", str(run / f"eval/{task}.json"),
                     "--seeds", ",".join(map(str, ft.get("seeds", [1]))), *device,
                     *shlex.split(ft.get("flags", ""))], run / f"eval/{task}.json"))
-            spec_scale = {k: v for k, v in scale.items() if k not in ("seeds", "device", "notes")}
+            # a run's fingerprint: not the keys that change no run (which arms a scale runs)
+            spec_scale = {k: v for k, v in scale.items()
+                          if k not in ("seeds", "device", "notes", "arms")}
             name = f"{arm_name} s{seed}"
             jobs[name] = Job(name, run, steps, arm_name, seed,
                              folder / "results" / arm_name / f"s{seed}.json.gz",

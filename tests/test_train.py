@@ -739,6 +739,74 @@ def test_a_checkpoint_from_before_the_fields_is_refused_in_one_line(trained, tmp
             load()
 
 
+def gpt_bert_lambda(warmup, cooldown, steps, min_factor=0.1):
+    """ltgoslo/gpt-bert's pretraining/utils.py, cosine_schedule_with_warmup_cooldown's lr_lambda,
+    transcribed line by line (commit 9fc1507)."""
+    def lr_lambda(current_step):
+        if current_step < warmup:
+            return float(current_step) / float(max(1, warmup))
+        elif current_step >= steps - cooldown:
+            return min_factor * float(steps - current_step) / float(max(1, cooldown))
+        progress = float(current_step - warmup) / float(max(1, steps - warmup))
+        return max(min_factor, min_factor + (1 - min_factor) * 0.5 * (1.0 + math.cos(math.pi *
+                                                                                    progress)))
+    return lr_lambda
+
+
+@pytest.mark.parametrize("steps", [70, 500, 7246])
+def test_gpt_bert_schedule_is_the_references_through_lambdalr(steps):
+    """The lr of every optimizer step as the reference's LambdaLR sets it (its lambda
+    transcribed, int() of 1.6% for warm-up and cool-down as train_10m.py takes them), stepped by
+    torch itself: optim.lr_at, step for step, and 0 at the run's end."""
+    args = argparse.Namespace(lr=0.02, warmup=0.016, cooldown=0.016, min_lr=0.1,
+                              max_steps=steps, schedule="cosine-cooldown")
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, gpt_bert_lambda(int(steps * 0.016), int(steps * 0.016), steps))
+    for step in range(steps):
+        assert optim.lr_at(step, args) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-12)
+        opt.step()
+        sched.step()
+    assert optim.lr_at(steps, args) == opt.param_groups[0]["lr"] == 0  # what it logs last
+
+
+def test_a_tiny_gpt_bert_run_trains_with_the_references_recipe(prepared, tmp_path):
+    """gpt-bert's defaults are its reference's: each step's logged learning rate is the
+    transcribed lambda's (falling to lr * 0.1 / cool-down steps at the last step: the reference
+    logs the 0 that follows it), the masked rows' mask rate falls from 0.3 to 0.15 as
+    dataset.py's mask_p does (over 20-step windows, within sampling noise), and the weight-decay
+    groups are train_10m.py's rule (no decay where the name holds "bias" or a norm) on ours."""
+    steps = 140
+    # --spike 0: one step's loss is too noisy for the guard's rule (issue 69)
+    r = run_train("--data", prepared, "--objective", "gpt-bert", *TINY, "--max-steps", steps,
+                  "--log-every", 1, "--spike", 0, "--out-dir", tmp_path / "run")
+    assert r.returncode == 0, r.stderr
+    lines = [e for e in read_log(tmp_path / "run") if "mask_rate" in e]
+    lr = T.get_args(["--size", "tiny"]).lr
+    factor = gpt_bert_lambda(int(steps * 0.016), int(steps * 0.016), steps)
+    assert [e["lr"] for e in lines] == pytest.approx([lr * factor(e["step"] - 1) for e in lines])
+    assert lines[-1]["lr"] == pytest.approx(lr * 0.1 / 2)  # 2 cool-down steps; the next is 0
+    rate = np.array([e["mask_rate"] for e in lines]).reshape(-1, 20).mean(1)    # (7,) windows
+    want = np.array([0.3 - 0.15 * s / steps for s in range(steps)]).reshape(-1, 20).mean(1)
+    assert np.abs(rate - want).max() < 0.05 and rate[0] - rate[-1] > 0.08
+    args = T.get_args(["--objective", "gpt-bert", "--size", "tiny"])
+    assert (args.decay_embeddings, args.eps, args.mask_p, args.mask_p_end) == (True, 1e-8, 0.3,
+                                                                                0.15)
+    model = Encoder(ModelConfig(**PRESETS["tiny"], vocab_size=300))
+    decayed = {id(p) for p in optim.make_optimizer(model, args).param_groups[0]["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in decayed}
+    assert names == {n for n, _ in model.named_parameters()
+                     if not any(nd in n for nd in ("bias", "norm"))}
+    assert "word.weight" in names and "rel" in names
+    house = T.get_args(["--objective", "gpt-bert", "--size", "tiny", "--no-decay-embeddings"])
+    kept = {id(p) for p in optim.make_optimizer(model, house).param_groups[0]["params"]}
+    assert names - {n for n, p in model.named_parameters() if id(p) in kept} == {"word.weight",
+                                                                                  "rel"}
+    assert T.get_args(["--objective", "gpt-bert", "--size", "small"]).d_ff == 1280
+    assert T.get_args(["--objective", "gpt-bert", "--size", "small", "--d-ff", "1024"]).d_ff \
+        == 1024
+
+
 def test_gpt_bert_flags_and_teachers(trained, tmp_path, capsys):
     """--causal-fraction: named mixes or a decimal, refused for another objective in one line but
     taken by a resume (whose saved objective decides); a gpt-bert checkpoint cannot teach kd,
