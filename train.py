@@ -42,7 +42,7 @@ from data.masking import MASKINGS, make_batch, mask_p_at
 from data.prepare import VOCAB_SIZE
 from machinery import flags
 from machinery.device import add_device_flag, seed_of
-from machinery.optim import ema_decay_at, ema_update, set_schedule
+from machinery.optim import clipped_step, ema_decay_at, ema_update, set_schedule
 from machinery.progress import bar, line_buffered
 from machinery.run_folder import REPO, repo_sources
 from machinery.stopping import SafetyNet, exit_now, on_stop_signals
@@ -384,11 +384,9 @@ def main(argv=None):
             step_loss = step_loss + loss.detach()
             for name, v in {"loss": loss, **stats}.items():
                 sums[name] = sums.get(name, 0.0) + v.detach().float() / args.grad_accum
-        clip = args.clip if args.clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(phase.trainee.parameters(), clip)
+        grad_norm = clipped_step(phase.optimizer, phase.trainee.parameters(), args.clip)
         sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
         guard.watch(step, step_loss, grad_norm)
-        phase.optimizer.step()
         phase.optimizer.zero_grad(set_to_none=True)
         if phase.parts.ema is not None:  # a mean teacher follows the student (BootBERT, sec. 3)
             decay = ema_decay_at(step, args, phase.start, phase.end)

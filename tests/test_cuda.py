@@ -17,7 +17,7 @@ import objectives as O
 from conftest import TINY, run_train, run_trains
 from data.masking import make_batch
 from data.prepare import CLS, SEP, VOCAB_SIZE, Segments, prepare
-from machinery.optim import Lamb, ema_update
+from machinery.optim import Lamb, clipped_step, ema_update
 from model import PRESETS, Encoder, ModelConfig
 
 
@@ -93,8 +93,7 @@ def take_steps(corpus, objective, backend):
             with torch.autocast("cuda", torch.bfloat16):
                 loss, stats = model(batch, parts)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainee.parameters(), 2.0)
-            optimizer.step()
+            clipped_step(optimizer, trainee.parameters(), 2.0)
             optimizer.zero_grad(set_to_none=True)
             if parts.ema is not None:
                 ema_update(parts.ema, trainee.encoder, 0.99)
@@ -106,8 +105,9 @@ def take_steps(corpus, objective, backend):
 
 def test_compiled_lamb_never_waits_for_the_gpu():
     """LAMB compiled as train.py compiles it on a GPU (inductor, two groups, a new learning rate
-    and weight decay each step), under CUDA's sync debug mode after two warm-up steps: no host
-    sync, and the same parameters as the eager update (float32, a few ulps)."""
+    and weight decay each step, gradients clipped inside), under CUDA's sync debug mode after two
+    warm-up steps: no host sync, and the same parameters as the eager update (float32, a few
+    ulps)."""
     torch.manual_seed(0)
     model = Encoder(ModelConfig(**PRESETS["tiny"], vocab_size=300)).cuda()
     twin = Encoder(ModelConfig(**PRESETS["tiny"], vocab_size=300)).cuda()
@@ -125,10 +125,10 @@ def test_compiled_lamb_never_waits_for_the_gpu():
                 g["lr"] = 1e-3 * (step + 1)
         torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")
         try:
-            compiled.step()
+            compiled.step(max_norm=2.0)  # clipping inside the compiled update, as train.py
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        eager.step()
+        eager.step(max_norm=2.0)
     for a, b in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

@@ -623,11 +623,14 @@ def lamb_reference(w, grads, lr, b1, b2, eps, wd):
     return w
 
 
+@pytest.mark.parametrize("clip", [None, 1.5], ids=["unclipped", "clipped"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
-def test_lamb_matches_reference(wd, compiled):
+def test_lamb_matches_reference(wd, compiled, clip):
     """Eager, and compiled as train.py compiles it with its model (inductor, float64 here),
-    against the reference transcribed from LTG-BERT, step for step."""
+    against the reference transcribed from LTG-BERT, step for step; with clipping inside the
+    step, the gradients first scaled by min(1, clip / (total norm + 1e-6)) as clip_grad_norm_
+    scales them, and the total norm before clipping returned."""
     rng = np.random.default_rng(0)
     # a zero tensor takes the trust-ratio-1 branch; the third has no gradient at the first step,
     # so its bias correction counts one step fewer than the others'
@@ -637,13 +640,18 @@ def test_lamb_matches_reference(wd, compiled):
     params = [torch.tensor(w, requires_grad=True) for w in inits]
     opt = Lamb([{"params": params, "weight_decay": wd}], lr=0.05, betas=(0.9, 0.98), eps=1e-6,
                compile=compiled)
+    seen = [[] for _ in inits]  # each tensor's gradients as the step saw them, clipped
     for t in range(4):
-        for p, g in zip(params, grads):
-            p.grad = torch.tensor(g[t - (4 - len(g))]) if t >= 4 - len(g) else None
-        opt.step()
-        for p, w, g in zip(params, inits, grads):  # after every step
-            seen = g[:max(0, t + 1 - (4 - len(g)))]
-            want = lamb_reference(w, seen, 0.05, 0.9, 0.98, 1e-6, wd)
+        now = {i: g[t - (4 - len(g))] for i, g in enumerate(grads) if t >= 4 - len(g)}
+        for i, p in enumerate(params):
+            p.grad = torch.tensor(now[i]) if i in now else None
+        norm = math.sqrt(sum((g ** 2).sum() for g in now.values()))
+        scale = 1.0 if clip is None else min(1.0, clip / (norm + 1e-6))
+        for i, g in now.items():
+            seen[i].append(g * scale)
+        assert float(opt.step(max_norm=clip)) == pytest.approx(norm, rel=1e-12)
+        for p, w, g in zip(params, inits, seen):  # after every step
+            want = lamb_reference(w, g, 0.05, 0.9, 0.98, 1e-6, wd)
             np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-12, atol=1e-12)
     if compiled:  # a new learning rate, weight decay and step count each step: no recompile
         with torch._dynamo.config.patch(error_on_recompile=True):
