@@ -49,9 +49,9 @@ from machinery.stopping import SafetyNet, exit_now, on_stop_signals
 from model import PARTS, PRESETS, ModelConfig
 from objectives import (BASELINE, DICT_FLAG_NAMES, DICT_FLAGS, OBJECTIVES,
                         ObjectiveParts, Trainee, causal_fraction, dict_config)
-from training.run import (Phase, Run, check_warmup, checked_settings, describe, log_line,
-                          nothing_to_do, open_run, save, save_words_flag, start_phase, summary,
-                          validate, word_marks)
+from training.run import (Phase, Run, check_warmup, checkpoint_state, checked_settings,
+                          describe, log_line, nothing_to_do, open_run, save, save_words_flag,
+                          start_phase, summary, validate, word_marks)
 
 
 # Per-size defaults, under an objective's own. On an H100 `small` MLM at LAMB lr 1e-2 with
@@ -173,9 +173,10 @@ def build_parser():
     add("--clip", type=float, default=2.0, range=flags.at_least(0),
         help="gradient-norm clipping, 0 = off")
     add("--spike", type=float, default=10.0, range=flags.at_least(0),
-        help="stop a diverging run: when a log interval's mean gradient norm exceeds this "
-        "multiple of its median over the phase so far, or its loss stays 1 nat above the "
-        "phase's lowest for two log lines; 0 = off")
+        help="stop a diverging run: when its 20-step gradient norm stays above this multiple "
+        "of its 1000-step average, or its 20-step loss above its best by max(1 nat, 8x its "
+        "noise), for 10 steps; it writes the last good state it kept (docs/robustness.md); "
+        "0 = off")
     add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict (with "
         f"--mask-p-end: at the first step) (default %(default)s; {objective_defaults('mask_p')})",
         range=flags.Range(0, 1, low_open=True, high_open=True))
@@ -404,7 +405,8 @@ def main(argv=None):
             guard.check_finite()  # (so the queued step is not timed as the pause that follows)
         if is_log:  # means over the steps since the last log line, across all processes
             record = run.log_stats(step, sums, since_log, time.time() - t_log, lr)
-            guard.judge(record, stop, args.lr)
+            if guard.judge(step, args.lr):  # a good state, kept to go back to
+                guard.keep(checkpoint_state(run, phase, step), step)
             # at this phase's rate: the set-up between the phases is behind, not spread
             rate = (step - max(step0, phase.start)) / max(time.time() - t_phase, 1e-9)
             run.say(log_line(record, stats, args.max_steps, (args.max_steps - step) / rate))

@@ -1,34 +1,54 @@
 """What stops a training run, and when its state may be saved: stop signals (SIGINT, SIGTERM)
 that finish the step and save it, a NaN/inf loss or gradient, a run diverging, and the save
-that waits while a log line is suspect. train.py's loop asks one SafetyNet at its log and save
-steps, the only places it reads from the device.
+that waits while the run is suspect. train.py's loop hands one SafetyNet every step's loss and
+gradient norm (kept on the device) and asks it at its log and save steps, the only places it
+reads from the device. A run it stops leaves the last good state it kept (docs/robustness.md).
 """
+import math
 import signal
 import sys
 
 import torch
 import torch.distributed as dist
 
+# The divergence rule (docs/robustness.md). The loss and gradient norm are judged as averages over
+# about WINDOW steps (exponential, so at any --log-every alike), from WINDOW steps into a phase.
+WINDOW = 20           # steps: the smoothed loss and gradient norm, judged
+SLOW = 1000           # steps: the gradient norm's slow average, what it is measured against
+BEST = 200            # steps: the loss's slow average, whose lowest value the loss is
+FIRST = 10            # steps: ... counted from here (a run bad from the start is caught)
+MARGIN = 1.0          # nats: the least rise of the smoothed loss above that best that counts
+NOISE = 8.0           # ... or this many times the smoothed loss's own noise, when larger
+SNAPSHOT_EVERY = 100  # steps: how often a state is kept in memory, to go back to
+CONFIRM = 4 * WINDOW  # steps: a kept state counts as good once the run is judged well this long
+#                       after it (the smoothing lags: a state just after a jump is judged well)
 
-def diverging(history: list[dict], record: dict, factor: float) -> tuple[str, bool]:
-    """(what spiked in this log line, or ''; whether the line is suspect). history: the phase's
-    earlier log records (5 at least before anything is judged). A spike is a mean gradient norm
-    (before clipping) above `factor` times its median so far, or a training loss 1 nat above the
-    lowest so far in this line and the one before (one noisy line is not enough: a line with
-    only this one above is suspect, and its state is not saved until the next line clears it).
-    It is the failure seen at `small` on a GPU (docs/objectives/mlm.md): with LAMB at lr 1e-2
-    the gradient norm went 0.8 -> 38 -> 446 within 500 steps and the loss rose from 4.7 to 6.6,
-    for good."""
-    if factor <= 0 or len(history) < 5:
-        return "", False
-    norms = sorted(h["grad_norm"] for h in history)
-    median, best = norms[len(norms) // 2], min(h["loss"] for h in history[:-1])
-    if record["grad_norm"] > factor * median:
-        return (f"the gradient norm is {record['grad_norm']:.3g}, "
-                f"{record['grad_norm'] / median:.0f}x its median {median:.3g} so far"), True
-    if min(record["loss"], history[-1]["loss"]) > best + 1.0:
-        return f"the loss is {record['loss']:.3f}, up from {best:.3f}", True
-    return "", record["loss"] > min(best, history[-1]["loss"]) + 1.0
+
+def judged(trace: list[float], spike: float, norm_ref: float | None = None) -> tuple[str, float]:
+    """(what is wrong, or ''; the smoothed loss). trace: the guard's sums (weight, loss, loss^2,
+    norm over ~WINDOW steps; weight, norm over ~SLOW; weight, loss over ~BEST) and the lowest
+    BEST-step loss since the phase's FIRST steps (its noise a third of the smoothed loss's, so
+    its lowest value is not far below the truth). The smoothed loss is suspect above that best
+    by max(MARGIN, NOISE x its noise), its noise the per-step spread times sqrt((1 - b) /
+    (1 + b)) (an average's over the window, b = 1 - 1/WINDOW); the smoothed gradient norm above
+    `spike` times its slow average (or `norm_ref`, the slow average when the run was last
+    judged well, which a sustained rise does not drag along). Both are what divergence looked
+    like: LAMB at --lr 0.3 (the loss 7.7 -> 15 in 30 steps, tiny) and the `small` run of
+    docs/objectives/mlm.md (norm 0.8 -> 38 -> 446, loss 4.7 -> 6.6). The numbers:
+    docs/robustness.md."""
+    z, s1, s2, g, zs, gs, _, _, best = trace
+    loss, norm = s1 / z, g / z
+    slow = gs / zs if norm_ref is None else norm_ref
+    b = 1 - 1 / WINDOW
+    noise = math.sqrt(max(s2 / z - loss * loss, 0.0) * (1 - b) / (1 + b))
+    margin = max(MARGIN, NOISE * noise)
+    if spike > 0 and norm > spike * slow:
+        return (f"the gradient norm (a {WINDOW}-step average) is {norm:.3g}, "
+                f"{norm / slow:.0f}x its {SLOW}-step average {slow:.3g}"), loss
+    if spike > 0 and loss > best + margin:
+        return (f"the loss (a {WINDOW}-step average) is {loss:.3f}, up from its best "
+                f"{best:.3f} by more than {margin:.2f}"), loss
+    return "", loss
 
 
 def on_stop_signals(handler) -> None:
@@ -58,9 +78,13 @@ def catch_stop_signals() -> dict:
 
 class SafetyNet:
     """The loop's guard. Inside the step, `watch` records the first step whose loss or gradient
-    is not finite, on the device (no sync). At log and save steps: `check_finite` stops a run
-    that went non-finite, `judge` one that diverges (diverging), and `may_save` holds back the
-    save of a state that a suspect log line may yet condemn (it is saved once a line clears it).
+    is not finite, and keeps the smoothed loss and gradient norm (judged), all on the device (no
+    sync). At log and save steps: `check_finite` stops a run that went non-finite, `judge` one
+    that diverges (judged: suspect, and still so WINDOW // 2 steps later), and `may_save` holds
+    back the save of a suspect state (it is saved once the run is judged well again). A state
+    judged good is kept in memory every SNAPSHOT_EVERY steps (`keep`), and counts once the run is
+    still judged well CONFIRM steps later; a run stopped for a NaN or a divergence writes the
+    last such state as its checkpoint when it is newer than the last one saved.
     `stop_requested`: whether a stop signal has arrived; under DDP the processes agree on it at
     log steps, so that all stop at the same step. `last_saved`: the step of the last good
     checkpoint, which every message that stops the run names."""
@@ -71,15 +95,29 @@ class SafetyNet:
         self.log_every, self.last_saved = log_every, last_saved
         self.got = catch_stop_signals()
         self.nonfinite = torch.tensor(-1, device=device)  # the first step with a NaN/inf
-        self.history = []  # this phase's log records, for diverging()
-        self.suspect = self.deferred = False
+        self.kept = self.pending = None  # (step, state): the last good state; one to confirm
+        self.deferred = False
+        b, bs, bb = 1 - 1 / WINDOW, 1 - 1 / SLOW, 1 - 1 / BEST
+        self.decay = torch.tensor([b, b, b, b, bs, bs, bb, bb], device=device)  # made once
+        self.new_phase()
 
     def new_phase(self) -> None:
-        self.history = []
+        """Each phase is judged on its own: its smoothing and best loss start afresh."""
+        self.trace = torch.zeros(8, device=self.device)  # judged()'s sums, on the device
+        self.best = torch.full((1,), math.inf, device=self.device)  # the lowest BEST-step loss
+        self.steps, self.suspect_since, self.norm_ref = 0, None, None
 
     def watch(self, step: int, loss, grad_norm) -> None:
-        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        loss, norm = loss.detach().float(), grad_norm.detach().float()
+        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
         self.nonfinite = torch.where(bad & (self.nonfinite < 0), step + 1, self.nonfinite)
+        one = torch.ones_like(loss)
+        new = self.trace * self.decay + torch.stack([one, loss, loss * loss, norm, one, norm,
+                                                     one, loss])
+        self.trace = torch.where(bad, self.trace, new)  # a NaN is check_finite's, not the sums'
+        self.steps += 1
+        if self.steps >= FIRST:  # the phase's first level counts: a run bad from the start
+            self.best = torch.minimum(self.best, self.trace[7:8] / self.trace[6:7])
 
     def stop_requested(self, step: int, max_steps: int) -> bool:
         """A signal stops every process at the same step (at the last step the run just ends)."""
@@ -96,7 +134,11 @@ class SafetyNet:
         return self.deferred and step % self.log_every == 0
 
     def last_good(self) -> str:
-        """Where the last good checkpoint is, in words."""
+        """Where the last good checkpoint is, in words; the last good state kept in memory is
+        written there first when it is newer."""
+        if self.kept is not None and (self.last_saved is None or self.kept[0] > self.last_saved):
+            self.folder.save(self.kept[1])
+            self.last_saved = self.kept[0]
         if self.last_saved is None:
             return "no checkpoint had been saved yet"
         return (f"the last good checkpoint (step {self.last_saved}) is kept at "
@@ -109,26 +151,51 @@ class SafetyNet:
             step = int(self.nonfinite)
             self.folder.log({"step": step, "error": "non-finite loss or gradient"})
             raise SystemExit(f"error: the loss or gradient became NaN/inf at step {step}; "
-                             f"stopped, {self.last_good()}. Try a lower --lr or --clip.")
+                             f"stopped, {self.last_good()}. Try a lower --lr or --clip "
+                             f"(python train.py --out-dir {self.folder.path} --resume --lr ...).")
 
-    def judge(self, record: dict, stopping: bool, lr: float) -> None:
-        """Stop a diverging run; note whether this line is suspect. (A line cut short by a
-        signal is too noisy to judge.)"""
-        spike, self.suspect = (diverging(self.history, record, self.spike) if not stopping
-                               else ("", False))
-        if spike:
-            step = record["step"]
+    def judge(self, step: int, lr: float) -> bool:
+        """Stop a diverging run (suspect at a log step, and still WINDOW // 2 steps later);
+        note whether it is suspect. Returns whether the state now is good and due to be kept
+        (keep). Under DDP the processes judge the same numbers (their sums' mean)."""
+        if self.steps < WINDOW:  # the averages have not filled yet
+            return False
+        trace = torch.cat([self.trace, self.best])
+        if self.ddp:
+            dist.all_reduce(trace)
+            trace /= dist.get_world_size()
+        trace = trace.tolist()
+        spike, loss = judged(trace, self.spike, self.norm_ref)
+        if not spike:
+            self.suspect_since, self.norm_ref = None, trace[5] / trace[4]
+            if self.pending is not None and step - self.pending[0] >= CONFIRM:
+                self.kept, self.pending = self.pending, None
+            last = max(x[0] for x in (self.kept, self.pending, (-SNAPSHOT_EVERY, None)) if x)
+            return self.pending is None and step - last >= SNAPSHOT_EVERY and self.folder.master
+        self.pending = None  # taken while the run was going bad, maybe
+        self.suspect_since = step if self.suspect_since is None else self.suspect_since
+        if step - self.suspect_since >= WINDOW // 2:
             self.folder.log({"step": step, "error": "diverging: " + spike})
             raise SystemExit(
                 f"error: the run is diverging at step {step}: {spike}; stopped, "
-                f"{self.last_good()}. Start again with a lower --lr (this run: {lr:g}), or "
-                f"--resume --spike 0 to train on.")
-        self.history.append(record)
+                f"{self.last_good()}. Go on from there with a lower --lr (this run: {lr:g}): "
+                f"python train.py --out-dir {self.folder.path} --resume --lr {lr / 2:g}; or "
+                f"--resume --spike 0 to train on as it was.")
+        return False
+
+    def keep(self, state: dict | None, step: int) -> None:
+        """A state judged good, to go back to once CONFIRM steps later the run is still judged
+        well: every tensor copied (off the device)."""
+        copy = lambda x: (x.detach().to("cpu", copy=True) if torch.is_tensor(x) else
+                          {k: copy(v) for k, v in x.items()} if isinstance(x, dict) else
+                          [copy(v) for v in x] if isinstance(x, list) else x)
+        if state is not None:
+            self.pending = (step, copy(state))
 
     def may_save(self, must: bool) -> bool:
-        """Whether the state may be saved now; a suspect one waits for the next log line, unless
-        it `must` be saved now (a phase's end, --stop-at, a stop signal)."""
-        self.deferred = self.suspect and not must
+        """Whether the state may be saved now; a suspect one waits until the run is judged well
+        again, unless it `must` be saved now (a phase's end, --stop-at, a stop signal)."""
+        self.deferred = self.suspect_since is not None and not must
         return not self.deferred
 
     def stop(self, step: int, rank: int, out_dir) -> None:

@@ -5,6 +5,7 @@ under a run. docs/robustness.md has the table these tests stand behind."""
 import errno
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import evaluate as E
-from conftest import REPO, TINY, run_train, shared_data
+from conftest import REPO, TINY, run_train, run_trains, shared_data
 from machinery.run_folder import RunFolder
 from machinery.storage import read_checkpoint, save_checkpoint
 from model import PRESETS, Encoder, ModelConfig, load_checkpoint
@@ -300,3 +301,54 @@ def test_a_file_without_a_checksum_is_refused_in_one_line(tmp_path):
         read_checkpoint(tmp_path / "plain.pt")
     save_checkpoint(state, tmp_path / "ours.pt")
     assert torch.equal(read_checkpoint(tmp_path / "ours.pt")["model"]["w"], torch.ones(2))
+
+
+# --- the divergence guard on real runs -----------------------------------------------------------
+
+def stopped_by_the_old_rule(losses) -> bool:
+    """The rule before 2026-11-27 (machinery/stopping.py's diverging(), its loss half): a log
+    line's loss 1 nat above the lowest of the phase's earlier lines, in it and the line before,
+    judged from the sixth line on."""
+    for i in range(5, len(losses)):
+        if min(losses[i], losses[i - 1]) > min(losses[:i - 1]) + 1.0:
+            return True
+    return False
+
+
+def test_healthy_small_batch_runs_are_never_stopped_at_any_log_interval(prepared, tmp_path):
+    """Issue 69's case: tiny gpt-bert runs at 4 x 64 tokens a batch (200 steps) and 32 x 128
+    (100 steps), two seeds each, logging every step or every 50, all with the default --spike:
+    none is stopped. The rule the guard replaced, read on the per-step logs, would have stopped
+    one or more of them (it stopped such a run at step 40)."""
+    common = [*TINY, "--data", prepared, "--objective", "gpt-bert"]
+    runs = {(shape, log, seed): [*common, "--batch-size", shape[0], "--seq-len", shape[1],
+                                 "--max-steps", 200 if shape[0] == 4 else 100,
+                                 "--log-every", log, "--seed", seed,
+                                 "--out-dir", tmp_path / f"{shape[0]}_{log}_{seed}"]
+            for shape in ((4, 64), (32, 128)) for log in (1, 50) for seed in (0, 1)}
+    for key, done in zip(runs, run_trains(*runs.values())):
+        assert done.returncode == 0, (key, done.stderr[-500:])
+    per_step = [[r["loss"] for r in RunFolder(tmp_path / f"{b}_1_{s}").records() if "loss" in r]
+                for b in (4, 32) for s in (0, 1)]
+    assert [len(x) for x in per_step] == [200, 200, 100, 100]
+    assert any(stopped_by_the_old_rule(x) for x in per_step)
+
+
+def test_a_run_stopped_for_diverging_resumes_from_the_good_state_it_kept(prepared, tmp_path):
+    """LAMB at --lr 0.5 with a 500-step warm-up: healthy while the rate is low, diverging as it
+    grows (past step 100). No checkpoint is due (--save-every 1000): the guard writes the state
+    it kept in memory and judged good since, names its step and the command to go on at half
+    the rate, and that command resumes from it and trains on."""
+    out = tmp_path / "run"
+    r = run_train(*TINY, "--data", prepared, "--lr", 0.5, "--warmup", 500, "--max-steps", 600,
+                  "--save-every", 1000, "--out-dir", out)
+    assert r.returncode == 1 and "the run is diverging at step" in r.stderr, r.stderr
+    stop = int(re.search(r"at step (\d+)", r.stderr).group(1))
+    kept = int(re.search(r"the last good checkpoint \(step (\d+)\) is kept", r.stderr).group(1))
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == kept < stop
+    cure = re.search(r"python train.py (--out-dir \S+ --resume --lr \S+);", r.stderr).group(1)
+    assert cure.endswith("--lr 0.25")
+    r = run_train(*cure.split(), "--spike", 0, "--stop-at", kept + 20)
+    assert r.returncode == 0, r.stderr
+    log = [x for x in RunFolder(out).records() if "lr" in x]
+    assert log[-1]["step"] == kept + 20 and log[-1]["lr"] <= 0.25

@@ -24,6 +24,7 @@ from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
 from machinery import optim, stopping
+from machinery.run_folder import RunFolder
 from machinery.storage import save_checkpoint
 from model import PRESETS, BootPredictor, Encoder, ModelConfig, boot_states, load_checkpoint
 from objectives import ObjectiveParts, Trainee
@@ -460,29 +461,107 @@ def test_error_nan_loss_keeps_last_good_checkpoint(prepared, tmp_path):
 
 
 def test_divergence_rule_by_hand():
-    hist = [{"grad_norm": g, "loss": l} for g, l in [(1, 5), (2, 4), (3, 6), (4, 6), (5, 5.5)]]
-    ok = {"grad_norm": 29.9, "loss": 4.9}  # median norm 3, so the bound is 30; best loss 4
-    # too soon: fewer than 5 records
-    assert stopping.diverging(hist[:4], {"grad_norm": 1e9, "loss": 1e9}, 10) == ("", False)
-    assert stopping.diverging(hist, ok, 10) == ("", False)
-    assert stopping.diverging(hist, {**ok, "grad_norm": 1e9}, 0) == ("", False)   # --spike 0: off
-    what, _ = stopping.diverging(hist, {**ok, "grad_norm": 30.1}, 10)
-    assert "gradient norm is 30.1, 10x its median 3" in what
-    assert "loss is 5.200, up from 4.000" in stopping.diverging(hist, {**ok, "loss": 5.2}, 10)[0]
-    low = hist[:4] + [{"grad_norm": 5, "loss": 4.8}]  # one line above the bound is not enough,
-    assert stopping.diverging(low, {**ok, "loss": 9.0}, 10) == ("", True)  # but it is not saved yet
+    """judged() on sums worked out by hand: a smoothed loss of 5 (10 steps' weight), per-step
+    variance 1 (noise sqrt(1 x 0.05 / 1.95) = 0.160, margin 8 x 0.160 = 1.28) or 0.25 (the
+    1-nat floor) or 16 (noise 0.64, margin 5.12); a smoothed gradient norm of 3 against a slow
+    0.25."""
+    z, zs = 10.0, 100.0
+    calm = [z, 5 * z, 26 * z, 0.5 * z, zs, 0.25 * zs, 0, 0]           # loss 5, var 1; norm 0.5
+    assert stopping.judged(calm + [3.8], 10) == ("", 5.0)           # 1.2 above the best: well
+    what, loss = stopping.judged(calm + [3.7], 10)                  # 1.3 above: suspect
+    assert loss == 5.0 and "loss (a 20-step average) is 5.000, up from its best 3.700 by more " \
+        "than 1.28" in what
+    steady = [z, 5 * z, 25.25 * z, 0.5 * z, zs, 0.25 * zs, 0, 0]     # var 0.25: the 1-nat floor
+    assert stopping.judged(steady + [4.05], 10)[0] == "" and stopping.judged(steady + [3.95], 10)[0]
+    noisy = [z, 5 * z, 41 * z, 0.5 * z, zs, 0.25 * zs, 0, 0]          # var 16: margin 5.12
+    assert stopping.judged(noisy + [-0.1], 10)[0] == "" and stopping.judged(noisy + [-0.2], 10)[0]
+    spiking = [z, 5 * z, 26 * z, 3 * z, zs, 0.25 * zs, 0, 0]          # norm 3 = 12x 0.25
+    assert "gradient norm (a 20-step average) is 3, 12x its 1000-step average 0.25" in \
+        stopping.judged(spiking + [5.0], 10)[0]
+    assert stopping.judged(spiking + [3.0], 0) == ("", 5.0)        # --spike 0: off
+
+
+def feed(guard, losses, norms, log_every):
+    """The loop's calls to a SafetyNet for per-step losses and norms: watch every step, judge at
+    log steps, a good state kept when judge says so; -> the step it stopped at, or None."""
+    for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
+        guard.watch(step - 1, torch.tensor(loss), torch.tensor(norm))
+        if step % log_every == 0:
+            try:
+                if guard.judge(step, 0.01):
+                    guard.keep({"step": step, "weights": torch.full((2,), float(step))}, step)
+            except SystemExit:
+                return step
+    return None
+
+
+@pytest.mark.parametrize("log_every", [1, 50])
+def test_the_guard_judges_a_smoothed_loss_at_any_log_interval(tmp_path, log_every):
+    """Synthetic runs (CPU tensors), judged every step or every 50: a healthy loss falling from
+    8 to 6 with a per-step noise of 1.5 nats, five seeds of 3,000 steps, is never stopped (the
+    rule before 2026-11-27, one noisy log line against a noisy best, stopped some of them); a
+    loss that jumps by 3 nats at step 1,000 and stays, or a gradient norm 30x at step 1,000, is
+    stopped within 4 WINDOW + 2 log_every steps (the smoothing's lag, then a suspect judgment
+    and the next); the stopped run writes the good state it kept last as its checkpoint and
+    names it."""
+    rng = np.random.default_rng(0)
+    steps = np.arange(3000)
+    healthy = lambda: 6 + 2 * np.exp(-steps / 300) + rng.normal(0, 1.5, 3000)
+    norms = lambda: np.abs(1 + rng.normal(0, 0.3, 3000))
+    bound = 4 * stopping.WINDOW + 2 * log_every
+    for seed in range(5):
+        folder = RunFolder(tmp_path / f"s{seed}")
+        folder.path.mkdir()
+        guard = stopping.SafetyNet(folder, torch.device("cpu"), False, 10.0, log_every, None)
+        assert feed(guard, healthy(), norms(), log_every) is None
+        guard.release()
+    for what in ("loss", "norm"):
+        folder = RunFolder(tmp_path / what)
+        folder.path.mkdir()
+        losses, grads = healthy(), norms()
+        if what == "loss":
+            losses[1000:] += 3.0
+        else:
+            grads[1000:] *= 30.0
+        guard = stopping.SafetyNet(folder, torch.device("cpu"), False, 10.0, log_every, None)
+        stopped = feed(guard, losses, grads, log_every)
+        guard.release()
+        assert stopped is not None and 1000 < stopped <= 1000 + bound, (what, stopped)
+        kept = torch.load(folder.path / "ckpt.pt", weights_only=True)
+        assert kept["step"] <= 1000 and torch.equal(kept["weights"], torch.full((2,), kept["step"]))
+        error = read_log(folder.path)[-1]
+        assert error["step"] == stopped and error["error"].startswith("diverging: the ")
+
+
+def test_the_rule_before_smoothing_stopped_healthy_runs():
+    """The rule this guard replaced (a log line's loss 1 nat above the phase's lowest, in it and
+    the line before: transcribed from machinery/stopping.py before 2026-11-27) on the healthy
+    synthetic loss judged every step: it stops it, as it stopped a healthy tiny gpt-bert run at
+    batch 4 x 64 (issue 69)."""
+    rng = np.random.default_rng(0)
+    losses = 6 + 2 * np.exp(-np.arange(3000) / 300) + rng.normal(0, 1.5, 3000)
+    history = []
+    for loss in losses:
+        if len(history) >= 5 and min(loss, history[-1]) > min(history[:-1]) + 1.0:
+            break
+        history.append(loss)
+    assert len(history) < 3000
 
 
 def test_divergence_stops_the_run_and_a_healthy_run_trains_on(prepared, tmp_path):
     flags = ["--data", prepared, "--max-steps", 80, *TINY, "--save-every", 10]
     r = run_train(*flags, "--out-dir", tmp_path / "bad", "--lr", 1.0)  # LAMB at 100x its lr
-    assert_clean_error(r, r"the run is diverging at step (\d+): the (loss|gradient norm) is .*; "
-                          r"stopped, the last good checkpoint \(step \d+\) is kept")
+    assert_clean_error(r, r"the run is diverging at step (\d+): the (loss|gradient norm) \(a "
+                          r"20-step average\) is .*; stopped, the last good checkpoint \(step "
+                          r"\d+\) is kept")
     stop = int(__import__("re").search(r"at step (\d+)", r.stderr).group(1))
     assert read_log(tmp_path / "bad")[-1]["error"].startswith("diverging: the ")
     assert torch.load(tmp_path / "bad" / "ckpt.pt", weights_only=True)["step"] < stop < 80
-    r = run_train("--out-dir", tmp_path / "bad", "--resume", "--spike", 0, "--stop-at", stop + 5)
-    assert r.returncode == 0, r.stderr  # the cure the message names trains on
+    cure = __import__("re").search(r"python train.py (--out-dir \S+ --resume --lr \S+);",
+                                   r.stderr).group(1).split()
+    r = run_train(*cure, "--stop-at", stop + 5)
+    assert r.returncode == 0, r.stderr  # the cure the message names trains on, at half the lr
+    assert read_log(tmp_path / "bad")[-1]["lr"] <= 0.5
     r = run_train(*flags, "--out-dir", tmp_path / "good")  # the default lr, 16 log lines
     assert r.returncode == 0, r.stderr
     assert sum("grad_norm" in rec for rec in read_log(tmp_path / "good")) == 16

@@ -31,9 +31,9 @@ from machinery.storage import read_checkpoint
 from model import PRESETS, Encoder, ModelConfig, check_config, load_weights, use_attention
 
 
-# the flags a resumed run may change
+# the flags a resumed run may change (--lr: a run the guard stopped goes on at a lower one)
 RESUMABLE = {"resume", "out_dir", "device", "compile", "cuda_graphs", "attention", "bf16",
-             "deterministic", "log_every",
+             "deterministic", "log_every", "lr",
              "eval_every", "save_every", "stop_at", "spike", "save_words", "check"}
 
 
@@ -257,28 +257,33 @@ def replays_graphs(run: Run) -> bool:
 DATA_KEYS = ("name", "folder", "vocab_size", "train_tokens", "unigram_entropy")  # in checkpoints
 
 
+def checkpoint_state(run: Run, phase: Phase, step: int, words: int | None = None) -> dict:
+    """Everything a resumed run needs to go on bit for bit (references to the live tensors);
+    with `words` (--save-words), the model alone, as seen after that many training words."""
+    state = {
+        "model": run.encoder.state_dict(), "objective": phase.objective,
+        "predicts_before": phase.entry.predicts_before, "decoder": phase.entry.decoder,
+        "heads": phase.trainee.heads.state_dict(), "config": asdict(run.encoder.config),
+        "args": {k: v for k, v in vars(run.args).items() if k != "given"}, "step": step,
+        "code_version": run.version, "tokenizer": run.tokenizer,
+        "data": {k: run.meta[k] for k in DATA_KEYS}}
+    state["words_seen"] = round(step * words_per_step(run)) if words is None else words
+    if words is None:
+        cuda = run.device.type == "cuda"
+        state.update({
+            "extras_state": ({"ema": phase.parts.ema.state_dict()} if phase.parts.ema
+                             else None),
+            "optimizer": phase.optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if cuda else None},
+            "data_pos": step * run.global_batch})
+    return state
+
+
 def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | None = None):
-    """Everything a resumed run needs to go on bit for bit, written atomically by rank 0; with
-    `words` (--save-words), the model alone, as seen after that many training words."""
+    """checkpoint_state, written atomically by rank 0."""
     if run.rank == 0:
-        state = {
-            "model": run.encoder.state_dict(), "objective": phase.objective,
-            "predicts_before": phase.entry.predicts_before, "decoder": phase.entry.decoder,
-            "heads": phase.trainee.heads.state_dict(), "config": asdict(run.encoder.config),
-            "args": {k: v for k, v in vars(run.args).items() if k != "given"}, "step": step,
-            "code_version": run.version, "tokenizer": run.tokenizer,
-            "data": {k: run.meta[k] for k in DATA_KEYS}}
-        state["words_seen"] = round(step * words_per_step(run)) if words is None else words
-        if words is None:
-            cuda = run.device.type == "cuda"
-            state.update({
-                "extras_state": ({"ema": phase.parts.ema.state_dict()} if phase.parts.ema
-                                 else None),
-                "optimizer": phase.optimizer.state_dict(),
-                "rng": {"torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state() if cuda else None},
-                "data_pos": step * run.global_batch})
-        run.folder.save(state, name)
+        run.folder.save(checkpoint_state(run, phase, step, words), name)
     return step
 
 
