@@ -352,3 +352,13 @@ def test_a_run_stopped_for_diverging_resumes_from_the_good_state_it_kept(prepare
     assert r.returncode == 0, r.stderr
     log = [x for x in RunFolder(out).records() if "lr" in x]
     assert log[-1]["step"] == kept + 20 and log[-1]["lr"] <= 0.25
+
+
+def test_a_run_at_a_rate_that_blows_up_is_stopped_early(prepared, tmp_path):
+    """AdamW at --lr 0.3 (30x the tiny default): its 20-step loss climbs away from
+    its first level within tens of steps and stays up; the guard stops it within the first 100
+    steps of 400, at the default --spike."""
+    r = run_train(*TINY, "--data", prepared, "--optim", "adamw", "--lr", 0.3, "--max-steps",
+                  400, "--out-dir", tmp_path / "run")
+    assert r.returncode == 1 and "the run is diverging at step" in r.stderr, r.stderr[-500:]
+    assert int(re.search(r"at step (\d+)", r.stderr).group(1)) <= 100
