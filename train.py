@@ -219,7 +219,9 @@ def build_parser():
         "deterministic kernels only: resumes agree bit for bit on a GPU too, a little slower")
     add("--out-dir", default=None, help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
     add("--resume", action="store_true",
-        help="continue the run in --out-dir from its ckpt.pt, with its saved settings")
+        help="continue the run in --out-dir from its ckpt.pt, with its saved settings (these may "
+        "change: --lr, --device, --compile, --bf16, the logging, evaluation, save and stop "
+        "flags)")
     add("--init-from", default=None,
         help="start from this checkpoint's weights (fresh optimizer, step 0)")
     add("--reset", default="", help="with --init-from, re-initialise these parts instead of "
