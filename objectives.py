@@ -116,14 +116,14 @@ def gpt_bert(model, batch, parts):
     gpt-bert's z-loss 1e-4 mean(logsumexp(logits)^2) on every scored position."""
     B, T = batch["input_ids"].shape
     n = B - causal_rows(B, parts.args.causal_fraction)                    # MNTP rows: [0, n)
-    parts = {}                                 # name: (its share, logits (N, V), targets (N,))
+    scored = {}                                # name: (its share, logits (N, V), targets (N,))
     if n > 0:
         slots, targets = batch["slots"], batch["targets"]                  # (C,)
         mine = (targets != -100) & (slots < n * T)  # masked, rows [0, n)
         before = torch.where(mine, slots - 1, 0)                           # (C,) t - 1, same row
         _, logits = model.encoder(batch["inputs"][:n], batch["attention_mask"][:n],
                                   predict=before)                          # (C, V)
-        parts["mntp"] = (n / B, logits, torch.where(mine, targets, -100))
+        scored["mntp"] = (n / B, logits, torch.where(mine, targets, -100))
         mask_rate = mine.sum() / (n * (T - 2))  # of the text's tokens ([CLS], [SEP] never)
     if n < B:
         ids, mask = batch["input_ids"][n:], batch["attention_mask"][n:]   # (B_c, T)
@@ -131,9 +131,9 @@ def gpt_bert(model, batch, parts):
         # every token of the text a target, not the [SEP] that closes the window
         logits = model.encoder.head(h[:, :-2]).flatten(0, 1)               # (B_c (T-2), V)
         targets = ids[:, 1:-1].masked_fill(mask[:, 1:-1] == 0, -100).flatten()
-        parts["clm"] = ((B - n) / B, logits, targets)
+        scored["clm"] = ((B - n) / B, logits, targets)
     loss, z, stats = 0, 0, {}
-    for name, (share, logits, targets) in parts.items():
+    for name, (share, logits, targets) in scored.items():
         part = cross_entropy(logits, targets)
         loss = loss + share * part
         z = z + share * slot_mean(torch.logsumexp(logits.float(), -1) ** 2, targets != -100)
