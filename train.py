@@ -49,9 +49,10 @@ from machinery.stopping import SafetyNet, exit_now, on_stop_signals
 from model import PARTS, PRESETS, ModelConfig
 from objectives import (BASELINE, DICT_FLAG_NAMES, DICT_FLAGS, OBJECTIVES,
                         ObjectiveParts, Trainee, causal_fraction, dict_config)
-from training.run import (Phase, Run, check_warmup, checkpoint_state, checked_settings,
-                          describe, log_line, nothing_to_do, open_run, save, save_words_flag,
-                          start_phase, summary, validate, word_marks)
+from training.run import (Phase, Run, build_encoder, check_warmup, checkpoint_state,
+                          checked_settings, describe, load_corpus, log_line, nothing_to_do,
+                          open_folder, save, save_words_flag, start_phase, start_processes,
+                          start_run, summary, validate, word_marks)
 
 
 # Per-size defaults, under an objective's own. On an H100 `small` MLM at LAMB lr 1e-2 with
@@ -350,20 +351,22 @@ def check_phases(args):
 def main(argv=None):
     line_buffered()
     on_stop_signals(exit_now)
-    parser = build_parser()
-    args, defaults = get_args(argv, parser), vars(parser.parse_args([]))  # the flags' defaults
+    # one parser: the flags as given, and their defaults (for flags newer than a resumed run)
+    args, defaults = get_args(argv, parser := build_parser()), vars(parser.parse_args([]))
     if args.check:
         print(json.dumps(checked_settings(args, defaults)))
         return
-    run = open_run(args, repo_sources(), defaults, check_phases)
-    args, step = run.args, run.step
+    procs = start_processes(args)                            # torchrun's, the device, bf16
+    folder, args, ckpt = open_folder(args, defaults, procs.rank)  # new, or resumed as it was
+    corpus = load_corpus(args, procs, folder, ckpt)          # the prepared data
+    encoder, step = build_encoder(args, corpus.meta["vocab_size"], ckpt)  # fresh or resumed
+    run = start_run(args, procs, folder, corpus, encoder, step, ckpt, repo_sources(), check_phases)
     if nothing_to_do(run):  # a finished run resumed, or --stop-at already passed
         return
     phase = phase_at(run, step)
     run.say(describe(run, phase1_steps(args), OBJECTIVES[args.objective].note))
     word_saves = word_marks(run)  # {step: (name, words)} of --save-words
-    guard = SafetyNet(run.folder, run.device, run.ddp, args.spike, args.log_every,
-                      last_saved=step if run.ckpt is not None else None)
+    guard = SafetyNet(folder, procs.device, procs.ddp, args.spike, args.log_every, ckpt and step)
     sums, since_log = {}, 0  # each stat summed over the steps since the last log line
     t_log, t_phase, t0, step0 = time.time(), time.time(), time.time(), step
     progress = bar(total=args.max_steps, initial=step, disable=None if run.rank == 0 else True,

@@ -1,11 +1,12 @@
-"""A training run's machinery, under train.py's loop: the processes, device, folder, data and
-encoder of a run, opened fresh or resumed with its saved settings; a phase made ready to train
-(the trainee wrapped for DDP and compiled, a fresh or restored optimizer); its checkpoints; the
-steps at which --save-words keeps the weights. Nothing here knows an objective: train.py hands
-each phase its objective's entry, trainee and parts. What a run folder holds:
-machinery/run_folder.py. A checkpoint (ckpt.pt) holds the model, heads, optimizer, config, args,
-step, RNG states, data position, code version, tokenizer, how it predicts (its objective's
-predicts_before and decoder) and a checksum (save, below).
+"""A training run's machinery, under train.py's loop, each piece called there in one line: the
+processes and device (start_processes), the folder, fresh or resumed with its saved settings
+(open_folder), the corpus (load_corpus), the encoder (build_encoder), the run (start_run); a
+phase made ready to train (the trainee wrapped for DDP and compiled, a fresh or restored
+optimizer); its checkpoints; the steps at which --save-words keeps the weights. Nothing here
+knows an objective: train.py hands each phase its objective's entry, trainee and parts. What a
+run folder holds: machinery/run_folder.py. A checkpoint (ckpt.pt) holds the model, heads,
+optimizer, config, args, step, RNG states, data position, code version, tokenizer, how it
+predicts (its objective's predicts_before and decoder) and a checksum (save, below).
 """
 import argparse
 import math
@@ -154,21 +155,43 @@ def build_encoder(args, vocab_size, ckpt):
     return encoder, step
 
 
-def open_run(args, code: list[str], defaults: dict, check_steps: Callable) -> Run:
-    """Processes and device; the settings of a resumed run (`defaults`: the flags' defaults); the
-    data (rank 0 prepares it, the others wait); the encoder; the run folder, started or reopened
-    with a copy of the `code` files; the RNG state resumed. check_steps(args) refuses a step
-    budget, once --epochs has set it, that the objective cannot use."""
+class Processes(NamedTuple):
+    """This process among torchrun's (one alone without it), its device and precision."""
+    ddp: bool                  # launched by torchrun
+    rank: int
+    world: int                 # processes
+    device: torch.device
+    amp: object                # bf16 autocast, or a disabled one
+
+
+class Corpus(NamedTuple):
+    """The prepared corpus a run reads."""
+    meta: dict                 # its meta.json, and the prepared folder's name (NAME-KEY)
+    train: Segments            # on the device: a batch is one indexing there
+    val: Segments
+    tokenizer: bytes
+
+
+def start_processes(args) -> Processes:
+    """torchrun's process group (NCCL on GPUs, gloo on CPUs) when launched by it; this process's
+    device (--device, the LOCAL_RANK-th GPU), TF32 matmuls where it has them, bf16 as asked."""
     ddp = "RANK" in os.environ
     rank, world, local = 0, 1, 0
     if ddp:
         dist.init_process_group("nccl" if pick_device(args.device).type == "cuda" else "gloo")
         rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
     device = pick_device(args.device, local)
-    amp = autocast(device, args.bf16)  # as typed now, like --device: not the resumed run's setting
     if device.type == "cuda":
         torch.cuda.set_device(device)
     use_tf32(device)
+    # as typed now, like --device: not a resumed run's setting
+    return Processes(ddp, rank, world, device, autocast(device, args.bf16))
+
+
+def open_folder(args, defaults: dict, rank: int) -> tuple[RunFolder, argparse.Namespace, dict]:
+    """(the run folder, the run's settings, the checkpoint resumed from or None): a new run's
+    folder must hold no run; a resumed one is locked and its saved settings taken (`defaults`:
+    the flags' defaults, for flags newer than it). --deterministic from here on."""
     folder = RunFolder(args.out_dir, master=rank == 0)
     ckpt = None
     if args.resume:
@@ -179,14 +202,20 @@ def open_run(args, code: list[str], defaults: dict, check_steps: Callable) -> Ru
         folder.check_new("ckpt.pt")  # now, before a long data preparation; again once locked
     if args.deterministic:  # before any kernel runs (the run's saved setting, when resumed)
         use_deterministic()
-    if rank == 0:
+    return folder, args, ckpt
+
+
+def load_corpus(args, procs: Processes, folder: RunFolder, ckpt: dict | None) -> Corpus:
+    """The corpus --data names, prepared on first use (rank 0 prepares it, the others wait);
+    a resumed run's must be the one it trained on."""
+    if procs.rank == 0:
         data_dir = prepare(args.data, args.vocab_size)
-    if ddp:
+    if procs.ddp:
         dist.barrier()
-    if rank != 0:
+    if procs.rank != 0:
         data_dir = prepare(args.data, args.vocab_size, quiet=True)
     meta = {**load_meta(data_dir), "folder": data_dir.name}  # NAME-KEY: what it was made of
-    train = Segments(data_dir / "train.bin", args.seq_len - 2, args.seed, shuffle=True).to(device)
+    train = Segments(data_dir / "train.bin", args.seq_len - 2, args.seed, shuffle=True)
     val = Segments(data_dir / "val.bin", args.seq_len - 2, args.seed, shuffle=False)
     tokenizer = (data_dir / "tokenizer.model").read_bytes()
     if ckpt is not None and (ckpt["tokenizer"] != tokenizer or
@@ -194,19 +223,26 @@ def open_run(args, code: list[str], defaults: dict, check_steps: Callable) -> Ru
         raise SystemExit(f"error: {folder.path / 'ckpt.pt'} was trained on other data than the "
                          f"prepared {data_dir} (the corpus at {args.data}, or its tokenizer, "
                          f"changed since the run began); it cannot be resumed on it")
-    encoder, step = build_encoder(args, meta["vocab_size"], ckpt)
-    encoder.to(device)
+    return Corpus(meta, train.to(procs.device), val, tokenizer)
+
+
+def start_run(args, procs: Processes, folder: RunFolder, corpus: Corpus, encoder: Encoder,
+              step: int, ckpt: dict | None, code: list[str], check_steps: Callable) -> Run:
+    """The run, from its parts: its step budget (--epochs, once the data is read; check_steps
+    refuses one the objective cannot use), its folder started with a copy of the `code` files
+    or reopened at `step`, the RNG state resumed."""
     version = code_version(code)
-    run = Run(args, ddp, rank, world, device, amp, folder, meta, train, val, encoder, step, ckpt,
-              tokenizer, version, args.batch_size * args.grad_accum * world)
+    run = Run(args, *procs, folder, corpus.meta, corpus.train, corpus.val,
+              encoder.to(procs.device), step, ckpt, corpus.tokenizer, version,
+              args.batch_size * args.grad_accum * procs.world)
     if args.max_steps is None:  # --epochs: saved in args.json as steps, so a resume keeps them
-        args.max_steps = max(1, math.floor(args.epochs * train.n / run.global_batch))
+        args.max_steps = max(1, math.floor(args.epochs * corpus.train.n / run.global_batch))
         check_steps(args)
     folder.lock()  # a new run locks its folder as it first writes there
     if ckpt is None:
         folder.check_new("ckpt.pt")  # another run may have begun there meanwhile
         saved_args = {k: v for k, v in vars(args).items() if k != "given"}
-        folder.start(code, args=saved_args, config=asdict(encoder.config), data=meta)
+        folder.start(code, args=saved_args, config=asdict(encoder.config), data=corpus.meta)
     else:
         folder.resume(step)
         if ckpt["code_version"]["sha256"] != version["sha256"]:
@@ -214,7 +250,7 @@ def open_run(args, code: list[str], defaults: dict, check_steps: Callable) -> Ru
         # the loop reseeds every micro-batch; this covers what is drawn outside it (a phase 2's
         # new heads, when the run was cut off just as phase 1 ended)
         torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
+        if procs.device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
     return run
 
