@@ -14,6 +14,7 @@ from pathlib import Path
 
 from machinery import flags
 from machinery.run_folder import RunFolder
+from machinery.storage import one_line_os_errors
 
 
 NOT_FIGURES = {"step", "lr", "tok_per_s", "peak_mem_gb", "error"}  # logged, but not curves
@@ -87,8 +88,9 @@ def plot(folders: list[Path], out: Path, x: str = "step") -> Path:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    with one_line_os_errors(out):  # an unwritable --out is one line, not a traceback
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
 

@@ -262,17 +262,12 @@ def move_old_prepared(say) -> None:
         say(f"data: moved the prepared {old} to {new}")
 
 
-def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
-            quiet: bool = False) -> Path:
-    """The prepared folder of `data` (a NAME under NANOMLM_RAW or a PATH), made if need be, and
-    its path. It is named NAME-KEY, KEY a hash of the raw files' contents and the tokenizer
-    settings: two corpora of one name, or one corpus under two settings, never share a folder,
-    and a folder never changes once made (it is built under a temporary name, then renamed)."""
-    say = (lambda *a: None) if quiet else functools.partial(print, flush=True)
+def located(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
+            say=lambda *a: None) -> Path | None:
+    """Where `data` is, before anything is made: a prepared folder to use as it is, or None when
+    its raw text is there to prepare; one line if neither is (what `--check` asks, too)."""
     if (Path(data) / "meta.json").is_file() and (Path(data) / "train.bin").is_file():
         return Path(data)  # already a prepared folder: use it as it is
-    if prepared_root() == HERE / "prepared":
-        move_old_prepared(say)
     raw, base = resolve(data)
     if not raw.is_dir() and (base / "meta.json").is_file() and not force:
         return base  # a prepared folder named in full (or by its name before keys)
@@ -290,6 +285,22 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
         env = os.environ.get("NANOMLM_RAW")
         looked = f" (NANOMLM_RAW={env})" if env is not None else ""
         raise SystemExit(f"error: no corpus folder at {raw}{looked}. {where_to_get(raw.name, raw)}")
+    return None
+
+
+def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
+            quiet: bool = False) -> Path:
+    """The prepared folder of `data` (a NAME under NANOMLM_RAW or a PATH), made if need be, and
+    its path. It is named NAME-KEY, KEY a hash of the raw files' contents and the tokenizer
+    settings: two corpora of one name, or one corpus under two settings, never share a folder,
+    and a folder never changes once made (it is built under a temporary name, then renamed)."""
+    say = (lambda *a: None) if quiet else functools.partial(print, flush=True)
+    if prepared_root() == HERE / "prepared":
+        move_old_prepared(say)
+    found = located(data, vocab_size, force, say)
+    if found is not None:
+        return found
+    raw, base = resolve(data)
     if base.resolve() == raw.resolve():
         raise SystemExit(f"error: the prepared folder would be the raw folder {raw} itself; "
                          f"point NANOMLM_DATA somewhere else")

@@ -43,9 +43,12 @@ def bar(iterable=None, **kw) -> tqdm:
 
 
 def duration(seconds: float) -> str:
-    """45s, 12m, 3h05m: an ETA or an elapsed time in a log line."""
+    """45s, 2m30s, 12m, 3h05m: an ETA or an elapsed time in a log line; to the second below ten
+    minutes, so that lines half a minute apart never read the same."""
     if seconds < 90:
         return f"{seconds:.0f}s"
+    if seconds < 10 * 60:
+        return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
     if seconds < 90 * 60:
         return f"{seconds / 60:.0f}m"
     return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"

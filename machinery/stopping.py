@@ -72,6 +72,9 @@ def catch_stop_signals() -> dict:
         if got:
             exit_now(signum, frame)
         got["signal"] = signum
+        name = signal.Signals(signum).name  # said at once: a slow step may take minutes
+        print(f"{name}: finishing the step in progress, then saving it (a second {name} stops "
+              f"at once)", file=sys.stderr, flush=True)
     on_stop_signals(handler)
     return got
 

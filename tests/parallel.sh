@@ -4,8 +4,9 @@
 #
 #     NANOMLM_RAW=../shared/data bash tests/parallel.sh [PYTEST ARGS]
 #
-# N: $SHARDS, default the number of CPUs; $PYTHON, default python. Each shard's output is printed
-# whole once all have ended; the run fails if one shard fails. A test file named in the
+# N: $SHARDS, default the number of CPUs; $PYTHON, default python. A line a minute says they are
+# running; each shard's output is printed whole once all have ended, then the counts summed; the
+# run fails if one shard fails. A test file named in the
 # arguments runs in its own shard only (the others may find no test: pytest's status 5).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,12 +21,25 @@ for ((i = 0; i < n; i++)); do
         > "$logs/$i" 2>&1 &
     pids+=($!)
 done
+# a line a minute while they run: the shards print nothing until they end
+start=$SECONDS
+( while sleep 60; do echo "tests: $n shards running, $(( (SECONDS - start) / 60 ))m so far"
+  done ) &
+beat=$!
 rc=0 ran=0
 for ((i = 0; i < n; i++)); do
     wait "${pids[$i]}"
     case $? in 0) ran=1 ;; 5) ;; *) rc=1 ;; esac  # 5: no test in this shard
+done
+kill $beat 2>/dev/null
+for ((i = 0; i < n; i++)); do
     echo "== shard $((i + 1)) of $n"
     cat "$logs/$i"
 done
+# the shards' counts summed: the suite's total, as one pytest would say it
+total=$(cat "$logs"/* | grep -E '^=*\s*[0-9]+ (passed|failed|skipped|errors?)' |
+        grep -oE '[0-9]+ (passed|failed|skipped|errors?)' |
+        awk '{n[$2] += $1} END {for (k in n) printf "%s%d %s", (s++ ? ", " : ""), n[k], k}')
+echo "== all shards: ${total:-no tests} in $(( SECONDS - start ))s"
 (( rc || ran )) && exit $rc
 exit 5  # no shard ran a test, as pytest says it

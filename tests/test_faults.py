@@ -72,6 +72,8 @@ def test_sigterm_saves_and_resumes_bit_identically_and_one_run_per_folder(prepar
     proc.send_signal(signal.SIGTERM)  # what a cluster sends before it preempts a job
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 128 + signal.SIGTERM, err
+    # said at once, before the step in progress ends (a slow step may take minutes)
+    assert "SIGTERM: finishing the step in progress, then saving it" in err
     last = err.strip().splitlines()[-1]
     step = read_checkpoint(run / "ckpt.pt")["step"]
     assert 20 <= step < 600  # saved where it stopped: no --save-every step was reached
@@ -85,6 +87,7 @@ def test_sigterm_saves_and_resumes_bit_identically_and_one_run_per_folder(prepar
     assert read_checkpoint(run / "ckpt.pt")["step"] == step
     resumed = run_train("--out-dir", run, "--resume")
     assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from step {step} of 600 ({run / 'ckpt.pt'})" in resumed.stdout
     finished = run_train("--out-dir", run, "--resume")  # a finished run resumed
     assert finished.returncode == 0 and (f"nothing to do: {run / 'ckpt.pt'} is at step 600, at or "
                                          f"past --max-steps 600, the run's end"

@@ -38,6 +38,9 @@ def test_two_runs_make_one_png(prepared, tmp_path, monkeypatch):
     logged = {name for r in runs for name in plot.curves(plot.read_run(r)[0])}
     assert {"loss", "acc", "lb", "target_std"} <= logged and logged <= set(plot.LABELS)
     assert sorted(ylabels) == sorted(plot.LABELS[name] for name in logged)  # on the panels
+    # an --out that cannot be written: one line naming it, no traceback
+    with pytest.raises(SystemExit, match=r"^error: cannot write /proc/nanomlm/x.png: "):
+        plot.main([*map(str, runs), "--out", "/proc/nanomlm/x.png"])
 
 
 def test_without_matplotlib_it_says_how_to_get_it(tmp_path, monkeypatch):

@@ -333,8 +333,9 @@ def trained(prepared, tmp_path_factory):
 def test_error_missing_corpus(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOMLM_RAW", str(tmp_path))
     monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
-    r = run_train("--data", "babylm_10m", "--out-dir", tmp_path / "run", *TINY)
-    assert_clean_error(r, rf"no corpus folder at {tmp_path}/babylm_10m .*osf\.io/ad7qg")
+    for check in ([], ["--check"]):  # --check finds it missing too (it said all was well)
+        r = run_train("--data", "babylm_10m", "--out-dir", tmp_path / "run", *TINY, *check)
+        assert_clean_error(r, rf"no corpus folder at {tmp_path}/babylm_10m .*osf\.io/ad7qg")
     assert not (tmp_path / "run").exists()
 
 
@@ -461,6 +462,16 @@ def test_error_nan_loss_keeps_last_good_checkpoint(prepared, tmp_path):
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
     assert read_log(out)[-1] == {"step": bad_step, "error": "non-finite loss or gradient"}
 
+
+
+def test_durations_read_apart_half_a_minute_apart():
+    """Heartbeats and ETAs (machinery/progress.duration), hand-computed: to the second below ten
+    minutes, so that lines 30 s apart never read the same (they read "2m" three times before)."""
+    from machinery.progress import duration
+    assert [duration(x) for x in (45, 90, 150, 599, 600, 5400, 11100)] == [
+        "45s", "1m30s", "2m30s", "9m59s", "10m", "1h30m", "3h05m"]
+    beats = [duration(30 * k) for k in range(1, 20)]
+    assert len(set(beats)) == len(beats)
 
 
 def test_divergence_rule_by_hand():

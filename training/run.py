@@ -22,7 +22,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from data.masking import make_batch
-from data.prepare import Segments, load_meta, prepare, raw_root
+from data.prepare import Segments, load_meta, located, prepare, raw_root
 from machinery.device import (autocast, peak_memory_gb, pick_device, seed_of, use_compile,
                               use_deterministic, use_tf32)
 from machinery.optim import make_optimizer
@@ -245,6 +245,7 @@ def start_run(args, procs: Processes, folder: RunFolder, corpus: Corpus, encoder
         folder.start(code, args=saved_args, config=asdict(encoder.config), data=corpus.meta)
     else:
         folder.resume(step)
+        run.say(f"resumed from step {step} of {args.max_steps} ({folder.path / 'ckpt.pt'})")
         if ckpt["code_version"]["sha256"] != version["sha256"]:
             run.say("warning: the code changed since this run started; resuming with the new code")
         # the loop reseeds every micro-batch; this covers what is drawn outside it (a phase 2's
@@ -375,14 +376,16 @@ def check_warmup(args, phases: list[int]) -> None:
 
 def checked_settings(args, defaults: dict) -> dict:
     """train.py --check: the settings the run would use, a resumed run's saved ones (refusing
-    what its resumption would refuse), and on stderr where a resumed run stands."""
+    what its resumption would refuse), and on stderr where a resumed run stands; the corpus
+    must be there (raw or prepared), as the run would find it."""
     if args.resume:
         path = Path(args.out_dir) / "ckpt.pt"
         args, ckpt = resumed_args(args, path, defaults)
         end = min(args.max_steps, args.stop_at or args.max_steps)
         print(past_end(args, ckpt["step"], path) or f"--resume: {path} is at step "
               f"{ckpt['step']}; it would train on to step {end}", file=sys.stderr)
-    elif args.max_steps is None and args.warmup >= 1:
+    located(args.data, args.vocab_size)  # the corpus is there, raw or prepared (one line if not)
+    if not args.resume and args.max_steps is None and args.warmup >= 1:
         print(f"note: --epochs sets the steps once the data is read; --warmup {args.warmup:g} "
               f"steps is checked against them then", file=sys.stderr)
     return {k: v for k, v in vars(args).items() if k not in ("given", "check")}
@@ -480,11 +483,12 @@ def summary(run: Run, step: int, steps_now: int, seconds: float) -> str:
     evals = (f"\nvalidation: {shown(val[0])} at step {val[0]['step']} -> {shown(val[-1])} at step "
              f"{val[-1]['step']}" if val else "")
     blimp = raw_root() / "babylm_eval" / "fast_eval"
+    blimp = (f"{blimp / 'blimp_fast'} {blimp / 'supplement_fast'}" if blimp.is_dir() else
+             f"DIR  (BabyLM's BLiMP files; none at {blimp}: set NANOMLM_RAW)")
     return (f"done: {step} steps, {tokens:,} tokens; this sitting {steps_now} steps in "
             f"{duration(seconds)}, {rate / 1e3:.1f}k tok/s with its evaluations and saves{evals}\n"
             f"checkpoint: {path / 'ckpt.pt'}\n"
-            f"next: python evaluate.py blimp --ckpt {path / 'ckpt.pt'} --blimp-dir "
-            f"{blimp / 'blimp_fast'} {blimp / 'supplement_fast'}\n"
+            f"next: python evaluate.py blimp --ckpt {path / 'ckpt.pt'} --blimp-dir {blimp}\n"
             f"      python evaluate.py mlm --ckpt {path / 'ckpt.pt'}\n"
             f"      python export.py --ckpt {path} --out hf/{path.name}")
 
