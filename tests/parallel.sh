@@ -6,8 +6,8 @@
 #
 # N: $SHARDS, default the number of CPUs; $PYTHON, default python. A line a minute says they are
 # running; each shard's output is printed whole once all have ended, then the counts summed; the
-# run fails if one shard fails. A test file named in the
-# arguments runs in its own shard only (the others may find no test: pytest's status 5).
+# run fails if one shard fails. A test file named in the arguments runs in its own shard only
+# (the others may find no test: pytest's status 5).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 n=${SHARDS:-$(nproc)}
