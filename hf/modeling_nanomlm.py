@@ -20,11 +20,12 @@ t predicting the token at t + 1, as the BabyLM 2025 pipeline's causal backend re
 mntp backend reads NanoMLMForMaskedLM's logits at the position before each masked token.
 """
 import math
+import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import (BaseModelOutput, CausalLMOutput, MaskedLMOutput,
                                            SequenceClassifierOutput)
 
@@ -232,6 +233,10 @@ class NanoMLMForMaskedLM(NanoMLMPreTrainedModel):
         self.nanomlm = Encoder(config)
         self.boot = Boot(config) if config.boot_decoder_layers else None
         self.post_init()
+        if getattr(config, "predicts_before", False):  # said once per process
+            warnings.warn("this gpt-bert model predicts a masked token from the position before "
+                          "it: read logits[:, t - 1] for a [MASK] at t (the fill-mask pipeline "
+                          "reads t; nanoMLM's evaluate.py fill reads t - 1)", stacklevel=2)
 
     def states(self, input_ids, attention_mask):
         """The states the MLM head reads (B, T, D): the encoder's, or for a BootBERT student its
@@ -272,10 +277,16 @@ class NanoMLMForMaskedLM(NanoMLMPreTrainedModel):
         return MaskedLMOutput(loss=loss, logits=logits)
 
 
-class NanoMLMForCausalLM(NanoMLMModel):
+class NanoMLMForCausalLM(NanoMLMModel, GenerationMixin):
     """A gpt-bert model read causally: each position attends to itself and those before it, and
     its logits predict the next token (no shift inside: labels are the inputs, shifted here).
-    Scoring only: no key-value cache, and no generate()."""
+    generate() works through transformers' GenerationMixin without a key-value cache: each new
+    token reads the whole sequence again (relative positions make a cache's reuse less simple
+    than a GPT's; at BabyLM's lengths the recomputation is cheap). Start a prompt with [CLS]
+    and no [SEP] (tok(text, add_special_tokens=False), then [CLS] in front)."""
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
 
     def forward(self, input_ids, attention_mask=None, labels=None, return_dict=None, **kwargs):
         if attention_mask is None:

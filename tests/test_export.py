@@ -294,3 +294,30 @@ def test_export_errors_are_one_line(tokenizer_bytes, tmp_path):
                       (Path("/proc/nanomlm_export"), "cannot write /proc/nanomlm_export")):
         r = run_script("export.py", "--ckpt", path, "--out", out)
         assert r.returncode == 1 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+
+
+def test_a_gpt_bert_export_generates_and_its_masked_class_says_where_it_reads(tokenizer_bytes,
+                                                                              tmp_path):
+    """AutoModelForCausalLM's generate() (greedy, no cache) gives the tokens a hand-written loop
+    over load_checkpoint's model gives: one causal forward of the whole sequence a token, the
+    argmax of the last position, until [SEP] or 12 new tokens; loading the masked class of a
+    gpt-bert export says, in one warning, that its predictions sit a position before."""
+    path = checkpoint(tmp_path / "ckpt.pt", tokenizer_bytes, "gpt-bert")
+    export.main(["--ckpt", str(path), "--out", str(tmp_path / "hf")])
+    clm = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours, _ = load_checkpoint(path)
+    for text in ("the cat sat on the", "once upon a time there"):
+        x = torch.tensor([[tok.cls_token_id, *tok(text, add_special_tokens=False)["input_ids"]]])
+        with torch.no_grad():
+            got = clm.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12,
+                               do_sample=False)
+            want = x
+            for _ in range(12):
+                nxt = ours.head(ours(want, torch.ones_like(want), causal=True))[0, -1].argmax()
+                want = torch.cat([want, nxt.view(1, 1)], 1)
+                if nxt == tok.sep_token_id:
+                    break
+        assert got.tolist() == want.tolist()
+    with pytest.warns(UserWarning, match="predicts a masked token from the position before it"):
+        AutoModelForMaskedLM.from_pretrained(tmp_path / "hf", trust_remote_code=True)
