@@ -45,7 +45,7 @@ from machinery.device import add_device_flag, seed_of
 from machinery.optim import clipped_step, ema_decay_at, ema_update, set_schedule
 from machinery.progress import bar, line_buffered
 from machinery.run_folder import REPO, repo_sources
-from machinery.stopping import SafetyNet, exit_now, on_stop_signals
+from machinery.stopping import SafetyNet, exit_now, exit_on_stop_signals, on_stop_signals
 from model import PARTS, PRESETS, ModelConfig
 from objectives import (BASELINE, DICT_FLAG_NAMES, DICT_FLAGS, OBJECTIVES,
                         ObjectiveParts, Trainee, causal_fraction, dict_config)
@@ -85,7 +85,20 @@ def phase_at(run: Run, step: int) -> Phase:
     and trainee, then training/run.start_phase. Phase 2 with --student-init scratch starts from
     a fresh encoder."""
     objective, start, end = phase_of(step, run.args)
-    entry, args = OBJECTIVES[objective], run.args
+    entry = OBJECTIVES[objective]
+    kept = (run.folder.path / "ckpt.pt").exists()  # a set-up may take minutes: a signal ends it
+    with exit_on_stop_signals(
+            f"while phase {2 if start else 1} was being set up; " +
+            (f"continue with: python train.py --out-dir {run.folder.path} --resume" if kept else
+             "nothing was saved")):
+        return start_phase(run, step, objective, entry, start, end,
+                           *make_trainee(run, step, objective, entry, start))
+
+
+def make_trainee(run: Run, step: int, objective: str, entry, start: int):
+    """(the trainee, its objective's parts) of the phase `step` starts: what its setup makes
+    (heads, a teacher, a dictionary...), on a fresh encoder if --student-init scratch."""
+    args = run.args
     if step == start > 0 and args.student_init == "scratch":
         torch.manual_seed(seed_of(args.seed, step))
         run.encoder.init_weights()
@@ -97,8 +110,7 @@ def phase_at(run: Run, step: int) -> Phase:
         teacher = args.teacher or run.folder.path / "phase1.pt"
         run.say(f"step {step}: phase 2, {objective} from {init}, a fresh optimizer and warm-up"
                 + (f", taught by {teacher}" if entry.setup else ""))
-    trainee = Trainee(run.encoder, parts.heads.to(run.device), entry.loss)
-    return start_phase(run, step, objective, entry, start, end, trainee, parts)
+    return Trainee(run.encoder, parts.heads.to(run.device), entry.loss), parts
 
 
 def train_batch(run: Run, step: int, micro: int) -> dict:

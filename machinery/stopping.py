@@ -4,6 +4,7 @@ that waits while the run is suspect. train.py's loop hands one SafetyNet every s
 gradient norm (kept on the device) and asks it at its log and save steps, the only places it
 reads from the device. A run it stops leaves the last good state it kept (docs/robustness.md).
 """
+import contextlib
 import math
 import signal
 import sys
@@ -60,6 +61,23 @@ def exit_now(signum, frame):
     """Before the loop (and at a second signal) there is nothing to save: exit at once, through
     the `finally`s that remove temp files."""
     raise SystemExit(f"{signal.Signals(signum).name}: stopped; nothing more was saved")
+
+
+@contextlib.contextmanager
+def exit_on_stop_signals(said: str):
+    """Within the block, a stop signal exits at once with "SIGNAL: stopped `said`": for a long
+    set-up between steps (a teacher's load, a dictionary learned), where the loop's handler
+    would wait minutes for a step to finish. The handlers before it are back afterwards."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum, frame):
+        raise SystemExit(f"{signal.Signals(signum).name}: stopped {said}")
+    on_stop_signals(handler)
+    try:
+        yield
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
 
 
 def catch_stop_signals() -> dict:

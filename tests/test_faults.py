@@ -365,3 +365,31 @@ def test_a_run_at_a_rate_that_blows_up_is_stopped_early(prepared, tmp_path):
                   400, "--out-dir", tmp_path / "run")
     assert r.returncode == 1 and "the run is diverging at step" in r.stderr, r.stderr[-500:]
     assert int(re.search(r"at step (\d+)", r.stderr).group(1)) <= 100
+
+
+def test_sigterm_while_the_dictionary_is_learned_ends_the_run_at_once_and_it_resumes(prepared,
+                                                                                     tmp_path):
+    """Issue 68's case: a stop signal while mlsm+mlm learns its dictionary between the phases
+    (a set-up that takes minutes at the recipe's size) ends the process at once, in one line
+    that says how to go on; phase 1's checkpoint is kept, and the resumed run (which learns the
+    dictionary again) ends with the same weights as an uninterrupted run's."""
+    common = [*TINY, "--data", prepared, "--objective", "mlsm+mlm", "--max-steps", 20,
+              "--phase1-steps", 10, "--mlsm-k", 200, "--dict-vectors", 8000, "--dict-epochs", 2]
+    ref = start_train(*common, "--out-dir", tmp_path / "ref")
+    run = tmp_path / "run"
+    proc = start_train(*common, "--out-dir", run)
+    for line in proc.stdout:
+        if line.startswith("learning the MLSM dictionary"):
+            break
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert time.time() - t0 < 30 and proc.returncode == 1, err
+    assert err.strip().splitlines()[-1] == (
+        f"SIGTERM: stopped while phase 2 was being set up; continue with: python train.py "
+        f"--out-dir {run} --resume")
+    assert read_checkpoint(run / "ckpt.pt")["step"] == 10 and not (run / "dict.pt").exists()
+    r = run_train("--out-dir", run, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert ref.wait(timeout=300) == 0, ref.stderr.read()
+    states_equal(run / "ckpt.pt", tmp_path / "ref" / "ckpt.pt")
