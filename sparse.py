@@ -46,7 +46,7 @@ from tqdm import tqdm
 from data.prepare import CLS, SEP, check_tokenizer, prepare
 from machinery import flags
 from machinery.device import add_device_flag, pick_device
-from machinery.progress import bar, line_buffered
+from machinery.progress import bar, duration, line_buffered
 from machinery.storage import load_state, read_checkpoint, save_checkpoint
 from model import load_checkpoint
 
@@ -339,7 +339,7 @@ def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1
         return row
 
     history = [measure(0, 0)]
-    t = 0
+    t, t0 = 0, time.time()
     for epoch in range(1, epochs + 1):
         used = torch.zeros(k, dtype=torch.bool, device=H.device)
         batches = pick(n).split(batch_size)
@@ -364,6 +364,10 @@ def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1
             torch.nn.functional.threshold_(P, 1e-30, 0.0)
             Q.masked_fill_(Q.abs() < 1e-30, 0.0)
             update_dictionary(D, P, Q)
+            if t == 1 and progress:  # its cost, said at its start (later epochs start warm)
+                spent = time.time() - t0
+                tqdm.write(f"dictionary: about {duration(spent * len(batches) * epochs)} for "
+                           f"{epochs} epochs of {len(batches)} batches (from the first batch)")
         dead = torch.nonzero(~used).flatten()
         if len(dead):
             D[:, dead] = H[pick(len(dead))].T
@@ -517,7 +521,8 @@ def dictionary_for_run(path, given, teacher_path, n_layer: int, data, cfg: DictC
             shutil.copy(given, path)
         else:
             tqdm.write(f"learning the MLSM dictionary from layer {cfg.layer} of {teacher_path} "
-                       f"(sparse.py)")
+                       f"(sparse.py): {cfg.k:,} atoms from {cfg.vectors:,} states, {cfg.epochs} "
+                       f"epochs")
             cfg.check(n_layer, flag_names, f"the teacher {teacher_path}")
             learn_from_checkpoint(teacher_path, data, cfg, device, path)
     if dist.is_initialized():

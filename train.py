@@ -313,6 +313,12 @@ def build_parser():
                              "position_buckets": flags.at_least(2),
                              "max_position": flags.at_least(3),
                              "layer_norm_eps": flags.above(0)})
+    for action in p._actions:  # defaults an objective sets at one size say so in --help
+        at = [f"{name} at {size}: {v[action.dest]}" for name, o in OBJECTIVES.items()
+              for size, v in (o.size_defaults or {}).items() if action.dest in v]
+        if at:
+            default = "" if action.default is None else "default %(default)s; "
+            action.help += f" ({default}{', '.join(at)})"
     return p
 
 

@@ -896,6 +896,12 @@ def test_a_tiny_gpt_bert_run_trains_with_the_references_recipe(prepared, tmp_pat
     assert names - {n for n, p in model.named_parameters() if id(p) in kept} == {"word.weight",
                                                                                   "rel"}
     assert T.get_args(["--objective", "gpt-bert", "--size", "small"]).d_ff == 1280
+    # mlsm's dictionary at tiny: the CPU studies' size, not the recipe's (kept at small)
+    dictionary = lambda *a: (lambda x: (x.mlsm_k, x.dict_vectors, x.dict_epochs))(
+        T.get_args(["--objective", "mlsm+mlm", *a]))
+    assert dictionary("--size", "tiny") == (500, 20000, 2)
+    assert dictionary("--size", "small") == (3000, 100000, 4)
+    assert dictionary("--size", "tiny", "--mlsm-k", "48") == (48, 20000, 2)
     assert T.get_args(["--objective", "gpt-bert", "--size", "small", "--d-ff", "1024"]).d_ff \
         == 1024
 
