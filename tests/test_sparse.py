@@ -328,6 +328,9 @@ def test_dictionary_lines_are_numbered_as_the_bar(capsys):
     H = torch.nn.functional.normalize(torch.randn(300, 8, generator=gen), dim=1)
     _, history = S.learn_dictionary(H, 6, 0.05, epochs=2, batch_size=100)
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("dictionary:")]
+    cost = said.pop(1)  # after the first mini-batch: what the whole will take (issue 68)
+    assert cost.startswith("dictionary: about ")
+    assert cost.endswith(" for 2 epochs of 3 batches (from the first batch)")
     assert [line.split(" | ")[0] for line in said] == [
         "dictionary: at the start", "dictionary: epoch 1/2", "dictionary: epoch 2/2"]
     for h, line in zip(history, said, strict=True):
