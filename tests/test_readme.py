@@ -74,7 +74,7 @@ def test_each_readme_command_runs_as_written(env, argv, capsys):
 
 def test_the_cpu_demo_runs_end_to_end(small_raw, tmp_path):
     """The first screen's CPU demo, every command of its first block, run in order in a fresh
-    folder, reduced: --max-steps 2000 -> 30 and the tests' small corpus as babylm_10m (under a
+    folder, reduced: --max-steps 1100 -> 30 and the tests' small corpus as babylm_10m (under a
     2000-piece tokenizer). Each must exit 0; then the run, its fill-in, its evaluation, its
     curves and its export are where the README says."""
     demo = [argv for _, argv in readme_commands(blocks=1)]
