@@ -5,7 +5,7 @@ the weights and the tokenizer; then
 
     from transformers import AutoModelForMaskedLM, AutoTokenizer
     model = AutoModelForMaskedLM.from_pretrained(DIR, trust_remote_code=True)
-    tok = AutoTokenizer.from_pretrained(DIR)
+    tok = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)  # (else transformers asks)
 
 It transcribes model.py of the nanoMLM repository (the LTG-BERT-style encoder, relative
 positions included) and is tested against it: the logits equal model.load_checkpoint's.
