@@ -43,6 +43,7 @@ from machinery.device import add_device_flag, autocast, pick_device, seed_of
 from machinery.multibootstrap import compare
 from machinery.progress import bar, duration, line_buffered
 from machinery.results import write_lines, write_result
+from machinery.stopping import exit_on_stop_signals
 from machinery.storage import hold_lock, one_line_os_errors
 from model import Encoder, load_checkpoint
 
@@ -624,7 +625,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if getattr(args, "ckpt", None) and (Path(args.ckpt) / "ckpt.pt").is_file():
         args.ckpt = str(Path(args.ckpt) / "ckpt.pt")  # a run folder: its checkpoint
-    args.func(args)
+    kept = ("the chunks scored so far are kept: the same command goes on from them"
+            if args.command == "blimp" else "run the same command again")
+    with exit_on_stop_signals(f"`evaluate.py {args.command}`; {kept}"):  # one line, at once
+        args.func(args)
 
 
 if __name__ == "__main__":

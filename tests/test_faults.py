@@ -393,3 +393,33 @@ def test_sigterm_while_the_dictionary_is_learned_ends_the_run_at_once_and_it_res
     assert r.returncode == 0, r.stderr
     assert ref.wait(timeout=300) == 0, ref.stderr.read()
     states_equal(run / "ckpt.pt", tmp_path / "ref" / "ckpt.pt")
+
+
+def test_sigterm_during_a_blimp_scoring_ends_it_at_once_and_the_same_command_goes_on(ckpt,
+                                                                                      tmp_path):
+    """`evaluate.py blimp` on 20 of the fast BLiMP's paradigms (4,000 pairs: two chunks of
+    2,000), SIGTERM once its first chunk is scored: the process ends at once with one line
+    saying how to go on; the same command then scores only the chunk that was left."""
+    src = tmp_path / "blimp"
+    src.mkdir()
+    fast = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
+    for f in sorted(fast.glob("*.jsonl"))[:20]:
+        (src / f.name).symlink_to(f)
+    cmd = [sys.executable, str(REPO / "evaluate.py"), "blimp", "--ckpt", str(ckpt),
+           "--blimp-dir", str(src), "--device", "cpu", "--out", str(tmp_path / "blimp.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    for line in proc.stdout:
+        if line.startswith("blimp: 1/"):
+            break
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert time.time() - t0 < 30 and proc.returncode == 1, err
+    assert err.strip().splitlines()[-1] == (
+        "SIGTERM: stopped `evaluate.py blimp`; the chunks scored so far are kept: the same "
+        "command goes on from them")
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert "resuming: 1 of 2 chunks already scored" in again.stdout, again.stdout
