@@ -404,7 +404,7 @@ def test_sigterm_during_a_blimp_scoring_ends_it_at_once_and_the_same_command_goe
     src.mkdir()
     fast = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
     for f in sorted(fast.glob("*.jsonl"))[:20]:
-        (src / f.name).symlink_to(f)
+        (src / f.name).symlink_to(f.resolve())  # (CI's NANOMLM_RAW is a relative path)
     cmd = [sys.executable, str(REPO / "evaluate.py"), "blimp", "--ckpt", str(ckpt),
            "--blimp-dir", str(src), "--device", "cpu", "--out", str(tmp_path / "blimp.json")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
