@@ -35,6 +35,19 @@ def start_train(*args, **kw) -> subprocess.Popen:
                             **kw)
 
 
+def stopped_once_it_says(proc: subprocess.Popen, prefix: str) -> str:
+    """SIGTERM to `proc` as soon as it prints a line that starts with `prefix`; it must end within
+    30 s with exit status 1. -> the last line of its stderr."""
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            break
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert time.time() - t0 < 30 and proc.returncode == 1, err
+    return err.strip().splitlines()[-1]
+
+
 def wait_for_step(proc: subprocess.Popen, step: int, timeout=120) -> None:
     """Read the process' log lines until it has logged `step` (or fail)."""
     t0 = time.time()
@@ -378,14 +391,7 @@ def test_sigterm_while_the_dictionary_is_learned_ends_the_run_at_once_and_it_res
     ref = start_train(*common, "--out-dir", tmp_path / "ref")
     run = tmp_path / "run"
     proc = start_train(*common, "--out-dir", run)
-    for line in proc.stdout:
-        if line.startswith("learning the MLSM dictionary"):
-            break
-    t0 = time.time()
-    proc.send_signal(signal.SIGTERM)
-    err = proc.communicate(timeout=60)[1]
-    assert time.time() - t0 < 30 and proc.returncode == 1, err
-    assert err.strip().splitlines()[-1] == (
+    assert stopped_once_it_says(proc, "learning the MLSM dictionary") == (
         f"SIGTERM: stopped while phase 2 was being set up; continue with: python train.py "
         f"--out-dir {run} --resume")
     assert read_checkpoint(run / "ckpt.pt")["step"] == 10 and not (run / "dict.pt").exists()
@@ -410,14 +416,7 @@ def test_sigterm_during_a_blimp_scoring_ends_it_at_once_and_the_same_command_goe
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
-    for line in proc.stdout:
-        if line.startswith("blimp: 1/"):
-            break
-    t0 = time.time()
-    proc.send_signal(signal.SIGTERM)
-    err = proc.communicate(timeout=60)[1]
-    assert time.time() - t0 < 30 and proc.returncode == 1, err
-    assert err.strip().splitlines()[-1] == (
+    assert stopped_once_it_says(proc, "blimp: 1/") == (
         "SIGTERM: stopped `evaluate.py blimp`; the chunks scored so far are kept: the same "
         "command goes on from them")
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
