@@ -216,6 +216,9 @@ def build_parser():
     add_device_flag(add, "where to train")
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the model (default: on with CUDA, off on the CPU)")
+    add("--compile-lamb", action=argparse.BooleanOptionalAction, default=False,
+        help="with --compile, compile LAMB's update too (one graph of fused kernels); off: on an "
+        "H200 it added ~35 s to a run's start, and no gain in tokens/s (docs/bench.md)")
     add("--attention", default="gather", choices=["gather", "onehot"], help="how relative "
         "attention picks each pair's position bucket: a gather (default), or a one-hot product "
         "whose backward needs no atomics on a GPU; the same function (tests/test_model.py), "

@@ -27,6 +27,14 @@ CUDA = [*TINY[:-1], "cuda"]  # the tests' tiny model, on the GPU
 assert TINY[-2:] == ["--device", "cpu"]
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles as a fresh train.py process would. Dynamo keeps 8 graphs per code
+    object for the whole process, and every objective's trainee runs Trainee.forward: without a
+    reset the ninth compiled objective hits that limit (the cudagraphs tests did, on an H200)."""
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def corpus(request) -> Path:
     """babylm_10m as data/prepare.py finds it (the one prepared copy under $NANOMLM_DATA, with

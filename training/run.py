@@ -33,8 +33,8 @@ from model import PRESETS, Encoder, ModelConfig, check_config, load_weights, use
 
 
 # the flags a resumed run may change (--lr: a run the guard stopped goes on at a lower one)
-RESUMABLE = {"resume", "out_dir", "device", "compile", "cuda_graphs", "attention", "bf16",
-             "deterministic", "log_every", "lr",
+RESUMABLE = {"resume", "out_dir", "device", "compile", "compile_lamb", "cuda_graphs", "attention",
+             "bf16", "deterministic", "log_every", "lr",
              "eval_every", "save_every", "stop_at", "spike", "save_words", "check"}
 
 
