@@ -24,17 +24,18 @@ def ema_update(teacher: nn.Module, student: nn.Module, decay: float, fused: bool
             a.lerp_(b, 1.0 - decay)
 
 
-def lamb_update(params, grads, m, v, steps, lr, wd, b1: float, b2: float, eps: float,
+def lamb_update(params, grads, m, v, steps, lr, wd, trusted, b1: float, b2: float, eps: float,
                 max_norm: float | None = None) -> torch.Tensor:
     """One LAMB step of every tensor, in place, in multi-tensor (torch._foreach_*) ops: no
-    Python loop over tensors, no host sync, and every number that changes from step to step a
-    tensor, so that torch.compile fuses it into a few kernels once and never recompiles.
-    steps: each tensor's count (0-dim), already advanced; lr, wd: (tensors,) each tensor's
-    learning rate and weight decay. The trust ratio applies where wd > 0: LTG-BERT's groups
-    without weight decay take Adam's step (at init the ratio would shrink embedding steps ~30x).
-    Returns the gradients' total norm (0-dim); with max_norm they are first clipped to it in
-    place by clip_grad_norm_'s operations (the norm summed in the groups' order, not the
-    model's: the same to float32 rounding, 2.5e-7 relative at most in tiny runs' logs)."""
+    Python loop over tensors and no host sync. steps (each tensor's count, already advanced),
+    lr and wd (its learning rate and weight decay) are per-tensor lists, either of Python
+    numbers (eager: each op one multi-tensor kernel, as LTG-BERT's numbers are) or of 0-dim
+    tensors on the device (compiled: numbers that change every step would be guarded as
+    constants and recompile the graph). trusted (tensors,) bool, on the device: where the trust
+    ratio applies (LTG-BERT: groups with weight decay; at init the ratio would shrink embedding
+    steps ~30x). Returns the gradients' total norm (0-dim); with max_norm they are first clipped
+    to it in place by clip_grad_norm_'s operations (the norm summed in the groups' order, not
+    the model's: the same to float32 rounding, 2.5e-7 relative at most in tiny runs' logs)."""
     norm = torch.nn.utils.get_total_norm(grads)                       # () before clipping
     if max_norm is not None:
         torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
@@ -46,12 +47,13 @@ def lamb_update(params, grads, m, v, steps, lr, wd, b1: float, b2: float, eps: f
     torch._foreach_add_(denom, eps)
     r = torch._foreach_div(m, [1 - b1 ** s for s in steps])
     torch._foreach_div_(r, denom)                                     # r = m^ / (sqrt(v^) + eps)
-    torch._foreach_add_(r, torch._foreach_mul(params, list(wd.unbind())))        # r + wd w
+    torch._foreach_add_(r, torch._foreach_mul(params, wd))                        # r + wd w
     w_norm = torch.stack(torch._foreach_norm(params))                 # (tensors,)
     r_norm = torch.stack(torch._foreach_norm(r))
-    ratio = torch.where((wd > 0) & (w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)
-    torch._foreach_mul_(r, list((-lr * ratio).unbind()))
-    torch._foreach_add_(params, r)
+    ratio = torch.where(trusted & (w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)
+    torch._foreach_mul_(r, list(ratio.unbind()))  # the one op with a kernel per tensor, eager
+    torch._foreach_mul_(r, lr)
+    torch._foreach_sub_(params, r)
     return norm
 
 
@@ -60,19 +62,22 @@ class Lamb(torch.optim.Optimizer):
     LTG-BERT's lamb.py runs it: the bias-corrected Adam direction r = m/(sqrt(v)+eps) plus
     decoupled weight decay, rescaled per tensor by the trust ratio ||w|| / ||r + wd*w|| (1 where
     either norm is 0) in groups with weight decay only; a group without (embeddings, positions,
-    gains, biases) takes plain Adam steps. torch has none. Its state is tensors on the
-    parameters' device (the step count too, in their dtype); a step is one lamb_update of all
-    groups' tensors, gradient clipping included (step(max_norm)), compiled with `compile` (one
-    graph, fused kernels). One betas and eps."""
+    gains, biases) takes plain Adam steps. torch has none. A step is one lamb_update of all
+    groups' tensors, gradient clipping included (step(max_norm)). Eager (the default), the step
+    counts, learning rates and weight decays are Python numbers, as in torch.optim's Adam; with
+    `compile`, one compiled graph (fused kernels) reading them from device memory: on an H200
+    its compile added ~35 s to a run's start (docs/bench.md). One betas and eps."""
 
     def __init__(self, params, lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0,
                  compile=False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         if len({(g["betas"], g["eps"]) for g in self.param_groups}) > 1:
             raise ValueError("Lamb: one betas and eps for every group")
+        self.compiled = compile
         self.update = torch.compile(lamb_update, fullgraph=True) if compile else lamb_update
-        self.hyper = None       # (groups, 2): each group's lr and weight decay, on the device
-        self.group_of = {}      # the tensors stepped -> (tensors,) the group of each, on the device
+        self.hyper = None       # compiled: (groups, 2) each group's lr and weight decay, on device
+        self.group_of = {}      # compiled: the tensors stepped -> (tensors,) the group of each
+        self.trusted = {}       # eager: which tensors take the trust ratio -> that (tensors,) mask
 
     @torch.no_grad()
     def step(self, max_norm: float | None = None):
@@ -85,32 +90,59 @@ class Lamb(torch.optim.Optimizer):
         params = [p for _, p in stepped]
         for p in params:
             if not self.state[p]:
-                self.state[p].update(step=torch.zeros((), dtype=p.dtype, device=p.device),
-                                     m=torch.zeros_like(p), v=torch.zeros_like(p))
+                self.state[p].update(step=self.count(0, p), m=torch.zeros_like(p),
+                                     v=torch.zeros_like(p))
         state = [self.state[p] for p in params]
-        steps = [st["step"] for st in state]  # per tensor: one may miss a step
-        torch._foreach_add_(steps, 1.0)
-        key = tuple(map(id, params))
+        if self.compiled:  # the counts on the device, advanced by one multi-tensor kernel
+            steps = [st["step"] for st in state]  # per tensor: one may miss a step
+            torch._foreach_add_(steps, 1.0)
+            lr, wd, trusted = self.device_hyper(stepped)
+        else:
+            for st in state:
+                st["step"] += 1
+            steps = [st["step"] for st in state]
+            lr = [self.param_groups[i]["lr"] for i, _ in stepped]
+            wd = [self.param_groups[i]["weight_decay"] for i, _ in stepped]
+            key = tuple(w > 0 for w in wd)
+            if key not in self.trusted:  # made once per pattern: a copy to the device
+                self.trusted[key] = torch.tensor(key, device=params[0].device)
+            trusted = self.trusted[key]
+        (b1, b2), eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
+        return self.update(params, [p.grad for p in params], [st["m"] for st in state],
+                           [st["v"] for st in state], steps, lr, wd, trusted, b1, b2, eps,
+                           max_norm)
+
+    def count(self, n, p):
+        """A step count as this optimizer keeps it: a Python number eager, a 0-dim tensor in
+        the parameter's dtype beside it compiled."""
+        if self.compiled:
+            return torch.as_tensor(n, dtype=p.dtype, device=p.device)
+        return float(n)
+
+    def device_hyper(self, stepped):
+        """Each stepped tensor's learning rate and weight decay as 0-dim tensors on the device,
+        and the trust-ratio mask (tensors,), with no host sync: the numbers written into device
+        memory by fill_ (`hyper[i, 0] = lr` would copy a CPU tensor and wait for the GPU, seen
+        under sync-debug mode on an H200), picked per tensor by a gather."""
+        device = stepped[0][1].device
+        key = tuple(id(p) for _, p in stepped)
         if key not in self.group_of:  # made once per set of tensors: a copy to the device
-            self.group_of[key] = torch.tensor([i for i, _ in stepped], device=p.device)
+            self.group_of[key] = torch.tensor([i for i, _ in stepped], device=device)
         if self.hyper is None:
-            self.hyper = torch.zeros(len(self.param_groups), 2, dtype=p.dtype, device=p.device)
-        # host numbers into device memory as fill_'s kernel argument: `hyper[i, 0] = lr` would
-        # copy a CPU tensor and wait for the GPU (seen under sync-debug mode on an H200)
+            self.hyper = torch.zeros(len(self.param_groups), 2, dtype=stepped[0][1].dtype,
+                                     device=device)
         for i, g in enumerate(self.param_groups):
             self.hyper[i, 0].fill_(g["lr"])
             self.hyper[i, 1].fill_(g["weight_decay"])
         lr, wd = self.hyper[self.group_of[key]].unbind(1)                      # (tensors,)
-        (b1, b2), eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
-        return self.update(params, [p.grad for p in params], [st["m"] for st in state],
-                           [st["v"] for st in state], steps, lr, wd, b1, b2, eps, max_norm)
+        return list(lr.unbind()), list(wd.unbind()), wd > 0
 
     def load_state_dict(self, state_dict):
-        """A checkpoint's state; a step count saved as a number (before the counts were tensors)
-        becomes a tensor beside its parameter."""
+        """A checkpoint's state, its step counts kept as this optimizer keeps them (a number or
+        a tensor, whichever wrote the checkpoint)."""
         super().load_state_dict(state_dict)
-        for st in self.state.values():
-            st["step"] = torch.as_tensor(st["step"], dtype=st["m"].dtype, device=st["m"].device)
+        for p, st in self.state.items():
+            st["step"] = self.count(float(st["step"]), st["m"])
 
 
 def make_optimizer(model, args):
