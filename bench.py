@@ -530,7 +530,7 @@ def build_parser() -> flags.Parser:
         help="step: train.py --compile / --no-compile; bert: both models' steps as train.py "
         "compiles its own (default for both: on with CUDA, off on the CPU); ltg: --compile "
         "compiles both models")
-    add("--attention", default="gather", choices=["gather", "onehot"],
+    add("--attention", default="gather", choices=["gather", "onehot", "fused"],
         help="step, side, bert: how our relative attention picks each pair's bucket (train.py "
         "--attention)")
     add("--cuda-graphs", action="store_true", default=None,

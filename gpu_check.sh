@@ -43,10 +43,12 @@
 #               seconds outside its steady steps (start, torch.compile, the first step); then
 #               mlm and boot at `small` with --cuda-graphs (step rows: against the side row of
 #               1 and verify's boot row, without)
-#   attention   ~6 min: our `small` MLM step against BertForMaskedLM, both compiled, with our
-#               relative attention as a gather and as a one-hot product (--attention), the top
-#               operators of one step of each (--profile); bench.py's attn rows (every form of
-#               the attention core, forward and backward) at small and base
+#   attention   ~6.5 min: our `small` MLM step against BertForMaskedLM, both compiled, with our
+#               relative attention as a gather, fused (disentangled-flash's Triton kernels, its
+#               wheel carried) and a one-hot product (--attention), the top operators of one
+#               step of each (--profile); bench.py's attn rows (every form of the attention
+#               core, forward and backward, with its largest difference from the gather) at
+#               small and base
 #   study       every job of a study's scale (FILE SCALE; ARMS and SEEDS, comma lists, take a
 #               slice), PARALLEL at a time (default 2: four side by side on an H200 trained at
 #               0.93x one run's tokens/s, docs/bench.md; two overlap starts with steps),
@@ -89,7 +91,8 @@ vocab=${VOCAB_SIZE:-16384}
 export PYTHONUNBUFFERED=1
 
 # carry: what the GPU machine needs, made here (it has no network and no ../shared): babylm_10m
-# prepared, BLiMP filtered and its supplement, a study's evaluation data, the commit id
+# prepared, BLiMP filtered and its supplement, a study's evaluation data, the commit id, and the
+# wheel of requirements-kernels.txt (--attention fused)
 if [ "$tier" = carry ]; then
     raw=$(abs "${NANOMLM_RAW:-data/raw}")
     eval_dir=$raw/babylm_eval/full_eval
@@ -133,6 +136,11 @@ for d, tasks in need.items():
     for f in files:
         shutil.copyfile(f, to / d / f.name)
 EOF
+    # the fused attention's package (pure Python): its wheel, installed there from the file
+    rm -rf "$G/wheels"
+    "$py" -m pip download --quiet --no-deps -d "$G/wheels" -r requirements-kernels.txt ||
+        echo "note: no wheel of requirements-kernels.txt (offline?): --attention fused will" \
+             "refuse to run there" >&2
     commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
     [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] &&
         commit="$commit with uncommitted changes"
@@ -148,9 +156,15 @@ fi
 
 # on the GPU machine (or here with --smoke): the carried data, found as train.py finds it
 export NANOMLM_DATA=$G/prep NANOMLM_RAW=$G/raw
-E=$G/raw/babylm_eval/full_eval
-W=$(mktemp -d)  # run folders: checkpoints never travel back
+W=$(mktemp -d)  # run folders (checkpoints never travel back), the carried wheels installed
 trap 'rm -rf "$W"' EXIT
+# the carried wheels where the python lacks them (the GPU machine has no registry)
+if compgen -G "$G/wheels/*.whl" > /dev/null &&
+        ! "$py" -c "import disentangled_flash" 2> /dev/null; then
+    "$py" -m pip install --quiet --no-deps --no-index --target "$W/site" "$G"/wheels/*.whl &&
+        export PYTHONPATH="$W/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+E=$G/raw/babylm_eval/full_eval
 END=$(( SECONDS + ${BUDGET:-460} ))
 say() { echo "[${SECONDS}s] $*" | tee -a "$O/progress.txt"; }
 # part NAME LOG LIMIT CMD...: CMD, its output appended to LOG, stopped after LIMIT seconds or
@@ -185,10 +199,11 @@ fi
       echo "no nvidia-smi"
   "$py" -c "import importlib.metadata as m, torch
 print('torch', torch.__version__, 'cuda', torch.version.cuda)
-try:
-    print('transformers', m.version('transformers'))
-except m.PackageNotFoundError:
-    print('no transformers')"
+for name in ('transformers', 'triton', 'disentangled-flash'):
+    try:
+        print(name, m.version(name))
+    except m.PackageNotFoundError:
+        print('no', name)"
   echo "data: $data"; } > "$O/env.txt" 2>&1
 say "$tier: budget ${BUDGET:-460}s"
 
@@ -202,6 +217,7 @@ if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few st
     side=(--quick --sizes tiny --steps 5 --side 1,2)
     graphs=(--quick --sizes tiny --objectives mlm --steps 5)
     forms=(--quick --sizes tiny --profile) forms_attn=(--quick --sizes tiny)
+    attention_forms=(gather onehot)  # fused needs CUDA: its refusal is tested in test_train
     # stopped at step 10 of 1000, as a run too long for the budget is stopped by SIGTERM
     headline=("${tiny[@]}" --max-steps 1000 --stop-at 10 --log-every 5 --eval-every 10)
     dictionary=("${tiny[@]}" --max-steps 10 --phase1-steps 5 --log-every 5 --mlsm-k 48
@@ -216,6 +232,7 @@ else
     side=(--sizes small --steps 100 --side 1,2,4,8 --row-timeout 150)
     graphs=(--sizes small --objectives mlm,boot --steps 100 --row-timeout 150)
     forms=(--sizes small --profile) forms_attn=(--sizes small,base)
+    attention_forms=(gather fused onehot)
     headline=()
     dictionary=(--size small --max-steps 400 --phase1-steps 300 --log-every 20)
     scale=${SCALE:-gpu}
@@ -286,7 +303,7 @@ EOF
         part graphs "$O/bench.log" 200 "$py" bench.py "${dev[@]}" --only step --cuda-graphs \
             "${graphs[@]}" --data "$data" --out "$O/graphs.json" ;;
     attention)  # each form of relative attention in our step against BertForMaskedLM
-        for form in gather onehot; do
+        for form in "${attention_forms[@]}"; do
             part "bert_$form" "$O/bench.log" 170 "$py" bench.py "${dev[@]}" --only bert \
                 --attention "$form" "${forms[@]}" --out "$O/bert_$form.json"
         done

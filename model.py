@@ -19,10 +19,9 @@ British National Corpus", EACL Findings; code: ltgoslo/ltg-bert), read against B
   - the MLM head (LN, dense, GELU, LN, decoder) has its decoder tied to the word embeddings and
     runs only on the positions asked for.
 Attention runs through F.scaled_dot_product_attention; the position scores and the padding mask
-enter as its additive bias, so padded keys get probability 0 and never change a real position.
-(Training on the CPU computes the same thing by hand, so that kernels.dropout's cheaper mask
-applies. `use_attention` switches how relative attention is computed, the same function each
-way; not yet measured against each other on a GPU, docs/bench.md.)
+enter as its additive bias, so padded keys get probability 0 and never change a real position
+(by hand when training on the CPU, for kernels.dropout's cheaper mask). `use_attention` switches
+how relative attention is computed, the same function each way (docs/bench.md times them).
 
 init_weights documents the initialisation of every tensor.
 """
@@ -34,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery.kernels import dropout, flex_relative
+from machinery.kernels import dropout, flex_relative, fused_relative
 from machinery.storage import read_checkpoint
 
 
@@ -97,8 +96,9 @@ def relative_scores(q, k, qp, kp, idx, onehot: bool = False):
 
 def use_attention(model: nn.Module, form: str = "gather") -> nn.Module:
     """Every Attention of `model` computes relative attention as `gather` or `onehot`
-    (relative_scores), or `flex` (kernels.flex_relative) where that is exact: the same function."""
-    assert form in ("gather", "onehot", "flex"), f"unknown attention form {form!r}"
+    (relative_scores), `flex` (kernels.flex_relative) where that is exact, or `fused`
+    (kernels.fused_relative, CUDA) where the mask is padding alone: the same function."""
+    assert form in ("gather", "onehot", "flex", "fused"), f"unknown attention form {form!r}"
     for m in filter(lambda m: isinstance(m, Attention), model.modules()):
         m.form = form
     return model
@@ -129,13 +129,11 @@ class Attention(nn.Module):
     def forward(self, x, bias, rel=None, idx=None):
         # x (B, T, D); bias (B, 1, 1 or T, T): 0 at real keys, -inf at padding (and later keys);
         # relative only: rel (R, D) position vectors, idx (B or 1, 1, T, T) bucket of each pair
-        B, T, D = x.shape
-        H, hd = self.n_head, self.head_dim
-        # training on the CPU: SDPA's math path by hand, with our dropout mask (SDPA's own,
-        # bernoulli_, costs 4x as much); its padding is finite, so that a row of padding alone
-        # gets uniform weights, where -inf would make it NaN (SDPA gives it 0)
-        by_hand = (self.training and self.p > 0 and x.device.type == "cpu"
-                   and not torch.compiler.is_compiling())
+        (B, T, D), H, hd = x.shape, self.n_head, self.head_dim
+        p = self.p if self.training else 0.0  # attention probabilities dropped
+        # training on the CPU: SDPA's math by hand, with our dropout mask (SDPA's bernoulli_ costs
+        # 4x as much); padding finite, so a row of padding alone gets uniform weights, not NaN
+        by_hand = p > 0 and x.device.type == "cpu" and not torch.compiler.is_compiling()
         if by_hand:
             bias = bias.clamp(min=torch.finfo(bias.dtype).min)
         h = self.pre_norm(x)
@@ -144,21 +142,23 @@ class Attention(nn.Module):
         if self.relative:
             qp, kp = self.qk(self.drop(rel)).chunk(2, dim=-1)           # (R, D) each
             qp, kp = (t.view(-1, H, hd).transpose(0, 1) for t in (qp, kp))  # (H, R, hd)
+        keys = bias.shape[-2] == 1  # a padding mask alone (not causal): flex and fused mask that
         # flex where it computes exactly this: nothing to drop, on the CPU nothing to differentiate
-        flex = (self.form == "flex" and self.relative and not (self.training and self.p > 0)
-                and (x.device.type != "cpu" or not torch.is_grad_enabled())
-                and bias.shape[-2] == 1)  # flex_relative masks keys alone: not causal
-        if self.relative and not flex:
+        flex = (self.form == "flex" and self.relative and keys and not p
+                and (x.device.type != "cpu" or not torch.is_grad_enabled()))
+        fused = self.form == "fused" and self.relative and keys
+        if self.relative and not (flex or fused):
             bias = bias + self.scale * relative_scores(q, k, qp, kp, idx, self.form == "onehot")
-        if flex:
+        if fused:  # the probabilities dropped inside the kernel, as SDPA's dropout_p drops them
+            y = fused_relative(q, k, v, qp, kp, idx, bias[:, 0, 0] == 0, self.scale, p)
+        elif flex:
             y = flex_relative(q, k, v, qp, kp, idx, bias.to(q.dtype), self.scale)
         elif by_hand:
             att = torch.softmax(q @ k.transpose(-1, -2) * self.scale + bias, dim=-1)  # (B,H,T,T)
             y = dropout(att, self.p) @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype),
-                                               scale=self.scale,
-                                               dropout_p=self.p if self.training else 0.0)
+                                               scale=self.scale, dropout_p=p)
         y = y.transpose(1, 2).reshape(B, T, D)
         return self.drop(self.post_norm(self.out(y)))
 

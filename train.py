@@ -219,10 +219,12 @@ def build_parser():
     add("--compile-lamb", action=argparse.BooleanOptionalAction, default=False,
         help="with --compile, compile LAMB's update too (one graph of fused kernels); off: on an "
         "H200 it added ~35 s to a run's start, and no gain in tokens/s (docs/bench.md)")
-    add("--attention", default="gather", choices=["gather", "onehot"], help="how relative "
-        "attention picks each pair's position bucket: a gather (default), or a one-hot product "
-        "whose backward needs no atomics on a GPU; the same function (tests/test_model.py), "
-        "not yet timed against each other on a GPU")
+    add("--attention", default="gather", choices=["gather", "onehot", "fused"], help="how "
+        "relative attention is computed: each pair's position bucket picked by a gather "
+        "(default), or by a one-hot product whose backward needs no atomics on a GPU; or fused: "
+        "disentangled-flash's Triton kernels, no (B, H, T, T) tensor (CUDA; pip install -r "
+        "requirements-kernels.txt). The same function (tests/test_model.py), not yet timed "
+        "against each other on a GPU")
     add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
         help="with --compile on CUDA, replay the compiled step's forward and backward as CUDA "
         "graphs (torch.compile mode reduce-overhead): fewer kernel launches, more memory; off "

@@ -14,7 +14,8 @@ from data.masking import mask_capacity, predicted_slots
 from data.prepare import MASK, SPECIALS, VOCAB_SIZE
 from benchmarks.ltg_bert import LtgBert
 from machinery.device import autocast, use_bf16, use_compile
-from machinery.timing import PROFILES, alternate, profile_ops, row
+from machinery.kernels import fused_unavailable
+from machinery.timing import PROFILES, alternate, failed_row, profile_ops, row
 from model import PRESETS, Encoder, ModelConfig, use_attention
 
 
@@ -83,6 +84,9 @@ def bench_bert(args, device, tmp):
               "never a requirement)")
         return
     B, T = args.batch_size, args.seq_len
+    if args.attention == "fused" and (why := fused_unavailable(device)):
+        yield failed_row("bert", f"mlm step {B}x{T}, ours fused", why)
+        return
     warmup, repeat = (1, 3) if args.quick else (3, 10)
     bf16, compiled = use_bf16(device, args.bf16), use_compile(device, args.compile)
     fused = {"fused": True} if device.type == "cuda" else {}

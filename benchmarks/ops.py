@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from data.prepare import VOCAB_SIZE
 from machinery.device import use_bf16
-from machinery.kernels import flex_relative
+from machinery.kernels import flex_relative, fused_relative, fused_unavailable
 from machinery.optim import ema_update
 from machinery.timing import alternate, rates, row
 from model import PRESETS, Encoder, ModelConfig, relative_buckets, relative_scores
@@ -33,7 +33,8 @@ def skew(a):
 def attention_variants(device):
     """{name: fn(q, k, v, qp, kp, idx, keep, scale) -> (B, H, T, hd)}, dropout off: q, k, v
     (B, H, T, hd); qp, kp (H, R, hd) projected position vectors; idx (T, T) buckets; keep (B, T)
-    bool, False at padding. `gather` is model.Attention's default, `one-hot` its other form."""
+    bool, False at padding. `gather` is model.Attention's default, `one-hot` and `fused` (CUDA,
+    with disentangled-flash) its other forms."""
     def bias_of(keep):
         return torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, float("-inf"))
 
@@ -60,6 +61,10 @@ def attention_variants(device):
     out = {"gather": gather, "one-hot pick (--attention onehot)": lambda *a: gather(
                *a, onehot=True), "by offset (relative shift)": by_offset,
            "flex_attention (kernels.flex_relative)": flex}
+    if fused_unavailable(device) is None:  # the fused kernels of --attention fused (CUDA)
+        out["fused (--attention fused, disentangled-flash)"] = (
+            lambda q, k, v, qp, kp, idx, keep, scale: fused_relative(
+                q, k, v, qp, kp, idx[None, None], keep, scale, 0.0))
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend
         out["gather, SDPA efficient kernel"] = lambda *a: gather(
@@ -69,8 +74,9 @@ def attention_variants(device):
 
 def bench_attn(args, device, tmp):
     """One attention layer's core, forward and backward, dropout off, a quarter of the rows
-    padded at the end: each variant against the gather path, with the largest difference from
-    it in the output and in every gradient (max_abs_diff). A variant that fails says why."""
+    padded at the end (their padded query rows left out: never read): each variant against the
+    gather path, with the largest difference from it in the output and in every gradient
+    (max_abs_diff). A variant that fails says why."""
     B, T = args.batch_size, args.seq_len
     warmup, repeat = (1, 2) if args.quick else (3, 10)
     dtype = torch.bfloat16 if use_bf16(device, args.bf16) else torch.float32
@@ -84,6 +90,7 @@ def bench_attn(args, device, tmp):
         idx = relative_buckets(T, cfg.position_buckets, cfg.max_position).to(device)
         keep = torch.ones(B, T, dtype=torch.bool, device=device)
         keep[: B // 4, T * 3 // 4:] = False
+        real = keep[:, None, :, None]  # the rows compared (fused gives padded ones another rule)
         grad = torch.randn(B, H, T, hd, generator=g).to(device, dtype)
         scale = 1 / math.sqrt(3 * hd)
 
@@ -92,8 +99,8 @@ def bench_attn(args, device, tmp):
                 t.grad = None
             if not backward:
                 with torch.no_grad():
-                    return [fn(*(t.detach() for t in inputs), idx, keep, scale)]
-            y = fn(*inputs, idx, keep, scale)
+                    return [fn(*(t.detach() for t in inputs), idx, keep, scale) * real]
+            y = fn(*inputs, idx, keep, scale) * real  # a padded query row is never read
             y.backward(grad)
             return [y.detach()] + [t.grad for t in inputs]
 

@@ -1,13 +1,18 @@
-"""Faster stand-ins for two things model.py computes, each exact where it is used: the CPU's
-dropout mask drawn four to a random integer, and relative attention through flex_attention
-(off by default: slower on the CPU, not yet measured on a GPU; docs/bench.md). Tests hold each
-to its plain definition (tests/test_model.py).
+"""Faster stand-ins for what model.py computes, each exact where it is used: the CPU's dropout
+mask drawn four to a random integer; relative attention through flex_attention (off by default:
+slower on the CPU, not yet measured on a GPU; docs/bench.md); and relative attention through the
+fused Triton kernels of the disentangled-flash package (CUDA only, an optional package:
+requirements-kernels.txt). Tests hold each to its plain definition (tests/test_model.py).
 """
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
 
 _FLEX = {}  # device type -> flex_attention, compiled
+_FUSED = {}  # "attention" -> disentangled_flash's training_attention, once imported
+FUSED_PACKAGE = "disentangled-flash==1.1.1"  # the version whose kernel contract is read below
 
 
 def flex_relative(q, k, v, qp, kp, idx, bias, scale):
@@ -41,6 +46,47 @@ def flex_relative(q, k, v, qp, kp, idx, bias, scale):
         cpu = q.device.type == "cpu"
         _FLEX[q.device.type] = torch.compile(flex_attention, dynamic=False if cpu else None)
     return _FLEX[q.device.type](q, k, v, score_mod=score_mod, scale=scale)
+
+
+def fused_unavailable(device) -> str | None:
+    """Why fused_relative cannot run on `device`, or None when it can."""
+    if device.type != "cuda":
+        return "the fused attention kernels need CUDA"
+    try:
+        if importlib.util.find_spec("triton") is None:
+            raise ImportError("no module named 'triton'")
+        from disentangled_flash.training._kernels import training_attention
+    except ImportError as e:
+        return (f"the fused attention needs Triton and {FUSED_PACKAGE} ({e}); pip install -r "
+                "requirements-kernels.txt")
+    _FUSED.setdefault("attention", training_attention)
+    return None
+
+
+def fused_relative(q, k, v, qp, kp, idx, keep, scale, dropout_p: float):
+    """softmax((q k^T + relative_scores) * scale), keys where keep is False masked, dropped
+    with dropout_p, @ v, in the fused kernels of disentangled-flash (Triton; a DeBERTa-style
+    flash attention: no (B, H, T, T) tensor, the dropout mask regenerated in the backward).
+    Its contract (disentangled_flash/kernel.py, 1.1.1): pair (i, j) reads slot s of the
+    position tables, s = slots[i - j + T - 1] for one map shared by the batch, or slots[b, i, j];
+    c2p = q_i . pos_key[s], p2c = k_j . pos_query[s], the same slot for both, as ours (DeBERTa's
+    p2c index is -r(j, i) = r(i, j): symmetric buckets). q, k, v (B, H, T, hd), hd 32, 64 or
+    128; qp, kp (H, R, hd); idx (B or 1, 1, T, T) rows of the relative table; keep (B, T) bool.
+    Returns (B, H, T, hd) as a view of its (B, T, H*hd) output. A padded query row attends to
+    every key uniformly (Hugging Face's rule) where ours attends to the real keys: a padded
+    position's own output differs, never a real one's."""
+    B, H, T, hd = q.shape
+    if idx.shape[0] == 1:  # a Toeplitz map: the row of each offset i - j = -(T-1) .. T-1
+        pair = idx[0, 0]
+        slots = torch.cat([pair[0].flip(0), pair[1:, 0]])                   # (2T - 1,)
+    else:                  # BootBERT's MAE student: each row's tokens at their own positions
+        slots = idx[:, 0].expand(B, T, T)                                  # (B, T, T)
+    rows = -kp.shape[1] % 8  # Hopper's fast GEMMs want 16-byte rows: zero rows never read
+    kp, qp = (F.pad(t, (0, 0, 0, rows)) for t in (kp, qp))
+    y = _FUSED["attention"](q, k, v, kp, qp, slots.int().contiguous(), keep.contiguous(),
+                            score_scale=scale, has_padding=True, strict_fp32=True,
+                            dropout_p=dropout_p)                             # (B, T, H*hd)
+    return y.view(B, T, H, hd).transpose(1, 2)
 
 
 class _DropMasked(torch.autograd.Function):

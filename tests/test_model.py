@@ -468,6 +468,106 @@ def test_onehot_encoder_trains_as_the_gather_path(causal, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+# --- the fused form (kernels.fused_relative: disentangled-flash's kernels) ------------------------
+
+def kernel_contract(dropouts):
+    """disentangled-flash 1.1.1's training_attention as its Triton kernel computes it
+    (disentangled_flash/kernel.py, _deberta_attention_forward_kernel), pair by pair: slot
+    s = slots[i - j + T - 1] (or slots[b, i, j]); score (q_i.k_j + q_i.pos_key[s] +
+    k_j.pos_query[s]) * score_scale; keys where keep is False get probability 0, and a padded
+    query row attends to every key alike (Hugging Face's rule); output (B, T, H*hd). Each call's
+    dropout_p is appended to `dropouts` (the probabilities are not dropped here)."""
+    def attention(q, k, v, pos_key, pos_query, slots, keep, *, score_scale, has_padding,
+                  strict_fp32, dropout_p):
+        dropouts.append(dropout_p)
+        assert slots.dtype == torch.int32 and slots.is_contiguous() and keep.dtype == torch.bool
+        assert pos_key.shape == pos_query.shape and pos_key.shape[1] % 8 == 0 and has_padding
+        B, H, T, hd = q.shape
+        rows = []
+        for b in range(B):
+            for h in range(H):
+                for i in range(T):
+                    scores = []
+                    for j in range(T):
+                        s = slots[i - j + T - 1] if slots.ndim == 1 else slots[b, i, j]
+                        score = (q[b, h, i] @ k[b, h, j] + q[b, h, i] @ pos_key[h, s]
+                                 + k[b, h, j] @ pos_query[h, s]) * score_scale
+                        scores.append(score if keep[b, j] else score - math.inf)
+                    scores = torch.stack(scores) if keep[b, i] else torch.zeros(T, dtype=q.dtype)
+                    rows.append(torch.softmax(scores, 0) @ v[b, h])
+        return torch.stack(rows).view(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
+    return attention
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_encoder_trains_as_the_gather_path(causal, monkeypatch):
+    """With the kernel's contract in place of the kernel (the CPU has no Triton), the whole
+    encoder in training, padding in one row, and a BootBERT MAE student (per-row slots): the
+    same outputs at real positions and every gradient as the gather path, in float64. Causal
+    masks (gpt-bert's) keep the gather (the kernel masks keys alone); the probabilities'
+    dropout goes to the kernel in training, none in evaluation."""
+    from machinery import kernels
+    dropouts = []
+    monkeypatch.setitem(kernels._FUSED, "attention", kernel_contract(dropouts))
+    torch.manual_seed(0)
+    enc = Encoder(tiny(n_layer=2, n_head=2, position_buckets=4, max_position=16, dropout=0.0))
+    heads = BootHeads(enc.config, 1, mae=True)
+    enc, heads = enc.double(), heads.double()
+    ids = torch.randint(5, V, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    hide = torch.zeros(2, 9, dtype=torch.bool)
+    hide[:, [2, 5]] = True
+    real = mask[..., None] == 1
+    out = {}
+    for form in ("gather", "fused"):
+        use_attention(enc, form)
+        use_attention(heads, form)
+        enc.zero_grad()
+        heads.zero_grad()
+        y = enc(ids, mask, causal=causal) * real
+        z = boot_states(enc, heads, ids, mask, hide) * real
+        (y.sin().sum() + z.cos().sum()).backward()
+        out[form] = [y, z] + [p.grad for p in [*enc.parameters(), *heads.parameters()]
+                              if p.grad is not None]
+    assert len(out["fused"]) == len(out["gather"]) > 10
+    # the student's encoder (two layers, per-row slots) and decoder (one), and the encoder's two
+    # layers unless causal
+    assert len(dropouts) == (3 if causal else 5) and set(dropouts) == {0.0}
+    for a, b in zip(out["gather"], out["fused"]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    dropouts.clear()
+    enc.layers[0].attn.p = 0.1
+    with torch.no_grad():
+        enc.train()(ids, mask)
+        enc.eval()(ids, mask)
+    assert dropouts == [0.1, 0.0, 0.0, 0.0]
+
+
+def test_kernel_contract_is_the_packages_own_reference():
+    """The contract the fused form is tested against, against disentangled-flash's own PyTorch
+    path of the same attention (_torch._torch_disentangled_attention, the math its kernels are
+    validated against): random inputs, one row padded, float64."""
+    pytest.importorskip("disentangled_flash")
+    from disentangled_flash._torch import TorchPositionPlan, _torch_disentangled_attention
+    torch.manual_seed(0)
+    B, H, T, hd, R = 2, 3, 7, 4, 8
+    q, k, v = (torch.randn(B, H, T, hd, dtype=torch.float64) for _ in range(3))
+    pos_key, pos_query = (torch.randn(H, R, hd, dtype=torch.float64) for _ in range(2))
+    slots = torch.randint(0, R, (2 * T - 1,), dtype=torch.int32)
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, 4:] = False
+    scale = 1 / math.sqrt(3 * hd)
+    want = kernel_contract([])(q, k, v, pos_key, pos_query, slots, keep, score_scale=scale,
+                                has_padding=True, strict_fp32=True, dropout_p=0.0)
+    T_ = torch.arange(T)
+    pair = slots.long()[T_[:, None] - T_[None, :] + T - 1][None, None]    # (1, 1, T, T)
+    plan = TorchPositionPlan(T, torch.arange(R), pair, pair, pos_key[None], pos_query[None])
+    got = _torch_disentangled_attention(q, k, v, plan, keep.long(), scale=1 / scale,
+                                        num_heads=H, all_head_size=H * hd, assume_unpadded=False)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 # --- flex attention (kernels.flex_relative) -----------------------------------------------------
 
 @pytest.fixture

@@ -143,6 +143,14 @@ def test_epochs_budget_sets_the_steps(prepared, tmp_path):
         "error: --phase1-steps must leave both phases at least one of the 1 steps")
 
 
+def test_fused_attention_refused_in_one_line_where_it_cannot_run(prepared, tmp_path):
+    """--attention fused on the CPU (the kernels need CUDA and Triton): one line saying why."""
+    r = run_train("--data", prepared, "--out-dir", tmp_path, "--max-steps", 2, *TINY,
+                  "--attention", "fused")
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        "error: --attention fused: the fused attention kernels need CUDA")
+
+
 def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     out = tmp_path / "run"
     r = run_train("--data", prepared, "--out-dir", out, "--max-steps", 10, *TINY)

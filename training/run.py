@@ -25,6 +25,7 @@ from data.masking import make_batch
 from data.prepare import Segments, load_meta, located, prepare, raw_root
 from machinery.device import (autocast, peak_memory_gb, pick_device, seed_of, use_compile,
                               use_deterministic, use_tf32)
+from machinery.kernels import fused_unavailable
 from machinery.optim import make_optimizer
 from machinery.progress import duration
 from machinery.run_folder import RunFolder, code_version
@@ -262,6 +263,8 @@ def start_phase(run: Run, step: int, objective: str, entry, start: int, end: int
     setup made) ready to train: the trainee wrapped for DDP and compiled as asked, a fresh
     optimizer; restored from the checkpoint when resuming inside the phase."""
     args = run.args
+    if args.attention == "fused" and (why := fused_unavailable(run.device)):
+        raise SystemExit(f"error: --attention fused: {why}")
     use_attention(trainee, args.attention)  # the same function in each form (not saved)
     model = trainee
     if run.ddp:
