@@ -48,10 +48,12 @@ def flex_relative(q, k, v, qp, kp, idx, bias, scale):
     return _FLEX[q.device.type](q, k, v, score_mod=score_mod, scale=scale)
 
 
-def fused_unavailable(device) -> str | None:
-    """Why fused_relative cannot run on `device`, or None when it can."""
+def fused_unavailable(device, head_dim: int = 64) -> str | None:
+    """Why fused_relative cannot run on `device` with heads of `head_dim`, or None when it can."""
     if device.type != "cuda":
         return "the fused attention kernels need CUDA"
+    if head_dim not in (32, 64, 128):
+        return f"the fused attention kernels take heads of 32, 64 or 128 dimensions, not {head_dim}"
     try:
         if importlib.util.find_spec("triton") is None:
             raise ImportError("no module named 'triton'")

@@ -263,7 +263,8 @@ def start_phase(run: Run, step: int, objective: str, entry, start: int, end: int
     setup made) ready to train: the trainee wrapped for DDP and compiled as asked, a fresh
     optimizer; restored from the checkpoint when resuming inside the phase."""
     args = run.args
-    if args.attention == "fused" and (why := fused_unavailable(run.device)):
+    head_dim = run.encoder.config.d_model // run.encoder.config.n_head
+    if args.attention == "fused" and (why := fused_unavailable(run.device, head_dim)):
         raise SystemExit(f"error: --attention fused: {why}")
     use_attention(trainee, args.attention)  # the same function in each form (not saved)
     model = trainee
