@@ -168,11 +168,40 @@ def preflight(study, scale_name, jobs, path) -> dict:
 # Running: each step a subprocess, its output in the run folder's study.log
 
 lock = threading.Lock()
+stopping = threading.Event()  # a stop signal came: no step starts, the running ones stop
+running, running_lock = set(), threading.Lock()  # the steps' processes now running
+STOPPED = "stopped by a signal"  # run_job's answer for a job a stop signal interrupted
 
 
 def say(text):
     with lock:
         print(text, flush=True)
+
+
+def forward_stop_signals() -> dict:
+    """Ctrl-C or SIGTERM: each running step gets one SIGTERM (each runs in a session of its own,
+    so a terminal's Ctrl-C reaches study.py alone: a second signal would make train.py exit
+    without saving); training saves the step it is in, an evaluation stops at once, and no step
+    starts after. A second signal kills them. -> {"signal": its name}, once one came."""
+    got = {}
+
+    def handler(signum, frame):  # the main thread, which never holds running_lock
+        name = signal.Signals(signum).name
+        with running_lock:
+            if stopping.is_set():
+                for p in running:
+                    p.kill()
+                raise SystemExit(f"{name}: stopped at once; the steps that were running lose "
+                                 f"what they had not saved")
+            got["signal"] = name
+            stopping.set()
+            for p in running:
+                p.send_signal(signal.SIGTERM)
+        print(f"{name}: stopping: the running training saves the step it is in (a second {name} "
+              f"stops at once)", file=sys.stderr, flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    return got
 
 
 def run_job(job: Job, env: dict, counter, deadline: float | None = None) -> str | None:
@@ -194,6 +223,8 @@ def run_job(job: Job, env: dict, counter, deadline: float | None = None) -> str 
                 return error
         if step.done.exists():
             continue
+        if stopping.is_set():
+            return STOPPED
         argv = list(step.argv)
         resuming = step.label == "train" and (job.folder / "ckpt.pt").exists()
         if resuming:
@@ -204,9 +235,21 @@ def run_job(job: Job, env: dict, counter, deadline: float | None = None) -> str 
             f.write(f"\n$ {shown(argv)}\n")
             f.flush()
             p = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=f,
-                                 stderr=subprocess.STDOUT, env=env)
-            rc, stopped = wait_until(p, deadline if step.label == "train" else None)
+                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            with running_lock:
+                running.add(p)
+                if stopping.is_set():  # the signal came while it started
+                    p.send_signal(signal.SIGTERM)
+            try:
+                rc, stopped = wait_until(p, deadline if step.label == "train" else None)
+            finally:
+                with running_lock:
+                    running.discard(p)
         seconds = time.time() - t0
+        if rc != 0 and stopping.is_set():  # stopped by the signal: not a failure
+            saved = step.label == "train" and (job.folder / "ckpt.pt").exists()
+            say(f"    {job.name}: {step.label} stopped" + (", its step saved" if saved else ""))
+            return STOPPED
         if stopped and (job.folder / "ckpt.pt").exists() and job.result:
             cut = True
             say(f"    {job.name}: training stopped by --train-until after {seconds / 60:.1f} min"
@@ -475,17 +518,20 @@ def main(argv=None):
                 failed[job.name] = f"needs {blocked[0]}, which failed"
                 say(f"    {job.name}: skipped ({failed[job.name]})")
                 return
+            if stopping.is_set():
+                return
             if deadline and time.time() >= deadline:
                 say(f"    {job.name}: not started (--train-until has passed); left for a later "
                     f"call")
                 return
             error = run_job(job, e, counter, deadline)
-            if error:
+            if error and error != STOPPED:
                 failed[job.name] = error
         finally:
             with lock:
                 slots.append(slot)
                 finished.add(job.name)
+    got = forward_stop_signals()
     # waves: a job runs once the jobs it needs (its corpus, its source run) have finished
     with ThreadPoolExecutor(args.parallel) as pool:
         pending = list(todo)
@@ -495,6 +541,9 @@ def main(argv=None):
                 wave = pending
             list(pool.map(work, wave))
             pending = [j for j in pending if j not in wave]
+    if got.get("signal"):
+        raise SystemExit(f"{got['signal']}: stopped; the same command goes on: "
+                         f"{shown(sys.argv)}")
     text = build_report(study, args.scale, folder, plan(study, args.scale, folder), args.nboot,
                         not args.no_figures)
     unfinished = [j for j in todo if not done(j) and j.name not in failed]

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -213,6 +214,43 @@ def test_a_failed_run_is_reported_and_the_others_go_on(env, tmp_path):
     md = (tmp_path / "s" / "REPORT.md").read_text()
     assert "`kd` seed 0 failed: train exited with 1: error:" in md
     assert (tmp_path / "s" / "results" / "mlm" / "s0.json.gz").exists()
+
+
+def test_a_stop_signal_saves_the_training_and_the_same_command_goes_on(whole, tmp_path):
+    """SIGTERM to study.py while a job trains: the training (in a session of its own, so that it
+    gets the signal once, from study.py) saves the step it is in; study.py ends within 30 s with
+    status 1, nothing reported failed, its last line the command that goes on. That command then
+    resumes the run and ends with the losses of the uninterrupted study's same run."""
+    path, whole_dir, _ = whole
+    out = tmp_path / "s"
+    cmd = [sys.executable, "study.py", path, "--out", out, "--only", "mlm", "--seeds", "0",
+           "--no-figures", "--nboot", "50"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    t0 = time.time()
+    while not any("loss" in line for f in out.rglob("log.jsonl")
+                  for line in f.read_text().splitlines()):
+        assert proc.poll() is None and time.time() - t0 < 300, proc.communicate()
+        time.sleep(0.2)
+    stopped_at = time.time()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert time.time() - stopped_at < 30 and proc.returncode == 1, stdout + stderr
+    assert stderr.strip().splitlines()[-1].startswith("SIGTERM: stopped; the same command goes "
+                                                      "on: python study.py ")
+    assert "FAILED" not in stdout and "its step saved" in stdout, stdout
+    [run] = [f.parent for f in out.rglob("ckpt.pt")]
+    assert not list(out.rglob("*.failed"))
+    p = run_script("study.py", *cmd[2:], timeout=900)
+    assert p.returncode == 0 and "(resuming)" in p.stdout, p.stdout + p.stderr
+    # the last step's loss and the final validation (the stop logged a shorter interval)
+    ends = lambda folder: [[e for e in map(json.loads, (folder / "log.jsonl").open()) if k in e][-1]
+                           for k in ("loss", "val_loss")]
+    [ref] = [f.parent for f in whole_dir.rglob("log.jsonl") if f.parent.name == run.name
+             and f.parent.parent.name == run.parent.name]
+    got, want = ends(run), ends(ref)
+    assert got[0]["step"] == 12 and [(e["step"], e.get("loss"), e.get("val_loss")) for e in got] \
+        == [(e["step"], e.get("loss"), e.get("val_loss")) for e in want]
 
 
 def test_a_run_past_the_deadline_is_stopped_and_killed_if_it_does_not_stop(monkeypatch):
