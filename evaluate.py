@@ -42,7 +42,7 @@ from machinery import flags
 from machinery.device import add_device_flag, autocast, pick_device, seed_of
 from machinery.multibootstrap import compare
 from machinery.progress import bar, duration, line_buffered
-from machinery.results import write_lines, write_result
+from machinery.results import read_partial, write_lines, write_result
 from machinery.stopping import exit_on_stop_signals
 from machinery.storage import hold_lock, one_line_os_errors
 from model import Encoder, load_checkpoint
@@ -220,28 +220,6 @@ def chunks(pairs, size: int) -> list[np.ndarray]:
     return out + [np.array(run)] if run else out
 
 
-def read_partial(path: Path, fingerprint: dict) -> dict[int, list]:
-    """{chunk: its (2n, T) scores} of an interrupted evaluation with the same fingerprint, from
-    the lines it appended to `path` (a torn last line, cut off mid-write, is dropped)."""
-    if not path.exists():
-        return {}
-    lines = path.read_text().splitlines()
-    try:
-        if json.loads(lines[0]) != fingerprint:
-            print(f"note: {path} was made with other settings or weights; starting over")
-            return {}
-    except (IndexError, ValueError):
-        return {}
-    done = {}
-    for line in lines[1:]:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            break
-        done[row["chunk"]] = row["scores"]
-    return done
-
-
 def blimp(args):
     device = pick_device(args.device)
     pairs = read_blimp(args.blimp_dir)
@@ -278,7 +256,7 @@ def blimp(args):
                    "dirs": [str(d) for d in args.blimp_dir], "pairs": len(pairs),
                    "batch_tokens": batch_tokens, "device": str(device), "chunk_pairs": CHUNK_PAIRS,
                    "bf16": args.bf16}
-    done = read_partial(partial, fingerprint)
+    done = read_partial(partial, fingerprint, "chunk", "scores")
     parts, starts = chunks(pairs, CHUNK_PAIRS), word_starts(tok)
     if done:
         print(f"resuming: {len(done)} of {len(parts)} chunks already scored in {partial}")
@@ -625,8 +603,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if getattr(args, "ckpt", None) and (Path(args.ckpt) / "ckpt.pt").is_file():
         args.ckpt = str(Path(args.ckpt) / "ckpt.pt")  # a run folder: its checkpoint
-    kept = ("the chunks scored so far are kept: the same command goes on from them"
-            if args.command == "blimp" else "run the same command again")
+    kept = {"blimp": "the chunks scored so far are kept: the same command goes on from them",
+            "finetune": "the seeds fine-tuned so far are kept: the same command goes on from "
+            "them"}.get(args.command, "run the same command again")
     with exit_on_stop_signals(f"`evaluate.py {args.command}`; {kept}"):  # one line, at once
         args.func(args)
 

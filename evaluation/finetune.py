@@ -4,6 +4,7 @@ validation reported on dev, every per-example prediction kept for the Multi-Boot
 """
 import copy
 import functools
+import json
 import math
 import time
 from pathlib import Path
@@ -19,7 +20,8 @@ from machinery import flags
 from machinery.device import autocast, pick_device
 from machinery.optim import cosine_with_warmup, linear_warmup_decay
 from machinery.progress import bar
-from machinery.results import METRICS, confusion, write_result
+from machinery.results import METRICS, confusion, read_partial, write_lines, write_result
+from machinery.storage import one_line_os_errors
 from model import load_checkpoint
 
 
@@ -194,8 +196,27 @@ def finetune(args):
     print(f"{args.task}: {len(train.seqs)} train, {len(valid.seqs)} validation examples, {k} "
           f"classes, seeds {args.seeds}; recipe {args.recipe} (lr {args.lr:g}, batch "
           f"{args.batch_size}, {args.epochs} epochs); epochs chosen on {chosen}")
-    runs = {seed: finetune_once(args, encoder, args.task, train, valid, dev, seed, device)
-            for seed in args.seeds}
+    # each seed's run kept as it ends, so that an interrupted command goes on from there; the
+    # fingerprint: what a run depends on (a checkpoint's size and time stand for its weights)
+    out = Path(args.out) if args.out else Path(args.ckpt).parent / "eval" / f"{args.task}.json"
+    partial = out.with_name(out.name + ".partial")
+    stat = Path(args.ckpt).stat()
+    fingerprint = {"ckpt": str(Path(args.ckpt).resolve()), "size": stat.st_size,
+                   "mtime_ns": stat.st_mtime_ns, "device": str(device),
+                   "settings": {k_: v for k_, v in vars(args).items()
+                                if k_ not in ("func", "seeds", "out", "device")}}
+    done = {int(s): r for s, r in read_partial(partial, fingerprint, "seed", "run").items()
+            if s in args.seeds}
+    if done:
+        print(f"resuming: seeds {sorted(done)} already fine-tuned in {partial}")
+    write_lines(partial, [fingerprint, *({"seed": s, "run": r} for s, r in done.items())])
+    runs = {}
+    for seed in args.seeds:
+        runs[seed] = done.get(seed) or finetune_once(args, encoder, args.task, train, valid, dev,
+                                                     seed, device)
+        if seed not in done:
+            with one_line_os_errors(partial), open(partial, "a") as f:
+                f.write(json.dumps({"seed": seed, "run": runs[seed]}) + "\n")
     aggregate = {}
     for m in metrics:
         v = [r["metrics"][m] for r in runs.values()]
@@ -212,3 +233,4 @@ def finetune(args):
                            "pred": [r["pred"] for r in runs.values()], "metric": metrics[0],
                            "k": k, "name": f"{args.task} {metrics[0]}"}}
     print(f"wrote {write_result(result, args.out, args.ckpt, args.task)}")
+    partial.unlink()

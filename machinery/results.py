@@ -26,6 +26,29 @@ def write_lines(path: Path, rows: list, indent=None) -> None:
         tmp.write_text("".join(json.dumps(r, indent=indent) + "\n" for r in rows))
 
 
+def read_partial(path: Path, fingerprint: dict, key: str, value: str) -> dict:
+    """{row[key]: row[value]} of the rows an interrupted evaluation appended to `path` after its
+    fingerprint line (what its results depend on), if that fingerprint is `fingerprint`; a torn
+    last line, cut off mid-write, is dropped. BLiMP's chunks, fine-tuning's seeds."""
+    if not path.exists():
+        return {}
+    lines = path.read_text().splitlines()
+    try:
+        if json.loads(lines[0]) != fingerprint:
+            print(f"note: {path} was made with other settings or weights; starting over")
+            return {}
+    except (IndexError, ValueError):
+        return {}
+    done = {}
+    for line in lines[1:]:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break
+        done[row[key]] = row[value]
+    return done
+
+
 def read_result(path) -> dict:
     """A result JSON, plain or gzipped (study.py keeps its portable result files as .json.gz)."""
     path = Path(path)

@@ -422,3 +422,40 @@ def test_sigterm_during_a_blimp_scoring_ends_it_at_once_and_the_same_command_goe
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     assert again.returncode == 0, again.stderr
     assert "resuming: 1 of 2 chunks already scored" in again.stdout, again.stdout
+
+
+def test_sigterm_during_fine_tuning_keeps_the_seeds_done_and_the_same_command_goes_on(ckpt,
+                                                                                       tmp_path):
+    """`evaluate.py finetune` over three seeds, SIGTERM once the first seed's run is kept: the
+    process ends at once with one line saying how to go on; the same command fine-tunes only
+    the seeds left and writes what a command never interrupted writes (each seed's metrics,
+    epochs and predictions)."""
+    from test_evaluate import keyword_task
+    keyword_task(tmp_path, 400, 0)
+    keyword_task(tmp_path, 100, 1)
+    cmd = lambda out: [sys.executable, str(REPO / "evaluate.py"), "finetune", "--ckpt", str(ckpt),
+                       "--task", "keyword", "--data-dir", str(tmp_path), "--seeds", "1,2,3",
+                       "--lr", "1e-3", "--epochs", "3", "--batch-size", "16", "--device", "cpu",
+                       "--out", str(tmp_path / out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd("stopped.json"), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    ref = subprocess.Popen(cmd("whole.json"), cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env)
+    partial = tmp_path / "stopped.json.partial"
+    t0 = time.time()
+    while not (partial.exists() and '"seed": 1' in partial.read_text()):
+        assert proc.poll() is None and time.time() - t0 < 300, proc.communicate()
+        time.sleep(0.05)
+    assert stopped_once_it_says(proc, "") == (
+        "SIGTERM: stopped `evaluate.py finetune`; the seeds fine-tuned so far are kept: the "
+        "same command goes on from them")
+    again = subprocess.run(cmd("stopped.json"), cwd=REPO, capture_output=True, text=True,
+                           env=env, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert re.search(r"resuming: seeds \[1(, 2)?\] already fine-tuned", again.stdout), again.stdout
+    assert ref.wait(timeout=600) == 0, ref.stderr.read()
+    got, want = (json.loads((tmp_path / f).read_text()) for f in ("stopped.json", "whole.json"))
+    drop = lambda runs: {s: {k: v for k, v in r.items() if k != "seconds"} for s, r in runs.items()}
+    assert drop(got["runs"]) == drop(want["runs"]) and got["aggregate"] == want["aggregate"]
+    assert not partial.exists()
