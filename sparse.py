@@ -47,6 +47,7 @@ from data.prepare import CLS, SEP, check_tokenizer, prepare
 from machinery import flags
 from machinery.device import add_device_flag, pick_device
 from machinery.progress import bar, duration, line_buffered
+from machinery.stopping import exit_on_stop_signals
 from machinery.storage import load_state, read_checkpoint, save_checkpoint
 from model import load_checkpoint
 
@@ -282,7 +283,8 @@ def add_gram(P, A, weights, atoms):
 @torch.no_grad()
 def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1024,
                      seed: int = 0, forget: float = 50.0, iters: int = 1000, tol: float = 1e-2,
-                     eval_vectors: int = 8192, progress: bool = True):
+                     eval_vectors: int = 8192, progress: bool = True, state_path=None,
+                     fingerprint: dict | None = None):
     """D (d, k) with columns of norm <= 1 minimising the mean of (1) over the rows of H (n, d),
     and the history [{epoch, objective, nnz, zero_rate, resampled}], epoch 0 being the start.
 
@@ -305,6 +307,11 @@ def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1
     (its `work` largest entries): the codes are the same optimum, found in fewer rounds.
     The objective is measured after every epoch on a fixed sample of `eval_vectors` rows, coded
     afresh with the current D, so epochs compare with each other.
+
+    state_path: where the learner's whole state is saved after every epoch (D, the statistics,
+    the last codes, the batch order's generator), and where a call with the same `fingerprint`
+    (what H and the settings depend on) goes on from it: the same D, bit for bit, as a call never
+    interrupted. Removed once the last epoch is done.
     """
     n, d = H.shape
     if k > n:
@@ -338,9 +345,23 @@ def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1
                                                            if k != "epoch"))
         return row
 
-    history = [measure(0, 0)]
-    t, t0 = 0, time.time()
-    for epoch in range(1, epochs + 1):
+    fingerprint = {**(fingerprint or {}), "shape": list(H.shape), "k": k, "lam": lam,
+                   "epochs": epochs, "batch_size": batch_size, "seed": seed, "forget": forget,
+                   "iters": iters, "tol": tol, "eval_vectors": eval_vectors}
+    saved = learner_state(state_path, fingerprint)
+    if saved:  # where the interrupted call left off, after its epoch saved["epoch"]
+        for mine, theirs in ((D, "D"), (P, "P"), (Q, "Q"), (last_atoms, "last_atoms"),
+                             (last_weights, "last_weights")):
+            mine.copy_(saved[theirs])
+        gen.set_state(saved["generator"])
+        sample_codes[:] = [(a.to(H.device), w.to(H.device)) for a, w in saved["sample_codes"]]
+        history, t, done = saved["history"], saved["t"], saved["epoch"]
+        if progress:
+            tqdm.write(f"dictionary: going on after epoch {done}/{epochs} from {state_path}")
+    else:
+        history, t, done = [measure(0, 0)], 0, 0
+    t0 = time.time()
+    for epoch in range(done + 1, epochs + 1):
         used = torch.zeros(k, dtype=torch.bool, device=H.device)
         batches = pick(n).split(batch_size)
         for idx in bar(batches, desc=f"dictionary epoch {epoch}/{epochs}", unit="batch",
@@ -374,7 +395,30 @@ def learn_dictionary(H, k: int, lam: float, epochs: int = 4, batch_size: int = 1
             D[:, dead] /= D[:, dead].norm(dim=0).clamp(min=1.0)
             P[dead], P[:, dead], Q[:, dead] = 0, 0, 0
         history.append(measure(epoch, len(dead)))
+        if state_path is not None and epoch < epochs:
+            save_checkpoint({"fingerprint": fingerprint, "epoch": epoch, "t": t, "D": D, "P": P,
+                             "Q": Q, "last_atoms": last_atoms, "last_weights": last_weights,
+                             "generator": gen.get_state(), "sample_codes": sample_codes,
+                             "history": history}, state_path)
+    if state_path is not None:
+        Path(state_path).unlink(missing_ok=True)
     return D, history
+
+
+def learner_state(path, fingerprint: dict) -> dict | None:
+    """learn_dictionary's state saved at `path` after an epoch, if it was made with the same
+    fingerprint; a note and None for one that was not, or cannot be read."""
+    if path is None or not Path(path).exists():
+        return None
+    try:
+        saved = load_state(path)
+    except SystemExit as e:
+        print(f"note: {e}; the dictionary is learned from the start")
+        return None
+    if saved.get("fingerprint") != fingerprint:
+        print(f"note: {path} was saved by another dictionary learning; starting over")
+        return None
+    return saved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,8 +530,14 @@ def learn_from_checkpoint(ckpt_path, data, cfg: DictConfig, device, out) -> dict
         H = collect(model, tokens, layer, cfg.vectors, cfg.seq_len, cfg.max_freq, 64, cfg.seed,
                     device).to(device)
         t1 = time.time()
-        D, history = learn_dictionary(H, cfg.k, cfg.lam, cfg.epochs, cfg.batch_size, cfg.seed,
-                                      cfg.forget, cfg.iters, cfg.tol)
+        # the learner's state after each epoch beside `out`: an interrupted call goes on from
+        # it (a checkpoint's size and time stand for its weights, and so for H)
+        stat = Path(ckpt_path).stat()
+        D, history = learn_dictionary(
+            H, cfg.k, cfg.lam, cfg.epochs, cfg.batch_size, cfg.seed, cfg.forget, cfg.iters,
+            cfg.tol, state_path=Path(str(out) + ".partial"),
+            fingerprint={"ckpt": str(Path(ckpt_path).resolve()), "size": stat.st_size,
+                         "mtime_ns": stat.st_mtime_ns, "data": str(data_dir), **asdict(cfg)})
         t2 = time.time()
         coders = compare_coders(H[:1000], D, cfg.lam)  # what the two target coders make of D
         last = history[-1]
@@ -569,7 +619,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     cfg = DictConfig(**{f.name: getattr(args, f.name) for f in fields(DictConfig)})
     cfg.check()
-    learn_from_checkpoint(args.ckpt, args.data, cfg, pick_device(args.device), args.out)
+    with exit_on_stop_signals("`sparse.py`; the epochs learned so far are kept: the same command "
+                              "goes on from them"):  # one line, at once
+        learn_from_checkpoint(args.ckpt, args.data, cfg, pick_device(args.device), args.out)
     print(f"wrote {args.out}")
 
 

@@ -1,6 +1,12 @@
 """sparse.py: non-negative sparse coding against exact references, and dictionary learning on a
 planted problem; the CLI on a real checkpoint."""
 import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 import warnings
 
 import numpy as np
@@ -10,6 +16,7 @@ from scipy.optimize import linear_sum_assignment
 
 import lasso_exact as lasso
 import sparse as S
+from conftest import REPO
 
 
 def problem(d, k, n, seed, dtype=torch.float64):
@@ -201,6 +208,74 @@ def test_unused_atoms_are_resampled_from_the_data():
     D, history = S.learn_dictionary(H, 6, 0.05, epochs=2, batch_size=100, progress=False)
     assert history[1]["resampled"] >= 1
     assert (D.norm(dim=0) <= 1 + 1e-6).all()
+
+
+def test_an_interrupted_dictionary_learning_goes_on_from_its_last_epoch(tmp_path, monkeypatch):
+    """Interrupted in its third epoch of four, the learner's state saved after the second lets
+    the same call go on from there: the same D bit for bit and the same history as a call never
+    interrupted; the state is removed at the end. Another fingerprint starts over."""
+    H, truth = planted(0, n=800)
+    kw = dict(epochs=4, batch_size=100, seed=3, progress=False)
+    want, want_history = S.learn_dictionary(H, truth.shape[1], 0.05, **kw)
+    state = tmp_path / "dict.pt.partial"
+    update, calls = S.update_dictionary, []
+
+    def interrupted(*a):
+        calls.append(1)
+        if len(calls) == 2 * 8 + 3:  # 8 mini-batches an epoch: the third of epoch 3
+            raise KeyboardInterrupt
+        return update(*a)
+    monkeypatch.setattr(S, "update_dictionary", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        S.learn_dictionary(H, truth.shape[1], 0.05, state_path=state, fingerprint={"a": 1}, **kw)
+    assert torch.load(state, weights_only=True)["epoch"] == 2
+    monkeypatch.setattr(S, "update_dictionary", update)
+    calls.clear()
+    D, history = S.learn_dictionary(H, truth.shape[1], 0.05, state_path=state,
+                                    fingerprint={"a": 1}, **kw)
+    assert torch.equal(D, want) and history == want_history and not state.exists()
+    with pytest.raises(KeyboardInterrupt):  # the state of another learning is not taken
+        monkeypatch.setattr(S, "update_dictionary", interrupted)
+        S.learn_dictionary(H, truth.shape[1], 0.05, state_path=state, fingerprint={"a": 1}, **kw)
+    monkeypatch.setattr(S, "update_dictionary", update)
+    D, history = S.learn_dictionary(H, truth.shape[1], 0.05, state_path=state,
+                                    fingerprint={"a": 2}, **{**kw, "progress": True})
+    assert torch.equal(D, want) and history == want_history
+
+
+def test_sigterm_while_sparse_py_learns_keeps_its_epochs_and_the_same_command_goes_on(
+        prepared, tmp_path):
+    """sparse.py stopped by SIGTERM in its second epoch: it ends at once with one line saying how
+    to go on; the same command goes on after the first epoch and writes the dictionary a command
+    never interrupted writes."""
+    from conftest import TINY, run_script, run_train
+    run = tmp_path / "run"
+    assert run_train("--data", prepared, "--out-dir", run, "--max-steps", 3, *TINY).returncode == 0
+    cli = lambda out: [sys.executable, str(REPO / "sparse.py"), "--ckpt", str(run / "ckpt.pt"),
+                       "--data", str(prepared), "--layer", "1", "--k", "40", "--vectors", "3000",
+                       "--epochs", "3", "--batch-size", "10", "--seq-len", "32", "--device",
+                       "cpu", "--out", str(tmp_path / out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    ref = subprocess.Popen(cli("whole.pt"), cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cli("stopped.pt"), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    state, t0 = tmp_path / "stopped.pt.partial", time.time()
+    while not state.exists():  # its first epoch saved
+        assert proc.poll() is None and time.time() - t0 < 300, proc.communicate()
+        time.sleep(0.05)
+    stopped = time.time()
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert time.time() - stopped < 30 and proc.returncode == 1, err
+    assert err.strip().splitlines()[-1] == ("SIGTERM: stopped `sparse.py`; the epochs learned so "
+                                            "far are kept: the same command goes on from them")
+    again = run_script(*cli("stopped.pt")[1:], timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert re.search(r"going on after epoch [12]/3", again.stdout + again.stderr), again.stdout
+    assert ref.wait(timeout=300) == 0, ref.stderr.read()
+    got, want = (torch.load(tmp_path / f, weights_only=True) for f in ("stopped.pt", "whole.pt"))
+    assert torch.equal(got["D"], want["D"]) and got["history"] == want["history"]
 
 
 def test_cli_learns_a_dictionary_from_a_checkpoint(prepared, tmp_path):
