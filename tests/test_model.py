@@ -427,6 +427,22 @@ def test_onehot_relative_scores_equal_the_gather_and_its_gradients():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def trained_in_form(form, enc, heads, ids, mask, hide, causal) -> list[torch.Tensor]:
+    """With attention computed as `form`: the encoder's states and a BootBERT MAE student's,
+    each at the real positions, and every gradient of a loss of both (dropout seeded alike)."""
+    use_attention(enc, form)
+    use_attention(heads, form)
+    enc.zero_grad()
+    heads.zero_grad()
+    torch.manual_seed(1)
+    real = mask[..., None] == 1  # (the fused kernel gives a padded query row another rule)
+    y = enc(ids, mask, causal=causal) * real
+    z = boot_states(enc, heads, ids, mask, hide) * real
+    (y.sin().sum() + z.cos().sum()).backward()
+    return [y, z] + [p.grad for p in [*enc.parameters(), *heads.parameters()]
+                     if p.grad is not None]
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_onehot_encoder_trains_as_the_gather_path(causal, monkeypatch):
     """The whole encoder in training, dropout on, padding in one row, bidirectional and causal
@@ -447,18 +463,8 @@ def test_onehot_encoder_trains_as_the_gather_path(causal, monkeypatch):
     mask[1, 11:] = 0
     hide = (torch.rand(3, 17) < 0.4) & (mask == 1)
     hide[:, 0] = False
-    out = {}
-    for form in ("gather", "onehot"):
-        use_attention(enc, form)
-        use_attention(heads, form)
-        enc.zero_grad()
-        heads.zero_grad()
-        torch.manual_seed(1)
-        y = enc(ids, mask, causal=causal)
-        z = boot_states(enc, heads, ids, mask, hide)
-        (y.sin().sum() + z.cos().sum()).backward()
-        out[form] = [y, z] + [p.grad for p in [*enc.parameters(), *heads.parameters()]
-                              if p.grad is not None]
+    out = {form: trained_in_form(form, enc, heads, ids, mask, hide, causal)
+           for form in ("gather", "onehot")}
     assert len(out["onehot"]) == len(out["gather"]) > 10
     # two layers of the encoder and the student's decoder layer share their buckets; the MAE
     # student's encoder layers read per-row buckets
@@ -518,18 +524,8 @@ def test_fused_encoder_trains_as_the_gather_path(causal, monkeypatch):
     mask[1, 6:] = 0
     hide = torch.zeros(2, 9, dtype=torch.bool)
     hide[:, [2, 5]] = True
-    real = mask[..., None] == 1
-    out = {}
-    for form in ("gather", "fused"):
-        use_attention(enc, form)
-        use_attention(heads, form)
-        enc.zero_grad()
-        heads.zero_grad()
-        y = enc(ids, mask, causal=causal) * real
-        z = boot_states(enc, heads, ids, mask, hide) * real
-        (y.sin().sum() + z.cos().sum()).backward()
-        out[form] = [y, z] + [p.grad for p in [*enc.parameters(), *heads.parameters()]
-                              if p.grad is not None]
+    out = {form: trained_in_form(form, enc, heads, ids, mask, hide, causal)
+           for form in ("gather", "fused")}
     assert len(out["fused"]) == len(out["gather"]) > 10
     # the student's encoder (two layers, per-row slots) and decoder (one), and the encoder's two
     # layers unless causal
