@@ -141,7 +141,7 @@ def train_flags(args, device, objective: str, size: str, out_dir, seed: int = 0)
              "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
              "--max-steps", str(5 * k), "--log-every", str(k), "--eval-every", "100000",
              "--save-every", "100000", "--device", device.type, "--out-dir", str(out_dir),
-             "--attention", args.attention]
+             "--attention", args.attention, "--compile-scope", args.compile_scope]
     for flag in ("compile", "bf16", "cuda_graphs"):
         if getattr(args, flag) is not None:
             name = flag.replace("_", "-")
@@ -152,7 +152,8 @@ def train_flags(args, device, objective: str, size: str, out_dir, seed: int = 0)
 def run_variant(args) -> str:
     """What a timed run's flags change from train.py's defaults, for its row's name."""
     return (" cuda-graphs" if args.cuda_graphs else "") + (
-        f" {args.attention}" if args.attention != "gather" else "")
+        f" {args.attention}" if args.attention != "gather" else "") + (
+        " compiled by layer" if args.compile_scope == "layers" else "")
 
 
 def bench_side(args, device, tmp):
@@ -533,6 +534,9 @@ def build_parser() -> flags.Parser:
     add("--attention", default="gather", choices=["gather", "onehot", "fused"],
         help="step, side, bert: how our relative attention picks each pair's bucket (train.py "
         "--attention)")
+    add("--compile-scope", default="model", choices=["model", "layers"],
+        help="step, side: train.py --compile-scope (one graph for the model, or one per layer, "
+        "reused)")
     add("--cuda-graphs", action="store_true", default=None,
         help="step, side: train.py --cuda-graphs (the compiled step replayed as CUDA graphs)")
     add("--bf16", action=argparse.BooleanOptionalAction, default=None,

@@ -38,11 +38,11 @@
 #   rest        ~5.5 min: mlsm+mlm at small, 300 + 100 steps, the recipe's dictionary (3000
 #               atoms from 100,000 states) learned between its phases, and phase 2's speed
 #               (~4 min); bench.py's ltg, attn and pll rows at small (~1.5 min)
-#   throughput  ~6.5 min: 1, 2, 4 and 8 `small` mlm runs of 100 steps side by side on the GPU
+#   throughput  ~7 min: 1, 2, 4 and 8 `small` mlm runs of 100 steps side by side on the GPU
 #               (bench.py side): their summed tokens/s against one run alone, and each run's
 #               seconds outside its steady steps (start, torch.compile, the first step); then
-#               mlm and boot at `small` with --cuda-graphs (step rows: against the side row of
-#               1 and verify's boot row, without)
+#               mlm at `small` with --cuda-graphs, and with --compile-scope layers (one layer's
+#               graph reused: its start against the whole model's, its tokens/s)
 #   attention   ~6.5 min: our `small` MLM step against BertForMaskedLM, both compiled, with our
 #               relative attention as a gather, fused (disentangled-flash's Triton kernels, its
 #               wheel carried) and a one-hot product (--attention), the top operators of one
@@ -230,7 +230,7 @@ else
     bert=(--sizes small --profile) bert_base=(--sizes base)  # profile: where ours loses
     kernels=(--sizes small --profile)
     side=(--sizes small --steps 100 --side 1,2,4,8 --row-timeout 150)
-    graphs=(--sizes small --objectives mlm,boot --steps 100 --row-timeout 150)
+    graphs=(--sizes small --objectives mlm --steps 100 --row-timeout 150)
     forms=(--sizes small --profile) forms_attn=(--sizes small,base)
     attention_forms=(gather fused onehot)
     headline=()
@@ -301,7 +301,9 @@ EOF
         part side "$O/bench.log" 260 "$py" bench.py "${dev[@]}" --only side --objectives mlm \
             "${side[@]}" --data "$data" --out "$O/side.json"
         part graphs "$O/bench.log" 200 "$py" bench.py "${dev[@]}" --only step --cuda-graphs \
-            "${graphs[@]}" --data "$data" --out "$O/graphs.json" ;;
+            "${graphs[@]}" --data "$data" --out "$O/graphs.json"
+        part layers "$O/bench.log" 150 "$py" bench.py "${dev[@]}" --only step \
+            --compile-scope layers "${graphs[@]}" --data "$data" --out "$O/layers.json" ;;
     attention)  # each form of relative attention in our step against BertForMaskedLM
         for form in "${attention_forms[@]}"; do
             part "bert_$form" "$O/bench.log" 170 "$py" bench.py "${dev[@]}" --only bert \

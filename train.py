@@ -216,6 +216,10 @@ def build_parser():
     add_device_flag(add, "where to train")
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the model (default: on with CUDA, off on the CPU)")
+    add("--compile-scope", default="model", choices=["model", "layers"], help="with --compile, "
+        "what one compiled graph covers: the whole step's model (default), or one transformer "
+        "layer, whose graph every layer reuses, the rest eager (on a CPU at 12 layers: 1/7 of "
+        "the compile time, the same step time; not yet timed on a GPU, docs/bench.md)")
     add("--compile-lamb", action=argparse.BooleanOptionalAction, default=False,
         help="with --compile, compile LAMB's update too (one graph of fused kernels); off: on an "
         "H200 it added ~35 s to a run's start, and no gain in tokens/s (docs/bench.md)")

@@ -183,12 +183,14 @@ def test_throughput(ran):
     r, tmp_path = ran["throughput"]
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     assert set(back(tmp_path)) == {"env.txt", "progress.txt", "bench.log", "side.json",
-                                   "graphs.json"}
+                                   "graphs.json", "layers.json"}
     rows = json.loads((tmp_path / "side.json").read_text())["rows"]
     assert [r["case"].split(" x ")[0] for r in rows] == ["1", "2"]
     assert rows[1]["reference"] == "alone" and rows[1]["ref"] == rows[0]["ours"]
     [graphs] = json.loads((tmp_path / "graphs.json").read_text())["rows"]
     assert graphs["case"] == "mlm tiny 4x32 cuda-graphs" and graphs["ours"] > 0
+    [layers] = json.loads((tmp_path / "layers.json").read_text())["rows"]
+    assert layers["case"] == "mlm tiny 4x32 compiled by layer" and layers["ours"] > 0
 
 
 def test_attention(ran):

@@ -157,6 +157,26 @@ def test_onehot_attention_trains_as_the_gather(prepared, tmp_path):
     assert len(losses[0]) == 3 and np.allclose(losses[0], losses[1], rtol=0, atol=1e-4)
 
 
+def test_layers_compiled_one_graph_for_all_train_as_the_eager_model(prepared, tmp_path):
+    """--compile --compile-scope layers: each transformer layer compiled, the second reusing the
+    first's graph (no recompilation logged but validation's), and the same losses as the eager model (dropout 0,
+    so that no random draw differs), to 1e-5."""
+    common = ["--data", prepared, "--max-steps", 3, *TINY, "--n-layer", 2, "--log-every", 1,
+              "--dropout", 0]
+    eager, layers = run_trains(
+        [*common, "--out-dir", tmp_path / "eager"],
+        [*common, "--out-dir", tmp_path / "layers", "--compile", "--compile-scope", "layers"],
+        env={"TORCH_LOGS": "recompiles"})
+    assert eager.returncode == layers.returncode == 0, layers.stderr[-2000:]
+    # one graph for both layers: the only recompilation is validation's, under no_grad
+    said = layers.stderr
+    assert said.count("Recompiling function") == said.count("GLOBAL_STATE changed: grad_mode") \
+        <= 1, said[-2000:]
+    losses = [[e["loss"] for e in read_log(tmp_path / run) if "loss" in e]
+              for run in ("eager", "layers")]
+    assert len(losses[0]) == 3 and np.allclose(losses[0], losses[1], rtol=0, atol=1e-5)
+
+
 def test_fused_attention_refused_in_one_line_where_it_cannot_run(prepared, tmp_path):
     """--attention fused on the CPU (the kernels need CUDA and Triton): one line saying why."""
     r = run_train("--data", prepared, "--out-dir", tmp_path, "--max-steps", 2, *TINY,

@@ -30,12 +30,13 @@ from machinery.optim import make_optimizer
 from machinery.progress import duration
 from machinery.run_folder import RunFolder, code_version
 from machinery.storage import read_checkpoint
-from model import PRESETS, Encoder, ModelConfig, check_config, load_weights, use_attention
+from model import (PRESETS, Encoder, Layer, ModelConfig, check_config, load_weights,
+                   use_attention)
 
 
 # the flags a resumed run may change (--lr: a run the guard stopped goes on at a lower one)
-RESUMABLE = {"resume", "out_dir", "device", "compile", "compile_lamb", "cuda_graphs", "attention",
-             "bf16", "deterministic", "log_every", "lr",
+RESUMABLE = {"resume", "out_dir", "device", "compile", "compile_scope", "compile_lamb",
+             "cuda_graphs", "attention", "bf16", "deterministic", "log_every", "lr",
              "eval_every", "save_every", "stop_at", "spike", "save_words", "check"}
 
 
@@ -274,7 +275,12 @@ def start_phase(run: Run, step: int, objective: str, entry, start: int, end: int
                                                     broadcast_buffers=False)
     graphs = replays_graphs(run)
     if use_compile(run.device, args.compile):  # reduce-overhead: graphs captured once, replayed
-        model = torch.compile(model, mode="reduce-overhead" if graphs else None)
+        mode = "reduce-overhead" if graphs else None
+        if args.compile_scope == "layers":  # one layer's graph, which the others reuse
+            for layer in filter(lambda m: isinstance(m, Layer), trainee.modules()):
+                layer.compile(mode=mode)
+        else:
+            model = torch.compile(model, mode=mode)
     optimizer = make_optimizer(trainee, args)
     saved = run.ckpt if run.ckpt is not None and run.ckpt["step"] == step else None
     if saved is not None and saved["objective"] != objective and step != start:
