@@ -159,8 +159,8 @@ def test_onehot_attention_trains_as_the_gather(prepared, tmp_path):
 
 def test_layers_compiled_one_graph_for_all_train_as_the_eager_model(prepared, tmp_path):
     """--compile --compile-scope layers: each transformer layer compiled, the second reusing the
-    first's graph (no recompilation logged but validation's), and the same losses as the eager model (dropout 0,
-    so that no random draw differs), to 1e-5."""
+    first's graph (no recompilation logged but validation's), and the same losses as the eager
+    model (dropout 0, so that no random draw differs), to 1e-5."""
     common = ["--data", prepared, "--max-steps", 3, *TINY, "--n-layer", 2, "--log-every", 1,
               "--dropout", 0]
     eager, layers = run_trains(
