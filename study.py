@@ -169,7 +169,7 @@ def preflight(study, scale_name, jobs, path) -> dict:
 
 lock = threading.Lock()
 stopping = threading.Event()  # a stop signal came: no step starts, the running ones stop
-running, running_lock = set(), threading.Lock()  # the steps' processes now running
+running, running_lock = set(), threading.RLock()  # the steps' processes now running
 STOPPED = "stopped by a signal"  # run_job's answer for a job a stop signal interrupted
 
 
@@ -185,7 +185,7 @@ def forward_stop_signals() -> dict:
     starts after. A second signal kills them. -> {"signal": its name}, once one came."""
     got = {}
 
-    def handler(signum, frame):  # the main thread, which never holds running_lock
+    def handler(signum, frame):  # the main thread (a second signal may come inside: RLock)
         name = signal.Signals(signum).name
         with running_lock:
             if stopping.is_set():
