@@ -100,15 +100,15 @@ TINY = ["--size", "tiny", "--n-layer", "1", "--d-model", "64", "--n-head", "2", 
         "--eval-batches", "2", "--device", "cpu"]
 
 
-# Seconds each file took alone (`python -m pytest -q FILE`, OMP_NUM_THREADS=1, one after another)
-# on CI's kind of 2-core machine, 2026-11-27; two shards side by side take about 1.3x as long.
-# They only balance the shards; a file missing here counts as 10 s.
-FILE_SECONDS = {"test_train.py": 177, "test_faults.py": 115, "test_gpu_check.py": 109,
-                "test_study.py": 80, "test_parallel.py": 62, "test_bench.py": 52,
-                "test_readme.py": 43, "test_sparse.py": 39, "test_integration.py": 36,
-                "test_evaluate.py": 31, "test_export.py": 23, "test_model.py": 20,
-                "test_warm_python.py": 16, "test_meta.py": 14, "test_synth.py": 13,
-                "test_data.py": 10, "test_plot.py": 10, "test_house.py": 4, "test_cuda.py": 3}
+# Seconds each file took in one run of tests/parallel.sh on CI's 2-core machine (2026-11-26, two
+# shards, warm starts; test_bench.py's estimated after its train.py runs were made warm). They
+# only balance the shards; a file missing here counts as 10 s.
+FILE_SECONDS = {"test_train.py": 344, "test_gpu_check.py": 148, "test_bench.py": 110,
+                "test_study.py": 92, "test_faults.py": 78, "test_readme.py": 74,
+                "test_integration.py": 74, "test_evaluate.py": 59, "test_export.py": 38,
+                "test_synth.py": 32, "test_sparse.py": 29, "test_meta.py": 23,
+                "test_warm_python.py": 21, "test_model.py": 19, "test_data.py": 19,
+                "test_plot.py": 8, "test_house.py": 1, "test_cuda.py": 1, "test_parallel.py": 5}
 
 
 def shard_of_files(names, n: int) -> dict:
