@@ -103,7 +103,7 @@ TINY = ["--size", "tiny", "--n-layer", "1", "--d-model", "64", "--n-head", "2", 
 # Seconds each file took in one run of tests/parallel.sh on CI's 2-core machine (2026-11-26, two
 # shards, warm starts; test_bench.py's estimated after its train.py runs were made warm). They
 # only balance the shards; a file missing here counts as 10 s.
-FILE_SECONDS = {"test_train.py": 344, "test_gpu_check.py": 148, "test_bench.py": 110,
+FILE_SECONDS = {"test_train.py": 450, "test_gpu_check.py": 148, "test_bench.py": 110,
                 "test_study.py": 92, "test_faults.py": 115, "test_readme.py": 74,
                 "test_integration.py": 74, "test_evaluate.py": 59, "test_export.py": 38,
                 "test_synth.py": 32, "test_sparse.py": 29, "test_meta.py": 23,
