@@ -20,7 +20,8 @@ from machinery import flags
 from machinery.device import autocast, pick_device
 from machinery.optim import cosine_with_warmup, linear_warmup_decay
 from machinery.progress import bar
-from machinery.results import METRICS, confusion, read_partial, write_lines, write_result
+from machinery.results import (METRICS, confusion, read_partial, result_path, write_lines,
+                                write_result)
 from machinery.storage import one_line_os_errors
 from model import load_checkpoint
 
@@ -198,7 +199,7 @@ def finetune(args):
           f"{args.batch_size}, {args.epochs} epochs); epochs chosen on {chosen}")
     # each seed's run kept as it ends, so that an interrupted command goes on from there; the
     # fingerprint: what a run depends on (a checkpoint's size and time stand for its weights)
-    out = Path(args.out) if args.out else Path(args.ckpt).parent / "eval" / f"{args.task}.json"
+    out = result_path(args.out, args.ckpt, args.task)
     partial = out.with_name(out.name + ".partial")
     stat = Path(args.ckpt).stat()
     fingerprint = {"ckpt": str(Path(args.ckpt).resolve()), "size": stat.st_size,

@@ -12,8 +12,13 @@ import numpy as np
 from machinery.storage import atomic_write, one_line_os_errors
 
 
+def result_path(out, ckpt, name: str) -> Path:
+    """Where an evaluation's result goes: `out` if given, else RUN/eval/NAME.json beside ckpt."""
+    return Path(out) if out else Path(ckpt).parent / "eval" / f"{name}.json"
+
+
 def write_result(result: dict, out, ckpt, name: str, indent=None) -> Path:
-    path = Path(out) if out else Path(ckpt).parent / "eval" / f"{name}.json"
+    path = result_path(out, ckpt, name)
     write_lines(path, [result], indent)
     return path
 
