@@ -44,7 +44,7 @@ from machinery.multibootstrap import compare
 from machinery.progress import bar, duration, line_buffered
 from machinery.results import read_partial, write_lines, write_result
 from machinery.stopping import exit_on_stop_signals
-from machinery.storage import hold_lock, one_line_os_errors
+from machinery.storage import checkpoint_identity, hold_lock, one_line_os_errors
 from model import Encoder, load_checkpoint
 
 
@@ -250,9 +250,7 @@ def blimp(args):
     # one scorer per result: a second would write the same partial file and result
     lock = hold_lock(out.with_name(out.name + ".lock"), out,  # noqa: F841 (held)
                      "wait for that evaluate.py blimp to end, or give another --out")
-    stat = Path(args.ckpt).stat()
-    fingerprint = {"ckpt": str(Path(args.ckpt).resolve()), "size": stat.st_size,
-                   "mtime_ns": stat.st_mtime_ns, "scorer": args.scorer, "temperatures": temps,
+    fingerprint = {**checkpoint_identity(args.ckpt), "scorer": args.scorer, "temperatures": temps,
                    "dirs": [str(d) for d in args.blimp_dir], "pairs": len(pairs),
                    "batch_tokens": batch_tokens, "device": str(device), "chunk_pairs": CHUNK_PAIRS,
                    "bf16": args.bf16}

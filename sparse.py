@@ -48,7 +48,7 @@ from machinery import flags
 from machinery.device import add_device_flag, pick_device
 from machinery.progress import bar, duration, line_buffered
 from machinery.stopping import exit_on_stop_signals
-from machinery.storage import load_state, read_checkpoint, save_checkpoint
+from machinery.storage import checkpoint_identity, load_state, read_checkpoint, save_checkpoint
 from model import load_checkpoint
 
 
@@ -532,12 +532,10 @@ def learn_from_checkpoint(ckpt_path, data, cfg: DictConfig, device, out) -> dict
         t1 = time.time()
         # the learner's state after each epoch beside `out`: an interrupted call goes on from
         # it (a checkpoint's size and time stand for its weights, and so for H)
-        stat = Path(ckpt_path).stat()
         D, history = learn_dictionary(
             H, cfg.k, cfg.lam, cfg.epochs, cfg.batch_size, cfg.seed, cfg.forget, cfg.iters,
             cfg.tol, state_path=Path(str(out) + ".partial"),
-            fingerprint={"ckpt": str(Path(ckpt_path).resolve()), "size": stat.st_size,
-                         "mtime_ns": stat.st_mtime_ns, "data": str(data_dir), **asdict(cfg)})
+            fingerprint={**checkpoint_identity(ckpt_path), "data": str(data_dir), **asdict(cfg)})
         t2 = time.time()
         coders = compare_coders(H[:1000], D, cfg.lam)  # what the two target coders make of D
         last = history[-1]

@@ -22,7 +22,7 @@ from machinery.optim import cosine_with_warmup, linear_warmup_decay
 from machinery.progress import bar
 from machinery.results import (METRICS, confusion, read_partial, result_path, write_lines,
                                 write_result)
-from machinery.storage import one_line_os_errors
+from machinery.storage import checkpoint_identity, one_line_os_errors
 from model import load_checkpoint
 
 
@@ -201,9 +201,7 @@ def finetune(args):
     # fingerprint: what a run depends on (a checkpoint's size and time stand for its weights)
     out = result_path(args.out, args.ckpt, args.task)
     partial = out.with_name(out.name + ".partial")
-    stat = Path(args.ckpt).stat()
-    fingerprint = {"ckpt": str(Path(args.ckpt).resolve()), "size": stat.st_size,
-                   "mtime_ns": stat.st_mtime_ns, "device": str(device),
+    fingerprint = {**checkpoint_identity(args.ckpt), "device": str(device),
                    "settings": {k_: v for k_, v in vars(args).items()
                                 if k_ not in ("func", "seeds", "out", "device")}}
     done = {int(s): r for s, r in read_partial(partial, fingerprint, "seed", "run").items()

@@ -158,6 +158,14 @@ def load_state(path, map_location="cpu") -> dict:
     return state
 
 
+def checkpoint_identity(path) -> dict:
+    """What stands for a checkpoint's weights in the fingerprint of work kept from them (its
+    resolved path, size and modification time): a retrained file gets a new one."""
+    stat = Path(path).stat()
+    return {"ckpt": str(Path(path).resolve()), "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns}
+
+
 def read_checkpoint(path) -> dict:
     """The checkpoint dict, on the CPU, or a one-line error naming what is wrong with the file."""
     ckpt = load_state(path)
