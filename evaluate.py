@@ -34,12 +34,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data.masking import uniform_mask
+from data.masking import seed_of, uniform_mask
 from data.prepare import CLS, MASK, SEP, Segments, check_tokenizer, encode_masked, prepare
 from data.tasks import TASKS, pad, read_jsonl
 from evaluation.finetune import RECIPES, finetune
 from machinery import flags
-from machinery.device import add_device_flag, autocast, pick_device, seed_of
+from machinery.device import add_device_flag, autocast, pick_device
 from machinery.multibootstrap import compare
 from machinery.progress import bar, duration, line_buffered
 from machinery.results import read_partial, write_lines, write_result

@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 
 import sparse
-from data.masking import MASKINGS, make_batch, mask_p_at
+from data.masking import MASKINGS, make_batch, mask_p_at, seed_of
 from data.prepare import VOCAB_SIZE
 from machinery import flags
-from machinery.device import add_device_flag, seed_of
+from machinery.device import add_device_flag
 from machinery.optim import clipped_step, ema_decay_at, ema_update, set_schedule
 from machinery.progress import bar, line_buffered
 from machinery.run_folder import REPO, repo_sources
@@ -417,24 +417,24 @@ def main(argv=None):
             step_loss = step_loss + loss.detach()
             for name, v in {"loss": loss, **stats}.items():
                 sums[name] = sums.get(name, 0.0) + v.detach().float() / args.grad_accum
-        grad_norm = clipped_step(phase.optimizer, phase.trainee.parameters(), args.clip)
+        grad_norm = clipped_step(phase.optimizer, args.clip)
         sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
-        guard.watch(step, step_loss, grad_norm)
+        guard.recent.append((step_loss, grad_norm))  # the guard reads them at the next sync
         phase.optimizer.zero_grad(set_to_none=True)
         if phase.parts.ema is not None:  # a mean teacher follows the student (BootBERT, sec. 3)
             decay = ema_decay_at(step, args, phase.start, phase.end)
-            ema_update(phase.parts.ema, phase.trainee.encoder, decay)  # one fused lerp, all tensors
+            ema_update(phase.parts.ema, run.encoder, decay)  # one fused lerp over all tensors
         step += 1
         since_log += 1
         progress.update()
 
-        stop = guard.stop_requested(step, args.max_steps)
+        stop = guard.stopping and step < args.max_steps  # a stop signal: save this step, exit
         is_save = (step % args.save_every == 0 or step in (phase.end, args.stop_at) or stop
-                   or guard.save_pending(step))
+                   or guard.deferred and step % args.log_every == 0)  # a held-back save, again
         is_log = step % args.log_every == 0 or step == phase.end or is_save  # saves are checked
         is_eval = step % args.eval_every == 0 or step == phase.end
         if is_log or is_eval or step in word_saves:  # the only places the loop waits for the device
-            guard.check_finite()  # (so the queued step is not timed as the pause that follows)
+            guard.check_finite(step)  # (so the queued step is not timed as the pause that follows)
         if is_log:  # means over the steps since the last log line, across all processes
             record = run.log_stats(step, sums, since_log, time.time() - t_log, lr)
             if guard.judge(step, args.lr):  # a good state, kept to go back to

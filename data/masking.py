@@ -1,10 +1,12 @@
 """Masking, vectorised over a batch on its device: LTG-BERT's spans (80/10/10 per span), BERT's
 tokens (spans of one), the MLSM code's uniform int(p T) per row; the predicted positions as a
-fixed number of slots (so a compiled step has one shape); and make_batch, which turns a batch of
-token ids into the dict every objective in train.py reads.
+fixed number of slots (so a compiled step has one shape); make_batch, which turns a batch of
+token ids into the dict every objective in train.py reads; and seed_of, the seeds each step's
+masks and dropout are drawn with.
 """
 import math
 
+import numpy as np
 import torch
 
 from data.prepare import MASK, SPECIALS
@@ -108,3 +110,9 @@ def make_batch(ids, args, vocab_size, gen, mask_p=None):
     slots = predicted_slots(labels, capacity)                              # (C,)
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), inputs=inputs, labels=labels,
                 slots=slots, targets=labels.flatten()[slots])
+
+
+def seed_of(*parts) -> int:
+    """A well-mixed 63-bit seed from integers (seed, step, micro-batch...): whatever is drawn with
+    it is a function of those integers alone, so a resumed run draws what the first would have."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(2, np.uint64)[0] >> np.uint64(1))

@@ -1,12 +1,10 @@
 """Where and how a process computes: the device (--device auto|cpu|cuda), bf16 autocast and
-torch.compile (on with CUDA, off on the CPU unless asked), deterministic kernels, its peak
-memory, and the seeds it draws with (seed_of: a function of integers, so a resumed run draws
-what the first would have).
+torch.compile (on with CUDA, off on the CPU unless asked), deterministic kernels and its peak
+memory.
 """
 import os
 import resource
 
-import numpy as np
 import torch
 
 
@@ -65,9 +63,3 @@ def peak_memory_gb(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
-
-
-def seed_of(*parts) -> int:
-    """A well-mixed 63-bit seed from integers (seed, step, micro-batch...): whatever is drawn with
-    it is a function of those integers alone, so a resumed run draws what the first would have."""
-    return int(np.random.SeedSequence(list(parts)).generate_state(2, np.uint64)[0] >> np.uint64(1))

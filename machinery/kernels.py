@@ -1,8 +1,7 @@
-"""Faster stand-ins for what model.py computes, each exact where it is used: the CPU's dropout
-mask drawn four to a random integer; relative attention through flex_attention (off by default:
-slower on the CPU, not yet measured on a GPU; docs/bench.md); and relative attention through the
-fused Triton kernels of the disentangled-flash package (CUDA only, an optional package:
-requirements-kernels.txt). Tests hold each to its plain definition (tests/test_model.py).
+"""Faster stand-ins for model.py's relative attention, each exact where it is used: through
+flex_attention (off by default: slower on the CPU, not yet measured on a GPU; docs/bench.md), and
+through the fused Triton kernels of the disentangled-flash package (CUDA only, an optional
+package: requirements-kernels.txt). Tests hold each to its plain definition (tests/test_model.py).
 """
 import importlib.util
 
@@ -89,36 +88,3 @@ def fused_relative(q, k, v, qp, kp, idx, keep, scale, dropout_p: float):
                             score_scale=scale, has_padding=True, strict_fp32=True,
                             dropout_p=dropout_p)                             # (B, T, H*hd)
     return y.view(B, T, H, hd).transpose(1, 2)
-
-
-class _DropMasked(torch.autograd.Function):
-    """y = x * scale, and 0 where `drop`; saves the 1-byte mask, not a float one."""
-    @staticmethod
-    def forward(ctx, x, drop, scale):
-        ctx.save_for_backward(drop)
-        ctx.scale = scale
-        return (x * scale).masked_fill_(drop, 0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (drop,) = ctx.saved_tensors
-        return (grad * ctx.scale).masked_fill_(drop, 0), None, None
-
-
-def dropout(x, p: float, training: bool = True):
-    """F.dropout(x, p, training), whose CPU mask is drawn four to a 64-bit random integer: each
-    16-bit quarter is below q - 2^15 with probability p' = q / 2^16, q = round(p * 2^16), and
-    the rest are scaled by 1 / (1 - p'). torch's CPU bernoulli_ took 11% of a `small` MLM step
-    (bench.py --profile); this mask took a quarter of its time for a layer's attention
-    probabilities. Other devices, and graphs torch.compile traces: F.dropout."""
-    if not training or p == 0:
-        return x
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
-        return F.dropout(x, p, True)
-    q = round(p * 2 ** 16)
-    if q == 0 or q == 2 ** 16:
-        return x if q == 0 else x * 0
-    n = x.numel()
-    bits = torch.randint(-2 ** 63, 2 ** 63 - 1, ((n + 3) // 4,), dtype=torch.int64)
-    drop = bits.view(torch.int16)[:n].view(x.shape) < q - 2 ** 15
-    return _DropMasked.apply(x, drop, 2 ** 16 / (2 ** 16 - q))

@@ -163,12 +163,14 @@ def make_optimizer(model, args):
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=args.eps, fused=fused)
 
 
-def clipped_step(optimizer, params, clip: float) -> torch.Tensor:
-    """Clip the gradients to total norm `clip` (0: not at all) and take the optimizer's step;
-    returns their norm before clipping (0-dim, on the device: no host sync). LAMB clips inside
-    its own update, one compiled graph with it; another optimizer after clip_grad_norm_."""
+def clipped_step(optimizer, clip: float) -> torch.Tensor:
+    """Clip the gradients of the optimizer's parameters to total norm `clip` (0: not at all) and
+    take its step; returns their norm before clipping (0-dim, on the device: no host sync). LAMB
+    clips inside its own update, one compiled graph with it; another optimizer after
+    clip_grad_norm_."""
     if isinstance(optimizer, Lamb):
         return optimizer.step(max_norm=clip if clip > 0 else None)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
     optimizer.step()
     return norm

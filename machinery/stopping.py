@@ -80,16 +80,17 @@ def exit_on_stop_signals(said: str):
             signal.signal(sig, h)
 
 
-def catch_stop_signals() -> dict:
+def catch_stop_signals(then) -> dict:
     """Ctrl-C (SIGINT) and SIGTERM, the signal a cluster preempts a job with (SIGKILL follows
-    after a grace period), set got["signal"]: the loop finishes the step it is in, saves it and
-    exits with the command that resumes it. A second signal exits at once."""
+    after a grace period), set got["signal"] and call `then()`: the loop finishes the step it is
+    in, saves it and exits with the command that resumes it. A second signal exits at once."""
     got = {}
 
     def handler(signum, frame):
         if got:
             exit_now(signum, frame)
         got["signal"] = signum
+        then()
         name = signal.Signals(signum).name  # said at once: a slow step may take minutes
         print(f"{name}: finishing the step in progress, then saving it (a second {name} stops "
               f"at once)", file=sys.stderr, flush=True)
@@ -98,61 +99,62 @@ def catch_stop_signals() -> dict:
 
 
 class SafetyNet:
-    """The loop's guard. Inside the step, `watch` records the first step whose loss or gradient
-    is not finite, and keeps the smoothed loss and gradient norm (judged), all on the device (no
-    sync). At log and save steps: `check_finite` stops a run that went non-finite, `judge` one
-    that diverges (judged: suspect, and still so WINDOW // 2 steps later), and `may_save` holds
-    back the save of a suspect state (it is saved once the run is judged well again). A state
-    judged good is kept in memory every SNAPSHOT_EVERY steps (`keep`), and counts once the run is
-    still judged well CONFIRM steps later; a run stopped for a NaN or a divergence writes the
-    last such state as its checkpoint when it is newer than the last one saved.
-    `stop_requested`: whether a stop signal has arrived; under DDP the processes agree on it at
-    log steps, so that all stop at the same step. `last_saved`: the step of the last good
-    checkpoint, which every message that stops the run names."""
+    """The loop's guard, read at the loop's sync points only (its log, validation and save
+    steps): the loop appends each step's (loss, gradient norm), left on the device, to `recent`,
+    and reads the plain attributes `stopping` and `deferred`; nothing of it runs inside a step.
+    At a sync point `check_finite` reads the steps since the last one, stops a run that went
+    non-finite and brings the smoothed loss and gradient norm up to date (judged); `judge` stops
+    one that diverges (judged: suspect, and still so WINDOW // 2 steps later), and `may_save`
+    holds back the save of a suspect state (`deferred`: it is saved at a later log step, once the
+    run is judged well again). A state judged good is kept in memory every SNAPSHOT_EVERY steps
+    (`keep`), and counts once the run is still judged well CONFIRM steps later; a run stopped
+    for a NaN or a divergence writes the last such state as its checkpoint when it is newer
+    than the last one saved. `stopping`: a stop signal has arrived (under DDP: any process's,
+    agreed at a sync point, so that all stop at the same step). `last_saved`: the step of the
+    last good checkpoint, which every message that stops the run names."""
 
     def __init__(self, folder, device, ddp: bool, spike: float, log_every: int,
                  last_saved: int | None):
         self.folder, self.device, self.ddp, self.spike = folder, device, ddp, spike
         self.log_every, self.last_saved = log_every, last_saved
-        self.got = catch_stop_signals()
-        self.nonfinite = torch.tensor(-1, device=device)  # the first step with a NaN/inf
+        self.got = catch_stop_signals(self.signalled)
+        self.stopping = False
+        self.recent = []  # (loss, gradient norm) of each step since the last sync point, 0-dim
         self.kept = self.pending = None  # (step, state): the last good state; one to confirm
         self.deferred = False
         b, bs, bb = 1 - 1 / WINDOW, 1 - 1 / SLOW, 1 - 1 / BEST
-        self.decay = torch.tensor([b, b, b, b, bs, bs, bb, bb], device=device)  # made once
+        self.decay = torch.tensor([b, b, b, b, bs, bs, bb, bb], dtype=torch.double)
         self.new_phase()
+
+    def signalled(self) -> None:
+        """A stop signal arrived (the handler's call): alone, this process stops after its step;
+        under DDP the processes agree on it at the next sync point."""
+        self.stopping = self.stopping or not self.ddp
 
     def new_phase(self) -> None:
         """Each phase is judged on its own: its smoothing and best loss start afresh."""
-        self.trace = torch.zeros(8, device=self.device)  # judged()'s sums, on the device
-        self.best = torch.full((1,), math.inf, device=self.device)  # the lowest BEST-step loss
-        self.steps, self.suspect_since, self.norm_ref = 0, None, None
+        self.trace = torch.zeros(8, dtype=torch.double)  # judged()'s sums, on the host
+        self.best = math.inf    # the lowest BEST-step loss
+        self.recent, self.steps, self.suspect_since, self.norm_ref = [], 0, None, None
 
-    def watch(self, step: int, loss, grad_norm) -> None:
-        loss, norm = loss.detach().float(), grad_norm.detach().float()
-        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
-        self.nonfinite = torch.where(bad & (self.nonfinite < 0), step + 1, self.nonfinite)
-        one = torch.ones_like(loss)
-        new = self.trace * self.decay + torch.stack([one, loss, loss * loss, norm, one, norm,
-                                                     one, loss])
-        self.trace = torch.where(bad, self.trace, new)  # a NaN is check_finite's, not the sums'
-        self.steps += 1
-        if self.steps >= FIRST:  # the phase's first level counts: a run bad from the start
-            self.best = torch.minimum(self.best, self.trace[7:8] / self.trace[6:7])
-
-    def stop_requested(self, step: int, max_steps: int) -> bool:
-        """A signal stops every process at the same step (at the last step the run just ends)."""
-        if not self.ddp:
-            return bool(self.got) and step < max_steps
-        if step % self.log_every == 0 and step < max_steps:
-            flag = torch.tensor(len(self.got), device=self.device)
-            dist.all_reduce(flag, dist.ReduceOp.MAX)
-            return flag.item() > 0
-        return False
-
-    def save_pending(self, step: int) -> bool:
-        """A deferred save is tried again at every log step."""
-        return self.deferred and step % self.log_every == 0
+    def read_recent(self) -> int | None:
+        """Fold the steps in `recent` into the smoothed sums, in their order (a step whose loss or
+        gradient is not finite is left out of them); -> the index of the first such step, or
+        None. One copy from the device for all of them."""
+        if not self.recent:
+            return None
+        pairs = torch.stack([torch.stack([x.float(), g.float()]) for x, g in self.recent])
+        pairs = pairs.double().cpu()                                                   # (n, 2)
+        loss, norm, one = pairs[:, 0], pairs[:, 1], torch.ones(len(pairs), dtype=torch.double)
+        terms = torch.stack([one, loss, loss * loss, norm, one, norm, one, loss], 1)  # (n, 8)
+        finite = pairs.isfinite().all(1)                                               # (n,)
+        self.recent = []
+        for new in terms[finite]:
+            self.trace = self.trace * self.decay + new
+            self.steps += 1
+            if self.steps >= FIRST:  # the phase's first level counts: a run bad from the start
+                self.best = min(self.best, float(self.trace[7] / self.trace[6]))
+        return None if finite.all() else int((~finite).nonzero()[0])
 
     def last_good(self) -> str:
         """Where the last good checkpoint is, in words; the last good state kept in memory is
@@ -165,13 +167,20 @@ class SafetyNet:
         return (f"the last good checkpoint (step {self.last_saved}) is kept at "
                 f"{self.folder.path / 'ckpt.pt'}")
 
-    def check_finite(self) -> None:
+    def check_finite(self, step: int) -> None:
+        """At a sync point, `step` the last step taken: read the steps since the last one; stop
+        the run if one of them went NaN/inf (on any process). Under DDP, also agree on a stop
+        signal (one all-reduce for both)."""
+        n, first_bad = len(self.recent), self.read_recent()
+        nonfinite = -1 if first_bad is None else step - n + 1 + first_bad
         if self.ddp:
-            dist.all_reduce(self.nonfinite, dist.ReduceOp.MAX)
-        if self.nonfinite.item() >= 0:
-            step = int(self.nonfinite)
-            self.folder.log({"step": step, "error": "non-finite loss or gradient"})
-            raise SystemExit(f"error: the loss or gradient became NaN/inf at step {step}; "
+            flags = torch.tensor([nonfinite, len(self.got)], device=self.device)
+            dist.all_reduce(flags, dist.ReduceOp.MAX)
+            nonfinite, signals = flags.tolist()
+            self.stopping = self.stopping or signals > 0
+        if nonfinite >= 0:
+            self.folder.log({"step": nonfinite, "error": "non-finite loss or gradient"})
+            raise SystemExit(f"error: the loss or gradient became NaN/inf at step {nonfinite}; "
                              f"stopped, {self.last_good()}. Try a lower --lr or --clip "
                              f"(python train.py --out-dir {self.folder.path} --resume --lr ...).")
 
@@ -181,11 +190,11 @@ class SafetyNet:
         (keep). Under DDP the processes judge the same numbers (their sums' mean)."""
         if self.steps < WINDOW:  # the averages have not filled yet
             return False
-        trace = torch.cat([self.trace, self.best])
+        trace = [*self.trace.tolist(), self.best]
         if self.ddp:
+            trace = torch.tensor(trace, dtype=torch.float64, device=self.device)
             dist.all_reduce(trace)
-            trace /= dist.get_world_size()
-        trace = trace.tolist()
+            trace = (trace / dist.get_world_size()).tolist()
         spike, loss = judged(trace, self.spike, self.norm_ref)
         if not spike:
             self.suspect_since, self.norm_ref = None, trace[5] / trace[4]

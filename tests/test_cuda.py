@@ -101,7 +101,7 @@ def take_steps(corpus, objective, backend):
             with torch.autocast("cuda", torch.bfloat16):
                 loss, stats = model(batch, parts)
             loss.backward()
-            clipped_step(optimizer, trainee.parameters(), 2.0)
+            clipped_step(optimizer, 2.0)
             optimizer.zero_grad(set_to_none=True)
             if parts.ema is not None:
                 ema_update(parts.ema, trainee.encoder, 0.99)

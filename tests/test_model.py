@@ -12,11 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.ltg_bert import LtgBert, ltg_buckets
-from machinery.kernels import dropout
 from machinery.optim import Lamb, ema_update
 from machinery.storage import read_checkpoint, save_checkpoint
 from model import (PRESETS, BootHeads, Decoder, Encoder, ModelConfig, boot_states, check_config,
-                   load_checkpoint, relative_buckets, relative_scores, use_attention)
+                   dropout, load_checkpoint, relative_buckets, relative_scores, use_attention)
 
 
 V = 300

@@ -537,13 +537,42 @@ def test_divergence_rule_by_hand():
     assert stopping.judged(spiking + [3.0], 0) == ("", 5.0)        # --spike 0: off
 
 
+# What runs on every step: the step's own files (the loop, the objective, the model, the batch,
+# its masks, the optimizer), and no run machinery
+STEP_FILES = {"train.py", "objectives.py", "model.py", "data/prepare.py", "data/masking.py",
+              "machinery/optim.py"}
+
+
+@pytest.mark.parametrize("objective", ["mlm", "boot"])
+def test_a_step_runs_code_from_six_files(prepared, tmp_path, objective):
+    """Two tiny runs of 3 and 6 steps under cProfile: the repository's functions called more
+    often in the longer one (those a step runs) come from STEP_FILES alone (issue 66: nine
+    before). The guard reads the steps at the loop's sync points, the seeds are the masks' and
+    the CPU dropout the model's."""
+    import cProfile
+    import pstats
+    counts = []
+    for n in (3, 6):
+        profile = cProfile.Profile()
+        profile.runcall(T.main, ["--objective", objective, "--data", str(prepared), *TINY,
+                                 "--max-steps", str(n), "--log-every", "100",
+                                 "--out-dir", str(tmp_path / str(n))])
+        counts.append({key: calls for key, (_, calls, *_) in pstats.Stats(profile).stats.items()
+                       if key[0].startswith(str(REPO))})
+    grown = {str(Path(key[0]).relative_to(REPO)) for key, calls in counts[1].items()
+             if calls > counts[0].get(key, 0)}
+    assert grown and grown <= STEP_FILES, sorted(grown - STEP_FILES)
+
+
 def feed(guard, losses, norms, log_every):
-    """The loop's calls to a SafetyNet for per-step losses and norms: watch every step, judge at
-    log steps, a good state kept when judge says so; -> the step it stopped at, or None."""
+    """The loop's calls to a SafetyNet for per-step losses and norms: each step's appended to
+    `recent`, read and judged at log steps, a good state kept when judge says so; -> the step it
+    stopped at, or None."""
     for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
-        guard.watch(step - 1, torch.tensor(loss), torch.tensor(norm))
+        guard.recent.append((torch.tensor(loss), torch.tensor(norm)))
         if step % log_every == 0:
             try:
+                guard.check_finite(step)
                 if guard.judge(step, 0.01):
                     guard.keep({"step": step, "weights": torch.full((2,), float(step))}, step)
             except SystemExit:

@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm import tqdm
 
-from data.masking import make_batch
+from data.masking import make_batch, seed_of
 from data.prepare import Segments, load_meta, located, prepare, raw_root
-from machinery.device import (autocast, peak_memory_gb, pick_device, seed_of, use_compile,
+from machinery.device import (autocast, peak_memory_gb, pick_device, use_compile,
                               use_deterministic, use_tf32)
 from machinery.kernels import fused_unavailable
 from machinery.optim import make_optimizer
