@@ -70,8 +70,9 @@ from machinery import flags
 from machinery.device import add_device_flag, pick_device, use_compile, use_tf32
 from machinery.run_folder import REPO, RunFolder
 from machinery.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
-from model import PRESETS, Encoder, ModelConfig, use_attention
+from model import PRESETS, TRAINING_ATTENTION, Encoder, ModelConfig, use_attention
 from objectives import BASELINE, OBJECTIVES
+from training.run import COMPILE_SCOPES
 
 
 V = VOCAB_SIZE
@@ -531,10 +532,10 @@ def build_parser() -> flags.Parser:
         help="step: train.py --compile / --no-compile; bert: both models' steps as train.py "
         "compiles its own (default for both: on with CUDA, off on the CPU); ltg: --compile "
         "compiles both models")
-    add("--attention", default="gather", choices=["gather", "onehot", "fused"],
+    add("--attention", default="gather", choices=TRAINING_ATTENTION,
         help="step, side, bert: how our relative attention picks each pair's bucket (train.py "
         "--attention)")
-    add("--compile-scope", default="model", choices=["model", "layers"],
+    add("--compile-scope", default="model", choices=COMPILE_SCOPES,
         help="step, side: train.py --compile-scope (one graph for the model, or one per layer, "
         "reused)")
     add("--cuda-graphs", action="store_true", default=None,

@@ -94,11 +94,15 @@ def relative_scores(q, k, qp, kp, idx, onehot: bool = False):
     return c2p.gather(-1, idx) + p2c.gather(-1, idx.transpose(-1, -2)).transpose(-1, -2)
 
 
+# how relative attention may be computed in training (train.py --attention); `flex` scores only
+TRAINING_ATTENTION = ("gather", "onehot", "fused")
+
+
 def use_attention(model: nn.Module, form: str = "gather") -> nn.Module:
     """Every Attention of `model` computes relative attention as `gather` or `onehot`
     (relative_scores), `flex` (kernels.flex_relative) where that is exact, or `fused`
     (kernels.fused_relative, CUDA) where the mask is padding alone: the same function."""
-    assert form in ("gather", "onehot", "flex", "fused"), f"unknown attention form {form!r}"
+    assert form in (*TRAINING_ATTENTION, "flex"), f"unknown attention form {form!r}"
     for m in filter(lambda m: isinstance(m, Attention), model.modules()):
         m.form = form
     return model
@@ -290,8 +294,7 @@ class Encoder(nn.Module):
         positions, a bool's in row-major order (the MLM head runs on those alone). causal: each
         position attends to itself and those before it only."""
         B, T = input_ids.shape[:2]
-        longest = self.config.max_position
-        assert T <= longest, f"sequence of {T} > max_position {longest}"
+        assert T <= self.config.max_position, f"sequence of {T} > {self.config.max_position=}"
         if attention_mask is None:
             attention_mask = torch.ones(B, T, dtype=torch.long, device=input_ids.device)
         x = input_ids @ self.word.weight if input_ids.is_floating_point() else self.word(input_ids)

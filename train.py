@@ -46,13 +46,13 @@ from machinery.optim import clipped_step, ema_decay_at, ema_update, set_schedule
 from machinery.progress import bar, line_buffered
 from machinery.run_folder import REPO, repo_sources
 from machinery.stopping import SafetyNet, exit_now, exit_on_stop_signals, on_stop_signals
-from model import PARTS, PRESETS, ModelConfig
+from model import PARTS, PRESETS, TRAINING_ATTENTION, ModelConfig
 from objectives import (BASELINE, DICT_FLAG_NAMES, DICT_FLAGS, OBJECTIVES,
                         ObjectiveParts, Trainee, causal_fraction, dict_config)
-from training.run import (Phase, Run, build_encoder, check_warmup, checkpoint_state,
-                          checked_settings, describe, load_corpus, log_line, nothing_to_do,
-                          open_folder, save, save_words_flag, start_phase, start_processes,
-                          start_run, summary, validate, word_marks)
+from training.run import (COMPILE_SCOPES, Phase, Run, build_encoder, check_warmup,
+                          checkpoint_state, checked_settings, describe, load_corpus, log_line,
+                          nothing_to_do, open_folder, save, save_words_flag, start_phase,
+                          start_processes, start_run, summary, validate, word_marks)
 
 
 # Per-size defaults, under an objective's own. On an H100 `small` MLM at LAMB lr 1e-2 with
@@ -216,14 +216,14 @@ def build_parser():
     add_device_flag(add, "where to train")
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the model (default: on with CUDA, off on the CPU)")
-    add("--compile-scope", default="model", choices=["model", "layers"], help="with --compile, "
+    add("--compile-scope", default="model", choices=COMPILE_SCOPES, help="with --compile, "
         "what one compiled graph covers: the whole step's model (default), or one transformer "
         "layer, whose graph every layer reuses, the rest eager (on a CPU at 12 layers: 1/7 of "
         "the compile time, the same step time; not yet timed on a GPU, docs/bench.md)")
     add("--compile-lamb", action=argparse.BooleanOptionalAction, default=False,
         help="with --compile, compile LAMB's update too (one graph of fused kernels); off: on an "
         "H200 it added ~35 s to a run's start, and no gain in tokens/s (docs/bench.md)")
-    add("--attention", default="gather", choices=["gather", "onehot", "fused"], help="how "
+    add("--attention", default="gather", choices=TRAINING_ATTENTION, help="how "
         "relative attention is computed: each pair's position bucket picked by a gather "
         "(default), or by a one-hot product whose backward needs no atomics on a GPU; or fused: "
         "disentangled-flash's Triton kernels, no (B, H, T, T) tensor (CUDA; pip install -r "

@@ -100,15 +100,16 @@ TINY = ["--size", "tiny", "--n-layer", "1", "--d-model", "64", "--n-head", "2", 
         "--eval-batches", "2", "--device", "cpu"]
 
 
-# Seconds each file took in one run of tests/parallel.sh on CI's 2-core machine (2026-11-26, two
-# shards, warm starts; test_bench.py's estimated after its train.py runs were made warm). They
-# only balance the shards; a file missing here counts as 10 s.
-FILE_SECONDS = {"test_train.py": 450, "test_gpu_check.py": 148, "test_bench.py": 110,
-                "test_study.py": 92, "test_faults.py": 115, "test_readme.py": 74,
-                "test_integration.py": 74, "test_evaluate.py": 59, "test_export.py": 38,
-                "test_synth.py": 32, "test_sparse.py": 29, "test_meta.py": 23,
-                "test_warm_python.py": 21, "test_model.py": 19, "test_data.py": 19,
-                "test_plot.py": 8, "test_house.py": 1, "test_cuda.py": 1, "test_parallel.py": 62}
+# Seconds each file took inside one run of the two shards on CI's 2-core machine (2026-11-27,
+# pytest's junit times summed by file, so each file's share of the shared cores and the session
+# fixtures it built first are counted). They only balance the shards; a file missing here
+# counts as 10 s.
+FILE_SECONDS = {"test_train.py": 184, "test_gpu_check.py": 134, "test_faults.py": 133,
+                "test_study.py": 65, "test_parallel.py": 60, "test_bench.py": 44,
+                "test_integration.py": 29, "test_readme.py": 28, "test_sparse.py": 25,
+                "test_model.py": 22, "test_export.py": 20, "test_evaluate.py": 18,
+                "test_warm_python.py": 14, "test_meta.py": 11, "test_synth.py": 8,
+                "test_data.py": 5, "test_plot.py": 4, "test_house.py": 1, "test_cuda.py": 1}
 
 
 def shard_of_files(names, n: int) -> dict:

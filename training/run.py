@@ -35,6 +35,7 @@ from model import (PRESETS, Encoder, Layer, ModelConfig, check_config, load_weig
 
 
 # the flags a resumed run may change (--lr: a run the guard stopped goes on at a lower one)
+COMPILE_SCOPES = ("model", "layers")  # --compile-scope: the whole model, or one graph per layer
 RESUMABLE = {"resume", "out_dir", "device", "compile", "compile_scope", "compile_lamb",
              "cuda_graphs", "attention", "bf16", "deterministic", "log_every", "lr",
              "eval_every", "save_every", "stop_at", "spike", "save_words", "check"}
