@@ -143,8 +143,8 @@ class SafetyNet:
         None. One copy from the device for all of them."""
         if not self.recent:
             return None
-        pairs = torch.stack([torch.stack([x.float(), g.float()]) for x, g in self.recent])
-        pairs = pairs.double().cpu()                                                   # (n, 2)
+        losses, norms = (torch.stack([pair[i] for pair in self.recent]).double() for i in (0, 1))
+        pairs = torch.stack([losses, norms], 1).cpu()                                  # (n, 2)
         loss, norm, one = pairs[:, 0], pairs[:, 1], torch.ones(len(pairs), dtype=torch.double)
         terms = torch.stack([one, loss, loss * loss, norm, one, norm, one, loss], 1)  # (n, 8)
         finite = pairs.isfinite().all(1)                                               # (n,)
