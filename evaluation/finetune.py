@@ -209,13 +209,11 @@ def finetune(args):
     if done:
         print(f"resuming: seeds {sorted(done)} already fine-tuned in {partial}")
     write_lines(partial, [fingerprint, *({"seed": s, "run": r} for s, r in done.items())])
-    runs = {}
-    for seed in args.seeds:
-        runs[seed] = done.get(seed) or finetune_once(args, encoder, args.task, train, valid, dev,
-                                                     seed, device)
-        if seed not in done:
-            with one_line_os_errors(partial), open(partial, "a") as f:
-                f.write(json.dumps({"seed": seed, "run": runs[seed]}) + "\n")
+    for seed in (s for s in args.seeds if s not in done):
+        done[seed] = finetune_once(args, encoder, args.task, train, valid, dev, seed, device)
+        with one_line_os_errors(partial), open(partial, "a") as f:
+            f.write(json.dumps({"seed": seed, "run": done[seed]}) + "\n")
+    runs = {seed: done[seed] for seed in args.seeds}
     aggregate = {}
     for m in metrics:
         v = [r["metrics"][m] for r in runs.values()]

@@ -141,7 +141,7 @@ class Lamb(torch.optim.Optimizer):
         """A checkpoint's state, its step counts kept as this optimizer keeps them (a number or
         a tensor, whichever wrote the checkpoint)."""
         super().load_state_dict(state_dict)
-        for p, st in self.state.items():
+        for st in self.state.values():
             st["step"] = self.count(float(st["step"]), st["m"])
 
 
