@@ -42,7 +42,7 @@ from machinery import flags
 from machinery.device import add_device_flag, autocast, pick_device
 from machinery.multibootstrap import compare
 from machinery.progress import bar, duration, line_buffered
-from machinery.results import read_partial, write_lines, write_result
+from machinery.results import read_partial, result_path, write_lines, write_result
 from machinery.stopping import exit_on_stop_signals
 from machinery.storage import checkpoint_identity, hold_lock, one_line_os_errors
 from model import Encoder, load_checkpoint
@@ -243,7 +243,7 @@ def blimp(args):
         raise SystemExit(f"error: --scorer causal needs an encoder; {args.ckpt} predicts through "
                          f"a decoder")
     suffix = "" if args.scorer == own else "_" + args.scorer.replace("word-", "")
-    out = Path(args.out or Path(args.ckpt).parent / "eval" / f"blimp{suffix}.json")
+    out = result_path(args.out, args.ckpt, f"blimp{suffix}")
     # scores kept chunk by chunk as they are made, so that an interrupted run goes on from there;
     # the fingerprint: what they depend on (a checkpoint's size and time stand for its weights)
     partial = out.with_name(out.name + ".partial")
