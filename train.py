@@ -43,7 +43,7 @@ from data.prepare import VOCAB_SIZE
 from machinery import flags
 from machinery.device import add_device_flag
 from machinery.optim import clipped_step, ema_decay_at, ema_update, set_schedule
-from machinery.progress import bar, line_buffered
+from machinery.progress import StepProgress, line_buffered
 from machinery.run_folder import REPO, repo_sources
 from machinery.stopping import SafetyNet, exit_now, exit_on_stop_signals, on_stop_signals
 from model import PARTS, PRESETS, TRAINING_ATTENTION, ModelConfig
@@ -395,14 +395,13 @@ def main(argv=None):
     word_saves = word_marks(run)  # {step: (name, words)} of --save-words
     guard = SafetyNet(folder, procs.device, procs.ddp, args.spike, args.log_every, ckpt and step)
     sums, since_log = {}, 0  # each stat summed over the steps since the last log line
-    t_log, t_phase, t0, step0 = time.time(), time.time(), time.time(), step
-    progress = bar(total=args.max_steps, initial=step, disable=None if run.rank == 0 else True,
-                   unit="step", desc="train")
+    t_log, t0, step0 = time.time(), time.time(), step
+    progress = StepProgress(step, args.max_steps, shown=run.rank == 0)  # and the ETA's rate
     while step < args.max_steps:
         if step == phase.end:  # phase 2 begins; phase1.pt was written as phase 1 ended
             phase = phase_at(run, step)
             guard.new_phase()
-            t_log = t_phase = time.time()  # its set-up (teacher, dictionary) is not a step's
+            t_log = time.time()  # its set-up (teacher, dictionary) is not a step's
         lr = set_schedule(phase.optimizer, step, args, phase.start, phase.end)
         step_loss = 0.0
         for micro in range(args.grad_accum):
@@ -426,6 +425,8 @@ def main(argv=None):
             ema_update(phase.parts.ema, run.encoder, decay)  # one fused lerp over all tensors
         step += 1
         since_log += 1
+        if step == max(step0, phase.start) + 1:  # this phase's first step here: it compiled
+            progress.restart(step)  # so the rate of the bar and of the ETA counts from here
         progress.update()
 
         stop = guard.stopping and step < args.max_steps  # a stop signal: save this step, exit
@@ -439,9 +440,7 @@ def main(argv=None):
             record = run.log_stats(step, sums, since_log, time.time() - t_log, lr)
             if guard.judge(step, args.lr):  # a good state, kept to go back to
                 guard.keep(checkpoint_state(run, phase, step), step)
-            # at this phase's rate: the set-up between the phases is behind, not spread
-            rate = (step - max(step0, phase.start)) / max(time.time() - t_phase, 1e-9)
-            run.say(log_line(record, stats, args.max_steps, (args.max_steps - step) / rate))
+            run.say(log_line(record, stats, args.max_steps, progress.eta(step)))
             sums, since_log, t_log = {}, 0, time.time()
         paused = time.time()  # throughput counts training time only: evals and saves are not
         if is_eval:

@@ -23,7 +23,7 @@ import warm_python
 from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
-from machinery import optim, stopping
+from machinery import optim, progress, stopping
 from machinery.run_folder import RunFolder
 from machinery.storage import save_checkpoint
 from model import PRESETS, BootPredictor, Encoder, ModelConfig, boot_states, load_checkpoint
@@ -1433,6 +1433,49 @@ def test_throughput_counts_the_steps_of_the_interval_and_nothing_else(prepared, 
     rates = [rec["tok_per_s"] for rec in read_log(out) if "tok_per_s" in rec]
     assert rates == [8 * 32] * 4  # TINY: 8 sequences of 32 tokens
     assert now[0] == 12 + 4 * 100 + 3 * 1000  # each step; evaluations 3, 6, 9, 12; saves 4, 8, 12
+
+
+def test_the_eta_leaves_out_the_first_step_that_compiles(prepared, tmp_path, monkeypatch,
+                                                         capsys):
+    """On a clock where the first step takes 1000 s (torch.compile) and every later one 1 s,
+    each log line's ETA is the steps left x 1 s; at the first step no step is timed yet. On an
+    H200 (2026-11-28) a rate that held the 55 s first step read "eta 2h16m" at step 50 of a run
+    with five minutes left."""
+    now, steps = [0.0], []
+    clock = type("Clock", (), {"time": staticmethod(lambda: now[0])})
+    monkeypatch.setattr(T, "time", clock)
+    monkeypatch.setattr(progress, "time", clock)
+
+    def first_slow(*a, **k):
+        now[0] += 1000.0 if not steps else 1.0
+        steps.append(1)
+        return train_batch(*a, **k)
+    train_batch = T.train_batch
+    monkeypatch.setattr(T, "train_batch", first_slow)
+    T.main(["--data", str(prepared), "--out-dir", str(tmp_path / "run"), "--max-steps", "12",
+            *TINY, "--log-every", "1", "--save-every", "1000"])
+    etas = [line.rsplit("| eta ", 1)[1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("step ") and "| eta " in line]
+    assert etas == ["?"] + [f"{12 - s}s" for s in range(2, 13)]
+
+
+def test_step_progress_times_each_phase_from_the_end_of_its_first_step_here(monkeypatch):
+    """Two phases (steps 0-5, 6-11), every phase's first step in a sitting 100 s, the others
+    2 s; a sitting resumed at step 3 restarts after step 4. Hand-computed: the ETA at each step
+    is the steps left x 2 s, and None at a first step."""
+    for first in (0, 3):
+        now = [0.0]
+        monkeypatch.setattr(progress, "time", type("Clock", (), {"time": lambda: now[0]}))
+        bar = progress.StepProgress(first, 12, shown=False)
+        for step in range(first + 1, 13):
+            phase_start = 0 if step <= 6 else 6
+            now[0] += 100.0 if step == max(first, phase_start) + 1 else 2.0
+            if step == max(first, phase_start) + 1:  # as train.py's loop calls it
+                bar.restart(step)
+            bar.update()
+            timed = step not in (first + 1, 7)
+            assert bar.eta(step) == ((12 - step) * 2.0 if timed else None), (first, step)
+        bar.close()
 
 
 def test_a_run_ends_with_a_summary_and_the_next_commands(prepared, tmp_path):

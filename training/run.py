@@ -504,10 +504,10 @@ def summary(run: Run, step: int, steps_now: int, seconds: float) -> str:
             f"      python export.py --ckpt {path} --out hf/{path.name}")
 
 
-def log_line(record: dict, stats: dict, max_steps: int, eta: float) -> str:
+def log_line(record: dict, stats: dict, max_steps: int, eta: float | None) -> str:
     """A training log record as one line: the loss, the objective's stats (but accuracy), the
-    learning rate, the throughput and the time left."""
+    learning rate, the throughput and the time left (? while no step is timed yet)."""
     terms = "".join(f" | {k} {record[k]:.4f}" for k in stats if k != "acc")
     return (f"step {record['step']}/{max_steps} | loss {record['loss']:.4f}{terms} | "
             f"lr {record['lr']:.1e} | {record['tok_per_s'] / 1e3:.1f}k tok/s | "
-            f"eta {duration(eta)}")
+            f"eta {'?' if eta is None else duration(eta)}")
