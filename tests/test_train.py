@@ -1441,16 +1441,14 @@ def test_the_eta_leaves_out_the_first_step_that_compiles(prepared, tmp_path, mon
     each log line's ETA is the steps left x 1 s; at the first step no step is timed yet. On an
     H200 (2026-11-28) a rate that held the 55 s first step read "eta 2h16m" at step 50 of a run
     with five minutes left."""
-    now, steps = [0.0], []
+    now, train_batch = [0.0], T.train_batch
     clock = type("Clock", (), {"time": staticmethod(lambda: now[0])})
     monkeypatch.setattr(T, "time", clock)
     monkeypatch.setattr(progress, "time", clock)
 
-    def first_slow(*a, **k):
-        now[0] += 1000.0 if not steps else 1.0
-        steps.append(1)
+    def first_slow(*a, **k):  # the run's first batch is its first step's (grad_accum 1)
+        now[0] += 1000.0 if now[0] == 0 else 1.0
         return train_batch(*a, **k)
-    train_batch = T.train_batch
     monkeypatch.setattr(T, "train_batch", first_slow)
     T.main(["--data", str(prepared), "--out-dir", str(tmp_path / "run"), "--max-steps", "12",
             *TINY, "--log-every", "1", "--save-every", "1000"])
