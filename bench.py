@@ -82,67 +82,75 @@ V = VOCAB_SIZE
 # Training steps: train.py for every objective, as users run it
 
 def bench_step(args, device, tmp):
-    """One train.py run per (size, objective); mlm first, whose checkpoint the two-phase
-    objectives (kd, mlsm) distil from (mlsm: a dictionary of random unit atoms; fista100 takes
-    100 steps whatever the atoms). Beside tokens/s: the recompilations torch.compile logged
-    (dynamo's TORCH_LOGS=recompiles), mfu (the encoder's own MLM training FLOPs per token: a
-    teacher's forward, mlsm's coder or the head on gpt-bert's causal rows is work it does not
-    count), wall_s (the whole run: start, compile, steps, the validation and save at its end)
-    and, for mlsm, a batch's coding time alone (coder_ms) and its share of a step's time
-    (code_share; coder_seconds). A run that fails, or outlasts --row-timeout, is a row with its
-    error's last lines, and the next objective goes on."""
+    """One train.py run per (size, objective, attention form); mlm first, whose checkpoint the
+    two-phase objectives (kd, mlsm) distil from (mlsm: a dictionary of random unit atoms;
+    fista100 takes 100 steps whatever the atoms). Beside tokens/s: the recompilations
+    torch.compile logged (dynamo's TORCH_LOGS=recompiles), mfu (the encoder's own MLM training
+    FLOPs per token: a teacher's forward, mlsm's coder or the head on gpt-bert's causal rows is
+    work it does not count), wall_s (the whole run: start, compile, steps, the validation and
+    save at its end), overhead_s (the run's seconds outside its steady steps: start,
+    torch.compile, the first step) and, for mlsm, a batch's coding time alone (coder_ms) and its
+    share of a step's time (code_share; coder_seconds). The reference: mlm in the first form at
+    the same size. A run that fails, or outlasts --row-timeout, is a row with its error's last
+    lines, and the next goes on."""
     B, T = args.batch_size, args.seq_len
-    reference = {}  # size -> mlm's tokens/s: the other objectives' reference
+    reference = {}  # size -> mlm's tokens/s in the first form: the other rows' reference
+    first = BASELINE + run_variant(args, args.attention[0])
     for size in args.sizes:
         cfg = ModelConfig(**PRESETS[size], vocab_size=V)
         for objective in args.objectives:
-            run = Path(tmp) / f"{objective}_{size}"
-            case = f"{objective} {size} {B}x{T}{run_variant(args)}"
-            flags = train_flags(args, device, objective, size, run)
             entry = OBJECTIVES.get(objective)  # unknown: train.py refuses it, a failed row
             two_phase = bool(entry and entry.two_phase)
             coded = bool(entry and "dict" in entry.flags)  # mlsm's targets: sparse codes
-            if two_phase:  # phase 2 alone, taught by the baseline's run
-                flags += ["--teacher", str(Path(tmp) / f"{BASELINE}_{size}" / "ckpt.pt")]
-            if coded:
-                g = torch.Generator().manual_seed(0)
-                D = torch.randn(cfg.d_model, args.mlsm_k, generator=g)
-                path = Path(tmp) / f"dict_{size}.pt"
-                sparse.save_dictionary(path, D / D.norm(dim=0), layer=cfg.n_layer)
-                flags += ["--dict", str(path), "--mlsm-k", str(args.mlsm_k)]
-            [r] = train_runs([flags], args.row_timeout)
-            if r["failed"]:
-                yield failed_row("step", case, r["failed"])
-                continue
-            tps = r["tps"]
-            # the head reads C slots: the two-phase objectives' uniform masking, else spans
-            slots = mask_capacity(B, T, 0.15, None if two_phase else 3.0)
-            flops = flops_per_token(cfg, T, slots / (B * T), B * T)
-            extra = {k: r[k] for k in ("wall_s", "overhead_s", "peak_mem_gb", "recompiles")}
-            extra["mfu"] = mfu(flops, statistics.median(tps), device)
-            if coded:  # the coder timed alone, not inside the step
-                try:
-                    coder = coder_seconds(args, device, D)
-                    step_s = B * T / statistics.median(tps)
-                    extra.update(coder_ms=1e3 * coder, code_share=coder / step_s)
-                except Exception as e:  # the step's row stands; the next objective goes on
-                    extra["coder_failed"] = f"{type(e).__name__}: {e}"
-            base = reference.get(size) if objective != BASELINE else None
-            yield row("step", case, "tokens/s", tps, *((BASELINE, base) if base else ("-", None)),
-                      **extra)
-            if objective == BASELINE:
-                reference[size] = tps
+            for form in args.attention:
+                run = Path(tmp) / f"{objective}_{size}_{form}"
+                case = f"{objective} {size} {B}x{T}{run_variant(args, form)}"
+                flags = train_flags(args, device, objective, size, run, form=form)
+                if two_phase:  # phase 2 alone, taught by the baseline's run (in the first form)
+                    teacher = Path(tmp) / f"{BASELINE}_{size}_{args.attention[0]}" / "ckpt.pt"
+                    flags += ["--teacher", str(teacher)]
+                if coded:
+                    g = torch.Generator().manual_seed(0)
+                    D = torch.randn(cfg.d_model, args.mlsm_k, generator=g)
+                    path = Path(tmp) / f"dict_{size}.pt"
+                    sparse.save_dictionary(path, D / D.norm(dim=0), layer=cfg.n_layer)
+                    flags += ["--dict", str(path), "--mlsm-k", str(args.mlsm_k)]
+                [r] = train_runs([flags], args.row_timeout)
+                if r["failed"]:
+                    yield failed_row("step", case, r["failed"])
+                    continue
+                tps = r["tps"]
+                # the head reads C slots: the two-phase objectives' uniform masking, else spans
+                slots = mask_capacity(B, T, 0.15, None if two_phase else 3.0)
+                flops = flops_per_token(cfg, T, slots / (B * T), B * T)
+                extra = {k: r[k] for k in ("wall_s", "overhead_s", "peak_mem_gb", "recompiles")}
+                extra["mfu"] = mfu(flops, statistics.median(tps), device)
+                if coded:  # the coder timed alone, not inside the step
+                    try:
+                        coder = coder_seconds(args, device, D)
+                        step_s = B * T / statistics.median(tps)
+                        extra.update(coder_ms=1e3 * coder, code_share=coder / step_s)
+                    except Exception as e:  # the step's row stands; the next goes on
+                        extra["coder_failed"] = f"{type(e).__name__}: {e}"
+                is_first = objective == BASELINE and form == args.attention[0]
+                base = reference.get(size) if not is_first else None
+                yield row("step", case, "tokens/s", tps, *((first, base) if base else ("-", None)),
+                          **extra)
+                if is_first:
+                    reference[size] = tps
 
 
-def train_flags(args, device, objective: str, size: str, out_dir, seed: int = 0) -> list[str]:
+def train_flags(args, device, objective: str, size: str, out_dir, seed: int = 0,
+                form: str | None = None) -> list[str]:
     """train.py's flags for a timed run: --steps in 5 log intervals, no validation or save but
-    at its end, --compile and --bf16 as given."""
+    at its end, --compile and --bf16 as given, relative attention as `form` (default the first
+    of --attention)."""
     k = max(1, args.steps // 5)  # steps per log interval: 5 intervals, the first not timed
     flags = ["--objective", objective, "--data", args.data, "--size", size, "--seed", str(seed),
              "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
              "--max-steps", str(5 * k), "--log-every", str(k), "--eval-every", "100000",
              "--save-every", "100000", "--device", device.type, "--out-dir", str(out_dir),
-             "--attention", args.attention, "--compile-scope", args.compile_scope]
+             "--attention", form or args.attention[0], "--compile-scope", args.compile_scope]
     for flag in ("compile", "bf16", "cuda_graphs"):
         if getattr(args, flag) is not None:
             name = flag.replace("_", "-")
@@ -150,22 +158,24 @@ def train_flags(args, device, objective: str, size: str, out_dir, seed: int = 0)
     return flags
 
 
-def run_variant(args) -> str:
+def run_variant(args, form: str) -> str:
     """What a timed run's flags change from train.py's defaults, for its row's name."""
     return (" cuda-graphs" if args.cuda_graphs else "") + (
-        f" {args.attention}" if args.attention != "gather" else "") + (
+        f" {form}" if form != "gather" else "") + (
         " compiled by layer" if args.compile_scope == "layers" else "")
 
 
 def bench_side(args, device, tmp):
     """Runs side by side on one device: --side N runs of the first objective at the first size
-    (seeds 0..N-1), started together. tokens/s is their sum (each run's median over its log
-    intervals after the first); reference: the first count's sum (1 run alone by default);
-    overhead_s, each run's time outside its steady steps (train_runs), their median."""
+    and the first --attention form (seeds 0..N-1), started together. tokens/s is their sum (each
+    run's median over its log intervals after the first); reference: the first count's sum (1
+    run alone by default); overhead_s, each run's time outside its steady steps (train_runs),
+    their median."""
     size, objective = args.sizes[0], args.objectives[0]
     alone = None
     for n in args.side:
-        case = f"{n} x {objective} {size} {args.batch_size}x{args.seq_len}{run_variant(args)}"
+        case = (f"{n} x {objective} {size} {args.batch_size}x{args.seq_len}"
+                f"{run_variant(args, args.attention[0])}")
         runs = train_runs([train_flags(args, device, objective, size, Path(tmp) / f"side{n}_{i}",
                                        seed=i) for i in range(n)], args.row_timeout,
                           # the cores shared as study.py --parallel shares them
@@ -492,6 +502,15 @@ def cpu_name() -> str:
     return f"{model}, {os.cpu_count()} cores" + (f" ({', '.join(have)})" if have else "")
 
 
+def attention_forms(text: str) -> list[str]:
+    """--attention's type: a comma list of train.py's attention forms."""
+    forms = text.split(",")
+    if unknown := [f for f in forms if f not in TRAINING_ATTENTION]:
+        raise argparse.ArgumentTypeError(f"{','.join(unknown)}: not one of "
+                                         f"{','.join(TRAINING_ATTENTION)}")
+    return forms
+
+
 def build_parser() -> flags.Parser:
     ap = flags.Parser(prog="bench.py", description=__doc__)
     add = ap.add_argument
@@ -524,17 +543,20 @@ def build_parser() -> flags.Parser:
         help=f"step: mlsm dictionary atoms (default {sparse.DictConfig().k}, train.py's)")
     add("--variants", action="store_true", help="bert: also ours with absolute positions, both "
         "without dropout, and both in bf16")
-    add("--profile", action="store_true", help="bert, ltg: also profile one step of each model "
-        "and print its top operators by self time (saved in bench.json)")
+    add("--profile", type=int, nargs="?", const=1, default=0, range=flags.at_least(0),
+        help="bert, ltg: also profile N steps of each model (N: 1 when not given) and print its "
+        "top operators by self time, per step (saved in bench.json)")
     add("--sparse-all", action="store_true",
         help="sparse: also scikit-learn's lasso_lars and our plain FISTA (slow)")
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
         help="step: train.py --compile / --no-compile; bert: both models' steps as train.py "
         "compiles its own (default for both: on with CUDA, off on the CPU); ltg: --compile "
         "compiles both models")
-    add("--attention", default="gather", choices=TRAINING_ATTENTION,
-        help="step, side, bert: how our relative attention picks each pair's bucket (train.py "
-        "--attention)")
+    add("--attention", type=attention_forms, default="gather",
+        help="step, bert: how our relative attention is computed (train.py --attention), a "
+        f"comma list of {', '.join(TRAINING_ATTENTION)}: a row for each, the first the other "
+        "forms' reference in step (bert: BertForMaskedLM compiled once, for all); side: the "
+        "first")
     add("--compile-scope", default="model", choices=COMPILE_SCOPES,
         help="step, side: train.py --compile-scope (one graph for the model, or one per layer, "
         "reused)")

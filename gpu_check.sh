@@ -3,22 +3,33 @@
 # written into $OUT the moment it exists: a command cut at any moment returns what it measured.
 #
 #     bash gpu_check.sh carry [FILE [SCALE]]   # here, first: .gpu_data/ (the prepared corpus,
-#                                              # BLiMP, a study's evaluation data, the commit)
-#     bash gpu_check.sh verify                 # there, one device command each, .gpu_data carried
+#                                              # the fused kernels' wheel, the commit; without a
+#                                              # study BLiMP for headline, with one the study's
+#                                              # evaluation data alone)
+#     bash gpu_check.sh speed                  # there, one device command each, .gpu_data carried
+#     bash gpu_check.sh verify
 #     bash gpu_check.sh headline
 #     bash gpu_check.sh objectives
 #     bash gpu_check.sh compare
 #     bash gpu_check.sh rest
-#     bash gpu_check.sh throughput
-#     bash gpu_check.sh attention
 #     bash gpu_check.sh study FILE [SCALE [ARMS [SEEDS]]]  # every job of a study's scale
 #                                              # (default gpu), or a slice: mlm,boot 0,1
 #     bash gpu_check.sh --smoke TIER [ARGS]    # here, the same on the CPU at tiny sizes
 #
-# Run the first tier not yet recorded in docs/bench.md for today's code, then study jobs. Times
-# are from the H200 runs of 2026-11-26 (docs/bench.md): a compiled train.py run at small takes
-# 70 to 100 s whatever its steps (start and torch.compile; 100 steps are 4 s of it), ours
-# against BertForMaskedLM at small 104 s, the CUDA tests of verify 55 s; the rest are estimates:
+# Run the tier the open "Needs a GPU" issue names next, then study jobs. Times are from the H200
+# runs of 2026-11-26..28 (docs/bench.md): a compiled train.py run at small takes 70 to 100 s
+# whatever its steps (start and torch.compile; 100 steps are 4 s of it), ours against
+# BertForMaskedLM at small 104 s, the CUDA tests of verify 55 s; the rest are estimates:
+#   speed       ~8 min: which attention form and which compile options make the `small` MLM
+#               step fastest. A CUDA check of every form (FORMS, default gather, fused,
+#               gather-fp32, onehot), compiled, at a tiny size (tests/test_cuda.py, ~1 min):
+#               a form that cannot run is named and left out (the tier then exits 1), and the
+#               tier stops at once if the gather cannot. Then in one process our step in each
+#               form against BertForMaskedLM, compiled once (bench.py --only bert: tokens/s,
+#               MFU, each model's first step, the top kernels of 10 steps of each), ~4.5 min; then
+#               train.py at small for 100 steps in the fastest form, with --cuda-graphs, and
+#               with --compile-scope layers (bench.py --only step: tokens/s, seconds outside
+#               the steady steps), ~1.2 min each
 #   verify      ~7.5 min: the CUDA sync and PLL tests (~1.5 min); bench.py's step rows at
 #               small, mlm, mlsm+mlm, boot, kd+mlm compiled for 100 steps each, 240 s a row at
 #               most (mlsm+mlm compiles for over 2 min; kd+mlm runs if time is left; tokens/s
@@ -38,17 +49,6 @@
 #   rest        ~5.5 min: mlsm+mlm at small, 300 + 100 steps, the recipe's dictionary (3000
 #               atoms from 100,000 states) learned between its phases, and phase 2's speed
 #               (~4 min); bench.py's ltg, attn and pll rows at small (~1.5 min)
-#   throughput  ~7 min: 1, 2, 4 and 8 `small` mlm runs of 100 steps side by side on the GPU
-#               (bench.py side): their summed tokens/s against one run alone, and each run's
-#               seconds outside its steady steps (start, torch.compile, the first step); then
-#               mlm at `small` with --cuda-graphs, and with --compile-scope layers (one layer's
-#               graph reused: its start against the whole model's, its tokens/s)
-#   attention   ~6.5 min: our `small` MLM step against BertForMaskedLM, both compiled, with our
-#               relative attention as a gather, fused (disentangled-flash's Triton kernels, its
-#               wheel carried) and a one-hot product (--attention), the top operators of one
-#               step of each (--profile); bench.py's attn rows (every form of the attention
-#               core, forward and backward, with its largest difference from the gather) at
-#               small and base
 #   study       every job of a study's scale (FILE SCALE; ARMS and SEEDS, comma lists, take a
 #               slice), PARALLEL at a time (default 2: four side by side on an H200 trained at
 #               0.93x one run's tokens/s, docs/bench.md; two overlap starts with steps),
@@ -60,12 +60,15 @@
 #               (logs.tar). Here: tar -xf results.tar -C runs/STUDY/SCALE, then study.py --report
 # Each tier works within $BUDGET seconds (default 460); each part within its own limit and what
 # is left of the budget, under `timeout -k 20`: 8 minutes at most. A part that no longer fits
-# is skipped and says so. Back in $OUT (at most 8 files, two folders deep):
-# env.txt, progress.txt (each part: exit status, seconds), and each tier's logs and JSON.
+# is skipped and says so; a part that fails (exits non-zero, or is cut at its limit where that
+# is not its planned stop) is named at the end, and the tier exits 1. Back in $OUT (at most 8
+# files, two folders deep): env.txt (with the size carried), progress.txt (each part: exit
+# status, seconds), and each tier's logs and JSON.
 #
 # Environment: OUT (default gpu_out/), GPU_DATA (default .gpu_data/), BUDGET, PYTHON (default
-# python3, else python), VOCAB_SIZE (the corpus' vocabulary, default 16384), SCALE; carry reads
-# the raw data under NANOMLM_RAW. tests/test_gpu_check.py runs every tier with --smoke.
+# python3, else python), VOCAB_SIZE (the corpus' vocabulary, default 16384), SCALE, FORMS
+# (speed); carry reads the raw data under NANOMLM_RAW. tests/test_gpu_check.py runs every tier
+# with --smoke.
 set -uo pipefail
 here=$PWD
 abs() { case $1 in /*) echo "$1" ;; *) echo "$here/$1" ;; esac; }  # a path typed from here
@@ -78,10 +81,9 @@ fi
 tier=${1:-}
 shift
 case $tier in
-    carry|verify|headline|objectives|compare|rest|throughput|attention|study) ;;
-    *) echo "error: no tier '${tier}' (carry, verify, headline, objectives, compare, rest," \
-            "throughput, attention, study FILE [SCALE [ARMS [SEEDS]]]); see the top of" \
-            "gpu_check.sh" >&2
+    carry|speed|verify|headline|objectives|compare|rest|study) ;;
+    *) echo "error: no tier '${tier}' (carry, speed, verify, headline, objectives, compare," \
+            "rest, study FILE [SCALE [ARMS [SEEDS]]]); see the top of gpu_check.sh" >&2
        exit 2 ;;
 esac
 G=$(abs "${GPU_DATA:-.gpu_data}")
@@ -91,8 +93,9 @@ vocab=${VOCAB_SIZE:-16384}
 export PYTHONUNBUFFERED=1
 
 # carry: what the GPU machine needs, made here (it has no network and no ../shared): babylm_10m
-# prepared, BLiMP filtered and its supplement, a study's evaluation data, the commit id, and the
-# wheel of requirements-kernels.txt (--attention fused)
+# prepared, the commit id, the wheel of the fused kernels' package (--attention fused; Triton
+# comes with torch there), and either BLiMP filtered and its supplement (no study: headline's)
+# or a study's evaluation data alone (a window carries what its tier reads)
 if [ "$tier" = carry ]; then
     raw=$(abs "${NANOMLM_RAW:-data/raw}")
     eval_dir=$raw/babylm_eval/full_eval
@@ -112,8 +115,8 @@ from pathlib import Path
 from studies.plan import StudyError, load_study
 raw, to, study, scale = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 shutil.rmtree(to, ignore_errors=True)
-need = {"babylm_eval/full_eval/blimp_filtered": None,
-        "babylm_eval/full_eval/supplement_filtered": None}
+need = {} if study else {"babylm_eval/full_eval/blimp_filtered": None,
+                        "babylm_eval/full_eval/supplement_filtered": None}
 if study:
     try:
         spec = load_study(Path(study))
@@ -138,9 +141,10 @@ for d, tasks in need.items():
 EOF
     # the fused attention's package (pure Python): its wheel, installed there from the file
     rm -rf "$G/wheels"
-    "$py" -m pip download --quiet --no-deps -d "$G/wheels" -r requirements-kernels.txt ||
-        echo "note: no wheel of requirements-kernels.txt (offline?): --attention fused will" \
-             "refuse to run there" >&2
+    package=$("$py" -c "from machinery.kernels import FUSED_PACKAGE; print(FUSED_PACKAGE)")
+    "$py" -m pip download --quiet --no-deps -d "$G/wheels" "$package" ||
+        echo "note: no wheel of $package (offline?): --attention fused will refuse to run" \
+             "there" >&2
     commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
     [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] &&
         commit="$commit with uncommitted changes"
@@ -167,10 +171,15 @@ fi
 E=$G/raw/babylm_eval/full_eval
 END=$(( SECONDS + ${BUDGET:-460} ))
 say() { echo "[${SECONDS}s] $*" | tee -a "$O/progress.txt"; }
-# part NAME LOG LIMIT CMD...: CMD, its output appended to LOG, stopped after LIMIT seconds or
-# at the end of the budget, whichever comes first (SIGTERM, then SIGKILL 20 s later)
+failed=()  # the parts that failed: named at the end, and the tier exits 1
+# part [--stop] NAME LOG LIMIT CMD...: CMD, its output appended to LOG, stopped after LIMIT
+# seconds or at the end of the budget, whichever comes first (SIGTERM, then SIGKILL 20 s later).
+# A non-zero exit is a failure, but with --stop a stop at the limit (timeout's 124): the part's
+# planned end (headline's training, which saves where it is stopped)
 part() {
-    local name=$1 log=$2 limit=$3 left=$(( END - SECONDS )) t0=$SECONDS rc
+    local stop=0 name log limit left=$(( END - SECONDS )) t0=$SECONDS rc
+    [ "$1" = --stop ] && { stop=1; shift; }
+    name=$1 log=$2 limit=$3
     shift 3
     (( limit > left )) && limit=$left
     if (( limit < (smoke ? 1 : 30) )); then
@@ -180,6 +189,7 @@ part() {
     timeout -k 20 "$limit" "$@" >> "$log" 2>&1
     rc=$?
     say "$name: exit $rc in $(( SECONDS - t0 ))s (limit ${limit}s)"
+    (( rc != 0 && !(stop && rc == 124) )) && failed+=("$name")
     return $rc
 }
 
@@ -204,7 +214,9 @@ for name in ('transformers', 'triton', 'disentangled-flash'):
         print(name, m.version(name))
     except m.PackageNotFoundError:
         print('no', name)"
-  echo "data: $data"; } > "$O/env.txt" 2>&1
+  echo "data: $data"
+  echo "carried: $(( $(du -sk "$G" | cut -f1) / 1024 )) MiB in $G ($(ls "$G" | tr '\n' ' '))"
+} > "$O/env.txt" 2>&1
 say "$tier: budget ${BUDGET:-460}s"
 
 if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few steps, the CPU
@@ -214,10 +226,9 @@ if (( smoke )); then  # the tests' tiny model (tests/conftest.py TINY), a few st
     more_steps=(--quick --sizes tiny --objectives mlm,gpt-bert --steps 5)
     bert=(--quick --sizes tiny --profile) bert_base=(--quick --sizes tiny)
     kernels=(--quick --sizes tiny)
-    side=(--quick --sizes tiny --steps 5 --side 1,2)
-    graphs=(--quick --sizes tiny --objectives mlm --steps 5)
-    forms=(--quick --sizes tiny --profile) forms_attn=(--quick --sizes tiny)
-    attention_forms=(gather onehot)  # fused needs CUDA: its refusal is tested in test_train
+    forms=${FORMS:-gather,gather-fp32,onehot}  # fused needs CUDA: refused in test_train
+    speed_bert=(--quick --sizes tiny --profile 2)
+    speed_step=(--quick --sizes tiny --objectives mlm --steps 5)
     # stopped at step 10 of 1000, as a run too long for the budget is stopped by SIGTERM
     headline=("${tiny[@]}" --max-steps 1000 --stop-at 10 --log-every 5 --eval-every 10)
     dictionary=("${tiny[@]}" --max-steps 10 --phase1-steps 5 --log-every 5 --mlsm-k 48
@@ -229,10 +240,9 @@ else
     more_steps=(--sizes small --objectives mlm,kd,mlsm,gpt-bert --steps 100 --row-timeout 150)
     bert=(--sizes small --profile) bert_base=(--sizes base)  # profile: where ours loses
     kernels=(--sizes small --profile)
-    side=(--sizes small --steps 100 --side 1,2,4,8 --row-timeout 150)
-    graphs=(--sizes small --objectives mlm --steps 100 --row-timeout 150)
-    forms=(--sizes small --profile) forms_attn=(--sizes small,base)
-    attention_forms=(gather fused onehot)
+    forms=${FORMS:-gather,fused,gather-fp32,onehot}  # gather first: the others' baseline
+    speed_bert=(--sizes small --profile 10)
+    speed_step=(--sizes small --objectives mlm --steps 100 --row-timeout 150)
     headline=()
     dictionary=(--size small --max-steps 400 --phase1-steps 300 --log-every 20)
     scale=${SCALE:-gpu}
@@ -240,12 +250,46 @@ fi
 tests=("$py" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py)
 
 case $tier in
+    speed)  # the attention form and compile options that make the small MLM step fastest
+        part check "$O/check.log" 120 "${tests[@]}" -k "attention_form"
+        if [[ " ${failed[*]} " == *" check "* ]]; then  # a form that cannot run: no time on it
+            bad=$(grep -oE '^FAILED [^ ]+\[[^]]+\]' "$O/check.log" | sed -E 's/.*\[(.+)\]/\1/' |
+                  sort -u | paste -sd, -)
+            forms=$(tr , '\n' <<< "$forms" | grep -vxF -f <(tr , '\n' <<< "$bad") | paste -sd, -)
+            if [ -z "$bad" ] || [[ ",$forms," != *,gather,* ]]; then  # no baseline left
+                say "check: ${bad:-the check itself} failed; stopped"
+                echo "error: speed: the CUDA check failed for ${bad:-every form} (check.log)" >&2
+                exit 1
+            fi
+            say "check: $bad cannot run on CUDA (check.log); measuring $forms"
+        fi
+        part forms "$O/bench.log" 300 "$py" bench.py "${dev[@]}" --only bert --attention \
+            "$forms" "${speed_bert[@]}" --out "$O/forms.json"
+        best=$("$py" - "$O/forms.json" <<'EOF'
+import json, sys
+try:  # the fastest form measured; gather where none was
+    rows = [r for r in json.load(open(sys.argv[1]))["rows"] if not r.get("failed")]
+except (OSError, ValueError):
+    rows = []
+print(max(rows, key=lambda r: r["ours"])["form"] if rows else "gather")
+EOF
+)
+        say "fastest form: $best"
+        for run in step graphs layers; do  # train.py itself: its start and the loop's speed
+            case $run in
+                step) variant=() ;;
+                graphs) variant=(--cuda-graphs) ;;
+                layers) variant=(--compile-scope layers) ;;
+            esac
+            part "$run" "$O/bench.log" 150 "$py" bench.py "${dev[@]}" --only step --attention \
+                "$best" "${variant[@]}" "${speed_step[@]}" --data "$data" --out "$O/$run.json"
+        done ;;
     verify)
         part tests "$O/tests.log" 150 "${tests[@]}" -k "never_waits or pll"
         part steps "$O/bench.log" 420 "$py" bench.py "${dev[@]}" \
             --only step "${steps[@]}" --data "$data" --out "$O/steps.json" ;;
     headline)  # what is left of the budget, less BLiMP's share
-        part train "$O/train.log" $(( END - SECONDS - (smoke ? 5 : 75) )) "$py" train.py \
+        part --stop train "$O/train.log" $(( END - SECONDS - (smoke ? 5 : 75) )) "$py" train.py \
             --objective mlm --data "$data" "${dev[@]}" "${headline[@]}" --out-dir "$W/headline"
         cp "$W/headline/log.jsonl" "$O/log.jsonl" 2>/dev/null
         if [ -f "$W/headline/ckpt.pt" ]; then
@@ -297,20 +341,6 @@ EOF
             --out "$O/bert.json"
         part bert_base "$O/bench.log" 240 "$py" bench.py "${dev[@]}" --only bert \
             "${bert_base[@]}" --out "$O/bert_base.json" ;;
-    throughput)  # runs side by side on one GPU: what a study window can hold; CUDA graphs
-        part side "$O/bench.log" 260 "$py" bench.py "${dev[@]}" --only side --objectives mlm \
-            "${side[@]}" --data "$data" --out "$O/side.json"
-        part graphs "$O/bench.log" 200 "$py" bench.py "${dev[@]}" --only step --cuda-graphs \
-            "${graphs[@]}" --data "$data" --out "$O/graphs.json"
-        part layers "$O/bench.log" 150 "$py" bench.py "${dev[@]}" --only step \
-            --compile-scope layers "${graphs[@]}" --data "$data" --out "$O/layers.json" ;;
-    attention)  # each form of relative attention in our step against BertForMaskedLM
-        for form in "${attention_forms[@]}"; do
-            part "bert_$form" "$O/bench.log" 170 "$py" bench.py "${dev[@]}" --only bert \
-                --attention "$form" "${forms[@]}" --out "$O/bert_$form.json"
-        done
-        part attn "$O/bench.log" 120 "$py" bench.py "${dev[@]}" --only attn "${forms_attn[@]}" \
-            --out "$O/attn.json" ;;
     rest)
         part dictionary "$O/dictionary.log" 240 "$py" train.py --objective mlsm+mlm \
             --data "$data" "${dev[@]}" "${dictionary[@]}" --out-dir "$W/dictionary"
@@ -346,4 +376,9 @@ EOF
         (cd "$S" && tar -cf "$O/logs.tar" */s*/study.log sources/*/study.log 2>/dev/null)
         say "results: $(tar -tf "$O/results.tar" 2>/dev/null | tr '\n' ' ')" ;;
 esac
+if (( ${#failed[@]} )); then
+    say "failed: ${failed[*]}"
+    echo "error: $tier: ${failed[*]} failed (progress.txt, and each part's log in $O)" >&2
+    exit 1
+fi
 say "done"

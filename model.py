@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machinery.kernels import flex_relative, fused_relative
+from machinery.kernels import flex_relative, fused_relative, toeplitz_plan
 from machinery.storage import read_checkpoint
 
 
@@ -77,30 +77,57 @@ def relative_buckets(n: int, buckets: int, max_position: int) -> torch.Tensor:
     return bucket + buckets - 1
 
 
-def relative_scores(q, k, qp, kp, idx, onehot: bool = False):
+def relative_scores(q, k, qp, kp, idx, pick: str = "gather"):
     """The content-to-position plus position-to-content scores (B, H, T, T), unscaled:
     q_i.kp[r(i,j)] + k_j.qp[r(i,j)] for q, k (B, H, T, hd), projected position vectors qp, kp
     (H, R, hd) and buckets r = idx (B or 1, 1, T, T): scored against every bucket (B, H, T, R),
-    then each pair's picked by a gather, or with `onehot` (a shared idx) by a product with idx's
-    (T, T, R) one-hot: the same numbers, with matrix products for a backward where the gather's
-    is a scatter-add (contended atomics on a GPU: at T = 128 up to 26 keys share a bucket)."""
+    then each pair's score picked (`pick`, one of TRAINING_ATTENTION's first three):
+      gather       a gather; its backward is a scatter-add into (B, H, T, R), in the scores'
+                   dtype: under bf16 autocast bf16 atomics, up to 26 keys sharing a bucket at
+                   T = 128 (contended compare-and-swap loops on GPUs without bf16 atomics)
+      gather-fp32  the same gather on the scores cast to at least float32: its scatter-add
+                   accumulates in float32 (native atomics), returns float32 scores
+      onehot       (a shared idx) a product with idx's (T, T, R) one-hot: matrix products
+                   forward and backward, no atomics, about 2 B H T^2 R more FLOPs each way
+    Any other pick (fused and flex, where they do not apply) is the gather. The same numbers each
+    way (in float64 the same sums, up to their order)."""
     B, H, T, _ = q.shape
     c2p, p2c = q @ kp.transpose(-1, -2), k @ qp.transpose(-1, -2)       # (B, H, T, R)
-    if onehot and idx.shape[0] == 1:
-        pick = F.one_hot(idx[0, 0], kp.shape[1]).to(q.dtype)              # (Ti, Tj, R)
-        return (torch.einsum("bhir,ijr->bhij", c2p, pick)
-                + torch.einsum("bhjr,ijr->bhij", p2c, pick))
+    if pick == "onehot" and idx.shape[0] == 1:
+        one = F.one_hot(idx[0, 0], kp.shape[1]).to(q.dtype)               # (Ti, Tj, R)
+        return (torch.einsum("bhir,ijr->bhij", c2p, one)
+                + torch.einsum("bhjr,ijr->bhij", p2c, one))
+    if pick == "gather-fp32":
+        wide = torch.promote_types(c2p.dtype, torch.float32)
+        c2p, p2c = c2p.to(wide), p2c.to(wide)
     idx = idx.expand(B, H, T, T)
     return c2p.gather(-1, idx) + p2c.gather(-1, idx.transpose(-1, -2)).transpose(-1, -2)
 
 
 # how relative attention may be computed in training (train.py --attention); `flex` scores only
-TRAINING_ATTENTION = ("gather", "onehot", "fused")
+TRAINING_ATTENTION = ("gather", "gather-fp32", "onehot", "fused")
+
+
+_FUSED_PLANS = {}  # (T, buckets, max_position, device) -> fused_plan's
+
+
+@torch.compiler.assume_constant_result
+def fused_plan(T: int, buckets: int, max_position: int, device: str) -> tuple:
+    """kernels.toeplitz_plan of relative_buckets(T, ...), the map every layer reads when the
+    batch shares its positions (Encoder.attention_inputs' top-left T x T of its buckets): made
+    on the host once per length and device, outside any step; assume_constant_result:
+    torch.compile calls it while tracing and keeps what it returned (the tensors as constants)."""
+    key = (T, buckets, max_position, device)
+    if key not in _FUSED_PLANS:
+        pair = relative_buckets(T, buckets, max_position)
+        offsets = torch.cat([pair[0].flip(0), pair[1:, 0]])  # bucket of i - j = -(T-1) .. T-1
+        _FUSED_PLANS[key] = toeplitz_plan(offsets.tolist(), device)
+    return _FUSED_PLANS[key]
 
 
 def use_attention(model: nn.Module, form: str = "gather") -> nn.Module:
-    """Every Attention of `model` computes relative attention as `gather` or `onehot`
-    (relative_scores), `flex` (kernels.flex_relative) where that is exact, or `fused`
+    """Every Attention of `model` computes relative attention as `gather`, `gather-fp32` or
+    `onehot` (relative_scores), `flex` (kernels.flex_relative) where that is exact, or `fused`
     (kernels.fused_relative, CUDA) where the mask is padding alone: the same function."""
     assert form in (*TRAINING_ATTENTION, "flex"), f"unknown attention form {form!r}"
     for m in filter(lambda m: isinstance(m, Attention), model.modules()):
@@ -136,6 +163,7 @@ class Attention(nn.Module):
         assert cfg.d_model % cfg.n_head == 0, "d_model must be a multiple of n_head"
         self.n_head, self.head_dim, self.p = cfg.n_head, cfg.d_model // cfg.n_head, cfg.dropout
         self.relative = cfg.position == "relative"
+        self.buckets = (cfg.position_buckets, cfg.max_position)  # relative_buckets' scheme
         # three score terms (content-content, content-position, position-content) share the
         # softmax, so LTG-BERT scales by 1/sqrt(3 d_head) to keep their sum at unit variance
         self.scale = 1 / math.sqrt((3 if self.relative else 1) * self.head_dim)
@@ -169,9 +197,11 @@ class Attention(nn.Module):
                 and (x.device.type != "cpu" or not torch.is_grad_enabled()))
         fused = self.form == "fused" and self.relative and keys
         if self.relative and not (flex or fused):
-            bias = bias + self.scale * relative_scores(q, k, qp, kp, idx, self.form == "onehot")
+            bias = bias + self.scale * relative_scores(q, k, qp, kp, idx, self.form)
         if fused:  # the probabilities dropped inside the kernel, as SDPA's dropout_p drops them
-            y = fused_relative(q, k, v, qp, kp, idx, bias[:, 0, 0] == 0, self.scale, p)
+            # a shared idx is always Encoder.buckets[:T, :T] (attention_inputs): its plan
+            plan = fused_plan(T, *self.buckets, str(x.device)) if idx.shape[0] == 1 else None
+            y = fused_relative(q, k, v, qp, kp, idx, bias[:, 0, 0] == 0, self.scale, p, plan)
         elif flex:
             y = flex_relative(q, k, v, qp, kp, idx, bias.to(q.dtype), self.scale)
         elif by_hand:
@@ -417,7 +447,8 @@ def boot_states(encoder: "Encoder", heads: BootHeads, inputs, attention_mask, hi
     tokens = inputs.gather(1, order)   # those slots repeat the row's first kept token
     first = tokens.gather(1, seen.int().argmax(1, keepdim=True))        # (B, 1)
     tokens = torch.where(seen, tokens, first)  # (attention-masked), never a [MASK]
-    kept = encoder(tokens, seen.long(), positions=order)                # (B, n, D)
+    # not compact: every row's slots at positions 0..T-1, so the batch shares one bucket map
+    kept = encoder(tokens, seen.long(), positions=order if compact else None)  # (B, n, D)
     kept = kept.masked_fill(~seen[..., None], 0.0)  # padding slots: zeros, whichever layout
     x = torch.zeros(B, T, kept.shape[-1], device=inputs.device, dtype=kept.dtype)
     x = x.scatter(1, order[..., None].expand_as(kept), kept)            # back to (B, T, D)

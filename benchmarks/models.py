@@ -6,6 +6,7 @@ and the matrix-FLOP count behind MFU.
 """
 
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +76,11 @@ def bench_bert(args, device, tmp):
     forward and the loss in one torch.compile; on with CUDA, --compile/--no-compile to choose).
     Ours reads the predicted positions as train.py does, a fixed number of slots (no boolean
     indexing, so no host sync); BERT computes logits everywhere and ignores the -100 labels.
-    mfu and ref_mfu: each model's own FLOPs per token over the GPU's peak. --variants adds, per
-    size, ours with absolute positions and both models without dropout."""
+    A row per --attention form of ours, BERT built and compiled once per size for all of them.
+    mfu and ref_mfu: each model's own FLOPs per token over the GPU's peak; first_step_s and
+    ref_first_step_s: the seconds of each model's first step (its compilation, when compiled;
+    BERT's on the first form's row). --variants adds, per size, ours with absolute positions and
+    both models without dropout."""
     try:
         from transformers import BertConfig, BertForMaskedLM
     except ImportError:
@@ -84,9 +88,6 @@ def bench_bert(args, device, tmp):
               "never a requirement)")
         return
     B, T = args.batch_size, args.seq_len
-    if args.attention == "fused" and (why := fused_unavailable(device)):
-        yield failed_row("bert", f"mlm step {B}x{T}, ours fused", why)
-        return
     warmup, repeat = (1, 3) if args.quick else (3, 10)
     bf16, compiled = use_bf16(device, args.bf16), use_compile(device, args.compile)
     fused = {"fused": True} if device.type == "cuda" else {}
@@ -104,49 +105,73 @@ def bench_bert(args, device, tmp):
         for name, change, half in variants:
             amp = autocast(device, half)
             cfg = ModelConfig(**{**PRESETS[size], "vocab_size": V, **change})
-            ours = use_attention(Encoder(cfg), args.attention).to(device).train()
             p = cfg.dropout
             bert = BertConfig(vocab_size=V, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
                               num_attention_heads=cfg.n_head, intermediate_size=cfg.d_ff,
                               max_position_embeddings=cfg.max_position, hidden_dropout_prob=p,
                               attention_probs_dropout_prob=p)
             theirs = BertForMaskedLM(bert).to(device).train()
-            opts = [torch.optim.AdamW(m.parameters(), lr=1e-4, **fused) for m in (ours, theirs)]
-
-            def loss_ours():  # train.py's mlm loss: the head on the C slots, padding weighed out
-                with amp:
-                    _, logits = ours(inp, att, predict=slots)                     # (C, V)
-                return F.cross_entropy(logits.float(), targets, ignore_index=-100)
+            opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-4, **fused)
 
             def loss_theirs():
                 with amp:
                     return theirs(input_ids=inp, attention_mask=att, labels=labels).loss
 
-            losses = [loss_ours, loss_theirs]
-            if compiled:  # both or neither; compiling happens in the warm-up steps
-                torch._dynamo.reset()  # each row compiles afresh: no recompile limit reached
-                losses = [torch.compile(fn) for fn in losses]
+            if compiled:  # both or neither; compiling happens in each model's first step
+                torch._dynamo.reset()  # each size compiles afresh: no recompile limit reached
+                loss_theirs = torch.compile(loss_theirs)
+            step_theirs = training_step(loss_theirs, opt_theirs)
+            theirs_first = first_step_seconds(step_theirs, device)
+            for form in args.attention:
+                head_dim = cfg.d_model // cfg.n_head
+                case = f"mlm step {size} {B}x{T}{name}" + (", compiled (both)" if compiled else "")
+                case += f", ours {form}" if form != "gather" else ""
+                if form == "fused" and (why := fused_unavailable(device, head_dim)):
+                    yield failed_row("bert", case, why)
+                    continue
+                ours = use_attention(Encoder(cfg), form).to(device).train()
 
-            def step(i):
-                losses[i]().backward()
-                opts[i].step()
-                opts[i].zero_grad(set_to_none=True)
+                def loss_ours():  # train.py's mlm loss: the head on the C slots, padding out
+                    with amp:
+                        _, logits = ours(inp, att, predict=slots)                 # (C, V)
+                    return F.cross_entropy(logits.float(), targets, ignore_index=-100)
 
-            a, b = alternate(lambda: step(0), lambda: step(1), B * T, device, warmup, repeat)
-            name += ", compiled (both)" if compiled else ""
-            name += f", ours {args.attention}" if args.attention != "gather" else ""
-            params = f"{ours.num_params() / 1e6:.1f}M vs {theirs.num_parameters() / 1e6:.1f}M"
-            case = f"mlm step {size} {B}x{T}{name} ({params} params)"
-            ours_flops = flops_per_token(cfg, T, len(slots) / (B * T), B * T)
-            theirs_flops = bert_flops_per_token(cfg, T)
-            yield row("bert", case, "tokens/s", a, "BertForMaskedLM", b,
-                      flops_ratio=ours_flops / theirs_flops,
-                      mfu=mfu(ours_flops, statistics.median(a), device),
-                      ref_mfu=mfu(theirs_flops, statistics.median(b), device))
-            if args.profile:
-                PROFILES[f"bert: {case}"] = {"ours": profile_ops(lambda: step(0), device),
-                                             "BertForMaskedLM": profile_ops(lambda: step(1),
-                                                                            device)}
+                step_ours = training_step(torch.compile(loss_ours) if compiled else loss_ours,
+                                          torch.optim.AdamW(ours.parameters(), lr=1e-4, **fused))
+                ours_first = first_step_seconds(step_ours, device)
+                a, b = alternate(step_ours, step_theirs, B * T, device, warmup, repeat)
+                params = f"{ours.num_params() / 1e6:.1f}M vs {theirs.num_parameters() / 1e6:.1f}M"
+                case += f" ({params} params)"
+                ours_flops = flops_per_token(cfg, T, len(slots) / (B * T), B * T)
+                theirs_flops = bert_flops_per_token(cfg, T)
+                yield row("bert", case, "tokens/s", a, "BertForMaskedLM", b,
+                          flops_ratio=ours_flops / theirs_flops,
+                          mfu=mfu(ours_flops, statistics.median(a), device),
+                          ref_mfu=mfu(theirs_flops, statistics.median(b), device),
+                          first_step_s=ours_first, ref_first_step_s=theirs_first, form=form)
+                theirs_first = None  # BERT's first step once, on the first form's row
+                if args.profile:
+                    PROFILES[f"bert: {case}"] = {
+                        "ours": profile_ops(step_ours, device, args.profile),
+                        "BertForMaskedLM": profile_ops(step_theirs, device, args.profile)}
+
+
+def training_step(loss, optimizer):
+    """One optimizer step on loss(): backward, step, gradients set to None."""
+    def step():
+        loss().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def first_step_seconds(step, device) -> float:
+    """Seconds of step's first call, the GPU waited for: its compilation, when compiled."""
+    t = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
 
 
 def bench_ltg(args, device, tmp):
@@ -190,5 +215,6 @@ def bench_ltg(args, device, tmp):
                   max_abs_diff=diff.max().item(), mfu=mfu(flops, statistics.median(a), device),
                   ref_mfu=mfu(flops, statistics.median(b), device))
         if args.profile:
-            PROFILES[f"ltg: {case}"] = {name: profile_ops(fn, device) for name, fn in
+            PROFILES[f"ltg: {case}"] = {name: profile_ops(fn, device, args.profile)
+                                        for name, fn in
                                         (("ours", step_ours), ("LTG-BERT model code", step_ltg))}

@@ -15,7 +15,8 @@ from machinery.device import use_bf16
 from machinery.kernels import flex_relative, fused_relative, fused_unavailable
 from machinery.optim import ema_update
 from machinery.timing import alternate, rates, row
-from model import PRESETS, Encoder, ModelConfig, relative_buckets, relative_scores
+from model import (PRESETS, Encoder, ModelConfig, fused_plan, relative_buckets,
+                   relative_scores)
 
 
 V = VOCAB_SIZE
@@ -30,16 +31,16 @@ def skew(a):
     return a.flatten(-2)[..., T - 1:T - 1 + T * (2 * T - 2)].unflatten(-1, (T, 2 * T - 2))[..., :T]
 
 
-def attention_variants(device):
+def attention_variants(device, cfg: ModelConfig):
     """{name: fn(q, k, v, qp, kp, idx, keep, scale) -> (B, H, T, hd)}, dropout off: q, k, v
-    (B, H, T, hd); qp, kp (H, R, hd) projected position vectors; idx (T, T) buckets; keep (B, T)
-    bool, False at padding. `gather` is model.Attention's default, `one-hot` and `fused` (CUDA,
-    with disentangled-flash) its other forms."""
+    (B, H, T, hd); qp, kp (H, R, hd) projected position vectors; idx (T, T) buckets of cfg's
+    scheme; keep (B, T) bool, False at padding. `gather` is model.Attention's default, the gather
+    in float32, `one-hot` and `fused` (CUDA, with disentangled-flash) its other forms."""
     def bias_of(keep):
         return torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, float("-inf"))
 
-    def gather(q, k, v, qp, kp, idx, keep, scale, backend=None, onehot=False):
-        scores = relative_scores(q, k, qp, kp, idx[None, None], onehot)
+    def gather(q, k, v, qp, kp, idx, keep, scale, backend=None, pick="gather"):
+        scores = relative_scores(q, k, qp, kp, idx[None, None], pick)
         bias = (bias_of(keep)[:, None, None, :] + scores * scale).to(q.dtype)
         if backend is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
@@ -58,13 +59,18 @@ def attention_variants(device):
         bias = bias_of(keep)[:, None, None, :].to(q.dtype)
         return flex_relative(q, k, v, qp, kp, idx[None, None], bias, scale)
 
-    out = {"gather": gather, "one-hot pick (--attention onehot)": lambda *a: gather(
-               *a, onehot=True), "by offset (relative shift)": by_offset,
+    def fused(q, k, v, qp, kp, idx, keep, scale):
+        plan = fused_plan(q.shape[2], cfg.position_buckets, cfg.max_position, str(q.device))
+        return fused_relative(q, k, v, qp, kp, idx[None, None], keep, scale, 0.0, plan)
+
+    out = {"gather": gather,
+           "gather in float32 (--attention gather-fp32)": lambda *a: gather(
+               *a, pick="gather-fp32"),
+           "one-hot pick (--attention onehot)": lambda *a: gather(*a, pick="onehot"),
+           "by offset (relative shift)": by_offset,
            "flex_attention (kernels.flex_relative)": flex}
-    if fused_unavailable(device) is None:  # the fused kernels of --attention fused (CUDA)
-        out["fused (--attention fused, disentangled-flash)"] = (
-            lambda q, k, v, qp, kp, idx, keep, scale: fused_relative(
-                q, k, v, qp, kp, idx[None, None], keep, scale, 0.0))
+    if fused_unavailable(device, cfg.d_model // cfg.n_head) is None:  # --attention fused
+        out["fused (--attention fused, disentangled-flash)"] = fused
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend
         out["gather, SDPA efficient kernel"] = lambda *a: gather(
@@ -80,9 +86,9 @@ def bench_attn(args, device, tmp):
     B, T = args.batch_size, args.seq_len
     warmup, repeat = (1, 2) if args.quick else (3, 10)
     dtype = torch.bfloat16 if use_bf16(device, args.bf16) else torch.float32
-    variants = attention_variants(device)
     for size in args.sizes:
         cfg = ModelConfig(**PRESETS[size])
+        variants = attention_variants(device, cfg)
         H, hd, R = cfg.n_head, cfg.d_model // cfg.n_head, 2 * cfg.position_buckets - 1
         g = torch.Generator().manual_seed(0)
         make = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype).requires_grad_()

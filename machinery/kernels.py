@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 
 _FLEX = {}  # device type -> flex_attention, compiled
-_FUSED = {}  # "attention" -> disentangled_flash's training_attention, once imported
+_FUSED = {}  # "attention" -> disentangled_flash's training op, once imported (fused_kernels)
 FUSED_PACKAGE = "disentangled-flash==1.1.1"  # the version whose kernel contract is read below
 
 
@@ -47,6 +47,19 @@ def flex_relative(q, k, v, qp, kp, idx, bias, scale):
     return _FLEX[q.device.type](q, k, v, score_mod=score_mod, scale=scale)
 
 
+def fused_kernels():
+    """disentangled-flash's differentiable training attention op, once imported (ImportError if
+    Triton or the package is missing): torch.ops.disentangled_flash.training_attention_forward,
+    a torch.library.triton_op whose backward (two Triton kernels and the position tables' GEMMs)
+    the package registers as its autograd formula."""
+    if "attention" not in _FUSED:
+        if importlib.util.find_spec("triton") is None:
+            raise ImportError("no module named 'triton'")
+        import disentangled_flash.training._kernels  # noqa: F401  (registers the op)
+        _FUSED["attention"] = torch.ops.disentangled_flash.training_attention_forward
+    return _FUSED["attention"]
+
+
 def fused_unavailable(device, head_dim: int = 64) -> str | None:
     """Why fused_relative cannot run on `device` with heads of `head_dim`, or None when it can."""
     if device.type != "cuda":
@@ -54,17 +67,53 @@ def fused_unavailable(device, head_dim: int = 64) -> str | None:
     if head_dim not in (32, 64, 128):
         return f"the fused attention kernels take heads of 32, 64 or 128 dimensions, not {head_dim}"
     try:
-        if importlib.util.find_spec("triton") is None:
-            raise ImportError("no module named 'triton'")
-        from disentangled_flash.training._kernels import training_attention
+        fused_kernels()
     except ImportError as e:
         return (f"the fused attention needs Triton and {FUSED_PACKAGE} ({e}); pip install -r "
                 "requirements-kernels.txt")
-    _FUSED.setdefault("attention", training_attention)
     return None
 
 
-def fused_relative(q, k, v, qp, kp, idx, keep, scale, dropout_p: float):
+def toeplitz_plan(slots: list[int], device: str) -> tuple:
+    """What the fused kernels read for a bucket map shared by the batch, made on the host from the
+    bucket of each offset i - j = -(T-1) .. T-1 (slots, monotone in the offset): (slots (2T - 1,)
+    int32 on `device`, low, high, columns (C,) int64 on `device`), the last three the package's
+    GradientBand (disentangled_flash/position.py): every offset strictly inside (low, high) gets
+    its own column of the position gradient, the offsets at or beyond either end share the end
+    slots' two columns, so the backward kernels write each (row, offset) gradient once, without
+    atomics, and a (C, R) one-hot GEMM folds the columns into the table's slots."""
+    from disentangled_flash.position import gradient_band
+    s = torch.tensor(slots, dtype=torch.int32)
+    low, high, columns = gradient_band(s, torch.device(device))
+    return s.to(device), int(low), int(high), columns
+
+
+@torch.compiler.assume_constant_result
+def launch_configs(T: int, head_dim: int, dtype: str, device: str) -> tuple:
+    """The fused kernels' tiles, explicit: (block_m, block_n, warps, stages) for the forward, the
+    dQ and the dK/dV kernels, from the package's heuristic (tuning.heuristic_config: the workload
+    and the GPU's limits, no benchmarking). The package's default autotunes its backward kernels
+    with configs whose pre_hook zeroes the atomic outputs, which torch.compile refuses to trace
+    ("pre_hook and post_hook are not supported in triton.Autotune or triton.Config"); with every
+    config given, the plain kernels run. assume_constant_result: torch.compile calls this once
+    while tracing and keeps the numbers; the batch is left out (as the package does under
+    compile), so no tile shrinks for a small batch, and so is dropout (the heuristic ignores it)."""
+    from disentangled_flash.tuning import heuristic_config
+    limits = gpu_limits(device)
+    phases = ("training_forward", "backward_dq", "backward_dkv")
+    picked = [heuristic_config(phase=ph, sequence_length=T, head_dim=head_dim, dtype=dtype,
+                               batch_heads=None, resources=limits) for ph in phases]
+    return tuple((c.block_m, c.block_n, c.num_warps, c.num_stages) for c in picked)
+
+
+def gpu_limits(device: str):
+    """The package's DeviceResources of `device` (shared memory per block, SMs, compute
+    capability), read from CUDA: what the tile heuristic sizes its tiles against."""
+    from disentangled_flash.tuning import DeviceResources
+    return DeviceResources.current(torch.device(device))
+
+
+def fused_relative(q, k, v, qp, kp, idx, keep, scale, dropout_p: float, plan=None):
     """softmax((q k^T + relative_scores) * scale), keys where keep is False masked, dropped
     with dropout_p, @ v, in the fused kernels of disentangled-flash (Triton; a DeBERTa-style
     flash attention: no (B, H, T, T) tensor, the dropout mask regenerated in the backward).
@@ -72,19 +121,33 @@ def fused_relative(q, k, v, qp, kp, idx, keep, scale, dropout_p: float):
     position tables, s = slots[i - j + T - 1] for one map shared by the batch, or slots[b, i, j];
     c2p = q_i . pos_key[s], p2c = k_j . pos_query[s], the same slot for both, as ours (DeBERTa's
     p2c index is -r(j, i) = r(i, j): symmetric buckets). q, k, v (B, H, T, hd), hd 32, 64 or
-    128; qp, kp (H, R, hd); idx (B or 1, 1, T, T) rows of the relative table; keep (B, T) bool.
+    128; qp, kp (H, R, hd); idx (B or 1, 1, T, T) rows of the relative table; keep (B, T) bool;
+    plan: toeplitz_plan of a shared idx (its slots and gradient band; model.fused_plan), None
+    for per-row maps (BootBERT's compact MAE student), whose position gradients the kernels
+    then accumulate with float32 atomics.
     Returns (B, H, T, hd) as a view of its (B, T, H*hd) output. A padded query row attends to
     every key uniformly (Hugging Face's rule) where ours attends to the real keys: a padded
     position's own output differs, never a real one's."""
     B, H, T, hd = q.shape
-    if idx.shape[0] == 1:  # a Toeplitz map: the row of each offset i - j = -(T-1) .. T-1
-        pair = idx[0, 0]
-        slots = torch.cat([pair[0].flip(0), pair[1:, 0]])                   # (2T - 1,)
-    else:                  # BootBERT's MAE student: each row's tokens at their own positions
-        slots = idx[:, 0].expand(B, T, T)                                  # (B, T, T)
+    if plan is not None:
+        slots, low, high, columns = plan                                   # (2T - 1,), (C,)
+    else:  # BootBERT's MAE student: each row's tokens at their own positions
+        slots = idx[:, 0].expand(B, T, T).int().contiguous()               # (B, T, T)
+        low, high, columns = 0, 0, torch.empty(0, dtype=torch.long, device=q.device)
     rows = -kp.shape[1] % 8  # Hopper's fast GEMMs want 16-byte rows: zero rows never read
     kp, qp = (F.pad(t, (0, 0, 0, rows)) for t in (kp, qp))
-    y = _FUSED["attention"](q, k, v, kp, qp, slots.int().contiguous(), keep.contiguous(),
-                            score_scale=scale, has_padding=True, strict_fp32=True,
-                            dropout_p=dropout_p)                             # (B, T, H*hd)
+    tiles = launch_configs(T, hd, str(q.dtype).removeprefix("torch."), str(q.device))
+    # a fresh seed per call, drawn on the device (no host sync); the backward regenerates the
+    # mask from it
+    seed = (torch.randint(0, 2 ** 62, (1,), device=q.device) if dropout_p > 0
+            else torch.empty(0, dtype=torch.int64, device=q.device))
+    names = ("block_m", "block_n", "num_warps", "num_stages")
+    y, _ = fused_kernels()(
+        query=q, key=k, value=v, pos_key=kp, pos_query=qp, delta_to_local=slots,
+        attention_mask=keep.contiguous(), score_scale=scale, has_padding=True, has_c2p=True,
+        has_p2c=True, strict_fp32=True, store_lse=torch.is_grad_enabled(),
+        dropout_p=float(dropout_p), dropout_seed=seed, band_low=low, band_high=high,
+        column_slots=columns, autotune_bundle_id=0,  # unused: every tile given
+        **{f"{phase}_{n}": x for phase, tile in zip(("forward", "dq", "dkv"), tiles)
+           for n, x in zip(names, tile)})                                  # (B, T, H*hd)
     return y.view(B, T, H, hd).transpose(1, 2)

@@ -1,6 +1,6 @@
 """How bench.py measures: rates after warm-up calls (CUDA synchronised around each call), two
 functions timed in turn so that a slow spell of the machine hits both, a table row (or a failed
-one, with its error), and torch.profiler's top operators of one step (--profile).
+one, with its error), and torch.profiler's top operators per step (--profile).
 """
 import statistics
 import time
@@ -47,29 +47,30 @@ def alternate(fn_a, fn_b, work, device, warmup, repeat):
     return a, b
 
 
-PROFILES = {}  # case -> {model: top operators of one step}, with --profile; saved in bench.json
+PROFILES = {}  # case -> {model: top operators per step}, with --profile; saved in bench.json
 
 
-def profile_ops(fn, device, top=15) -> list[dict]:
-    """The operators of one call of fn, by self time (torch.profiler; device time on a GPU):
-    op, ms, calls, share of the call's total."""
+def profile_ops(fn, device, steps: int = 1, top=15) -> list[dict]:
+    """The operators of `steps` calls of fn, by self time (torch.profiler; device time on a
+    GPU): op, ms per call of fn, calls per call of fn, share of the total."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        fn()
+        for _ in range(steps):
+            fn()
         if cuda:
             torch.cuda.synchronize()
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     ops = sorted(prof.key_averages(), key=lambda e: -getattr(e, attr))
     total = sum(getattr(e, attr) for e in ops)
-    return [{"op": e.key, "ms": getattr(e, attr) / 1e3, "calls": e.count,
+    return [{"op": e.key, "ms": getattr(e, attr) / 1e3 / steps, "calls": e.count / steps,
              "share": getattr(e, attr) / total} for e in ops[:top]]
 
 
 def print_profiles():
     for case, models in PROFILES.items():
         for name, ops in models.items():
-            print(f"\n{case}, {name}: one step's top operators by self time")
+            print(f"\n{case}, {name}: a step's top operators by self time")
             for o in ops:
-                print(f"  {o['op'][:44]:44s} {o['ms']:9.1f} ms {o['share']:6.1%} "
-                      f"{o['calls']:5d} calls")
+                print(f"  {o['op'][:44]:44s} {o['ms']:9.2f} ms {o['share']:6.1%} "
+                      f"{o['calls']:7.1f} calls")

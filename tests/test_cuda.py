@@ -1,7 +1,8 @@
 """On a CUDA device: every objective compiled and in bf16, no host sync in a compiled step, PLL
-against the CPU's, resume. Skipped without one (CI has none); gpu_check.sh runs this file where a
-GPU is lent (../shared/GPU.md). There the corpus is the carried, prepared babylm_10m
-($NANOMLM_DATA), found as train.py finds it; elsewhere the tests' own."""
+against the CPU's, resume, every attention form compiled. Skipped without one (CI has none);
+gpu_check.sh runs this file where a GPU is lent (../shared/GPU.md). There the corpus is the
+carried, prepared babylm_10m ($NANOMLM_DATA), found as train.py finds it; elsewhere the tests'
+own."""
 import dataclasses
 import os
 from pathlib import Path
@@ -18,7 +19,7 @@ from conftest import TINY, run_train, run_trains
 from data.masking import make_batch
 from data.prepare import CLS, SEP, VOCAB_SIZE, Segments, prepare
 from machinery.optim import Lamb, clipped_step, ema_update
-from model import PRESETS, Encoder, ModelConfig
+from model import PRESETS, TRAINING_ATTENTION, Encoder, ModelConfig, use_attention
 
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -180,3 +181,35 @@ def test_resume_on_cuda_is_bit_exact(corpus, tmp_path):
     a, b, c = (torch.load(tmp_path / x / "ckpt.pt", weights_only=True)["model"] for x in "abc")
     for k in a:
         assert torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]), k
+
+
+@pytest.mark.parametrize("form", TRAINING_ATTENTION)
+def test_every_attention_form_trains_compiled_on_cuda(form):
+    """Each --attention form compiled as train.py compiles a step (inductor, bf16 autocast), in a
+    tiny encoder with the fused kernels' head size (64), over a batch that shares its bucket map
+    (one row padded) and over per-row maps (positions: BootBERT's compact student): forward and
+    backward run, and the outputs at real positions and every gradient agree with the gather in
+    float32, eager, to bf16's precision. Seconds: gpu_check.sh speed runs it first and stops if
+    a form cannot run."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**PRESETS["tiny"], "n_layer": 1, "vocab_size": 300, "dropout": 0.0})
+    enc = Encoder(cfg).cuda()
+    ids = torch.randint(5, 300, (4, 64), device="cuda")
+    mask = torch.ones(4, 64, dtype=torch.long, device="cuda")
+    mask[1, 40:] = 0
+    positions = torch.sort(torch.randperm(128, device="cuda")[:64].expand(4, 64), dim=1)[0]
+    real = mask[..., None] == 1
+    shared = lambda: (enc(ids, mask) * real).float()                 # (B, T, D) at real positions
+    per_row = lambda: enc(ids, mask, positions=positions).float()
+    out = {}
+    for name in ("reference", form):  # each map compiled on its own, as a training step is
+        use_attention(enc, "gather" if name == "reference" else form)
+        enc.zero_grad()
+        with torch.autocast("cuda", torch.bfloat16, enabled=name != "reference"):
+            y, z = ((f() if name == "reference" else torch.compile(f)()) for f in (shared,
+                                                                                    per_row))
+        (y.sin().sum() + z.cos().sum()).backward()
+        out[name] = [y, z] + [p.grad.clone() for p in enc.parameters() if p.grad is not None]
+    assert len(out[form]) == len(out["reference"]) > 10
+    for got, want in zip(out[form], out["reference"]):
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2 * float(want.abs().max()))

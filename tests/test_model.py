@@ -407,11 +407,13 @@ def test_boot_states_in_both_layouts_equal_one_row_at_a_time(position):
         for compact, states in got.items():
             torch.testing.assert_close(states[b, :n], want, msg=f"compact={compact}")
 
-# --- the one-hot form (relative_scores(onehot=True)) ---------------------------------------------
+# --- the other forms: gather-fp32 and onehot (relative_scores), fused (kernels.fused_relative) ---
 
-def test_onehot_relative_scores_equal_the_gather_and_its_gradients():
-    """relative_scores picking each pair's bucket by a one-hot product equals the gather, in
-    value and in the gradient of every input (float64: the sums differ in order alone)."""
+@pytest.mark.parametrize("pick", ["gather-fp32", "onehot"])
+def test_relative_scores_picked_another_way_equal_the_gather_and_its_gradients(pick):
+    """relative_scores picking each pair's bucket by a one-hot product, or by the gather in
+    float32, equals the gather, in value and in the gradient of every input (float64: the sums
+    differ in order alone)."""
     torch.manual_seed(0)
     B, H, T, hd, buckets = 3, 4, 23, 8, 8
     idx = relative_buckets(T, buckets, 64)[None, None]
@@ -419,14 +421,38 @@ def test_onehot_relative_scores_equal_the_gather_and_its_gradients():
               for shape in [(B, H, T, hd)] * 2 + [(H, 2 * buckets - 1, hd)] * 2]
     grad = torch.randn(B, H, T, T, dtype=torch.float64)
     out = {}
-    for onehot in (False, True):
-        y = relative_scores(*inputs, idx, onehot)
-        out[onehot] = [y, *torch.autograd.grad(y, inputs, grad)]
-    for a, b in zip(out[False], out[True]):
+    for form in ("gather", pick):
+        y = relative_scores(*inputs, idx, form)
+        out[form] = [y, *torch.autograd.grad(y, inputs, grad)]
+    for a, b in zip(out["gather"], out[pick]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def trained_in_form(form, enc, heads, ids, mask, hide, causal) -> list[torch.Tensor]:
+def test_gather_fp32_accumulates_the_position_gradient_in_float32():
+    """In bf16, gather-fp32's scores are float32 and its backward sums, in float32, the pairs of
+    a query row that share a bucket: with q all ones and every score's gradient g = 1 + 2^-7
+    (exact in bf16), kp's gradient of bucket r is the sum over rows of that row's count of pairs
+    in r, times g, each row's sum rounded once to bf16 (the bf16 matrix product's input), as
+    float64 gives it (n g needs more than bf16's 8 bits for most n: a sum in bf16 would round at
+    each pair, as bf16 atomics on a GPU do; the CPU's bf16 scatter-add happens to sum in float32
+    too, so the gather is not told apart here)."""
+    B, H, T, hd, buckets = 2, 1, 64, 8, 8
+    idx = relative_buckets(T, buckets, 64)[None, None]
+    q = torch.ones(B, H, T, hd, dtype=torch.bfloat16)
+    k, qp, kp = (torch.zeros(*shape, dtype=torch.bfloat16, requires_grad=True)
+                 for shape in [(B, H, T, hd)] + [(H, 2 * buckets - 1, hd)] * 2)
+    y = relative_scores(q, k, qp, kp, idx, "gather-fp32")
+    assert y.dtype == torch.float32
+    g = 1 + 2 ** -7
+    y.backward(torch.full(y.shape, g, dtype=y.dtype))
+    counts = F.one_hot(idx[0, 0], kp.shape[1]).sum(1).double()             # (T, R) per row
+    row_sums = (counts * g).to(torch.bfloat16)
+    want = (B * row_sums.double().sum(0)).to(torch.bfloat16)                # (R,)
+    assert counts.max() > 3 and torch.equal(kp.grad[0, :, 0], want)
+
+
+def trained_in_form(form, enc, heads, ids, mask, hide, causal, compact=True
+                    ) -> list[torch.Tensor]:
     """With attention computed as `form`: the encoder's states and a BootBERT MAE student's,
     each at the real positions, and every gradient of a loss of both (dropout seeded alike)."""
     use_attention(enc, form)
@@ -436,19 +462,20 @@ def trained_in_form(form, enc, heads, ids, mask, hide, causal) -> list[torch.Ten
     torch.manual_seed(1)
     real = mask[..., None] == 1  # (the fused kernel gives a padded query row another rule)
     y = enc(ids, mask, causal=causal) * real
-    z = boot_states(enc, heads, ids, mask, hide) * real
+    z = boot_states(enc, heads, ids, mask, hide, compact) * real
     (y.sin().sum() + z.cos().sum()).backward()
     return [y, z] + [p.grad for p in [*enc.parameters(), *heads.parameters()]
                      if p.grad is not None]
 
 
+@pytest.mark.parametrize("form", ["gather-fp32", "onehot"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_onehot_encoder_trains_as_the_gather_path(causal, monkeypatch):
+def test_encoder_in_another_form_trains_as_the_gather_path(form, causal, monkeypatch):
     """The whole encoder in training, dropout on, padding in one row, bidirectional and causal
     (gpt-bert's): the same outputs and every gradient in float64, with the same dropout masks;
-    a BootBERT MAE student's per-row buckets take the gather in both."""
+    a BootBERT MAE student's per-row buckets take the gather in onehot."""
     import model as model_module
-    picks = []  # (onehot asked, idx shared) of each call
+    picks = []  # (pick asked, idx shared) of each call
 
     def spy(*a):
         picks.append((a[-1], a[-2].shape[0] == 1))
@@ -462,31 +489,31 @@ def test_onehot_encoder_trains_as_the_gather_path(causal, monkeypatch):
     mask[1, 11:] = 0
     hide = (torch.rand(3, 17) < 0.4) & (mask == 1)
     hide[:, 0] = False
-    out = {form: trained_in_form(form, enc, heads, ids, mask, hide, causal)
-           for form in ("gather", "onehot")}
-    assert len(out["onehot"]) == len(out["gather"]) > 10
+    out = {f: trained_in_form(f, enc, heads, ids, mask, hide, causal) for f in ("gather", form)}
+    assert len(out[form]) == len(out["gather"]) > 10
     # two layers of the encoder and the student's decoder layer share their buckets; the MAE
     # student's encoder layers read per-row buckets
-    assert picks.count((True, True)) == picks.count((False, True)) == 3
-    assert picks.count((True, False)) == picks.count((False, False)) == 2
-    for a, b in zip(out["gather"], out["onehot"]):
+    assert picks.count((form, True)) == picks.count(("gather", True)) == 3
+    assert picks.count((form, False)) == picks.count(("gather", False)) == 2
+    for a, b in zip(out["gather"], out[form]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-# --- the fused form (kernels.fused_relative: disentangled-flash's kernels) ------------------------
-
-def kernel_contract(dropouts):
-    """disentangled-flash 1.1.1's training_attention as its Triton kernel computes it
+def kernel_contract(calls):
+    """disentangled-flash 1.1.1's training op as its Triton kernel computes it
     (disentangled_flash/kernel.py, _deberta_attention_forward_kernel), pair by pair: slot
-    s = slots[i - j + T - 1] (or slots[b, i, j]); score (q_i.k_j + q_i.pos_key[s] +
-    k_j.pos_query[s]) * score_scale; keys where keep is False get probability 0, and a padded
-    query row attends to every key alike (Hugging Face's rule); output (B, T, H*hd). Each call's
-    dropout_p is appended to `dropouts` (the probabilities are not dropped here)."""
-    def attention(q, k, v, pos_key, pos_query, slots, keep, *, score_scale, has_padding,
-                  strict_fp32, dropout_p):
-        dropouts.append(dropout_p)
+    s = delta_to_local[i - j + T - 1] (or delta_to_local[b, i, j]); score (q_i.k_j +
+    q_i.pos_key[s] + k_j.pos_query[s]) * score_scale; keys where attention_mask is False get
+    probability 0, and a padded query row attends to every key alike (Hugging Face's rule);
+    output (B, T, H*hd) and the log-sum-exp. Each call's keyword arguments but the tensors it
+    reads are appended to `calls` (the probabilities are not dropped here)."""
+    def attention(*, query, key, value, pos_key, pos_query, delta_to_local, attention_mask,
+                  score_scale, **rest):
+        calls.append({**rest, "slots": delta_to_local})
+        q, k, v, slots, keep = query, key, value, delta_to_local, attention_mask
         assert slots.dtype == torch.int32 and slots.is_contiguous() and keep.dtype == torch.bool
-        assert pos_key.shape == pos_query.shape and pos_key.shape[1] % 8 == 0 and has_padding
+        assert pos_key.shape == pos_query.shape and pos_key.shape[1] % 8 == 0
+        assert rest["has_padding"] and rest["has_c2p"] and rest["has_p2c"]
         B, H, T, hd = q.shape
         rows = []
         for b in range(B):
@@ -500,20 +527,37 @@ def kernel_contract(dropouts):
                         scores.append(score if keep[b, j] else score - math.inf)
                     scores = torch.stack(scores) if keep[b, i] else torch.zeros(T, dtype=q.dtype)
                     rows.append(torch.softmax(scores, 0) @ v[b, h])
-        return torch.stack(rows).view(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
+        y = torch.stack(rows).view(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
+        return y, torch.empty(0)
     return attention
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_fused_encoder_trains_as_the_gather_path(causal, monkeypatch):
-    """With the kernel's contract in place of the kernel (the CPU has no Triton), the whole
-    encoder in training, padding in one row, and a BootBERT MAE student (per-row slots): the
-    same outputs at real positions and every gradient as the gather path, in float64. Causal
-    masks (gpt-bert's) keep the gather (the kernel masks keys alone); the probabilities'
-    dropout goes to the kernel in training, none in evaluation."""
+@pytest.fixture
+def h100_limits(monkeypatch):
+    """kernels.gpu_limits as an H100 reports them (228 KiB of shared memory per block, 132 SMs,
+    sm_90), where the CPU has no GPU to ask: what the tile heuristic sizes its tiles against."""
+    tuning = pytest.importorskip("disentangled_flash.tuning")
     from machinery import kernels
-    dropouts = []
-    monkeypatch.setitem(kernels._FUSED, "attention", kernel_contract(dropouts))
+    monkeypatch.setattr(kernels, "gpu_limits",
+                        lambda device: tuning.DeviceResources(232448, 132, (9, 0)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_encoder_trains_as_the_gather_path(causal, monkeypatch, h100_limits):
+    """With the kernel's contract in place of the kernel (the CPU runs no Triton), the whole
+    encoder in training, padding in one row, and a BootBERT MAE student in both layouts
+    (compact: per-row slots; not: one map for the batch): the same outputs at real positions
+    and every gradient as the gather path, in float64. A shared map goes with its gradient band,
+    a per-row one without; every launch tile is given (no autotuning). Causal masks (gpt-bert's)
+    keep the gather (the kernel masks keys alone); the probabilities' dropout goes to the kernel
+    in training, none in evaluation."""
+    from disentangled_flash.position import gradient_band
+    from machinery import kernels
+    calls = []
+    monkeypatch.setitem(kernels._FUSED, "attention", kernel_contract(calls))
+    tiles = kernels.launch_configs  # the kernels have no float64: tiles of float32's
+    monkeypatch.setattr(kernels, "launch_configs", lambda T, hd, dtype, device: tiles(
+        T, hd, dtype.replace("float64", "float32"), device))
     torch.manual_seed(0)
     enc = Encoder(tiny(n_layer=2, n_head=2, position_buckets=4, max_position=16, dropout=0.0))
     heads = BootHeads(enc.config, 1, mae=True)
@@ -523,20 +567,47 @@ def test_fused_encoder_trains_as_the_gather_path(causal, monkeypatch):
     mask[1, 6:] = 0
     hide = torch.zeros(2, 9, dtype=torch.bool)
     hide[:, [2, 5]] = True
-    out = {form: trained_in_form(form, enc, heads, ids, mask, hide, causal)
-           for form in ("gather", "fused")}
-    assert len(out["fused"]) == len(out["gather"]) > 10
-    # the student's encoder (two layers, per-row slots) and decoder (one), and the encoder's two
-    # layers unless causal
-    assert len(dropouts) == (3 if causal else 5) and set(dropouts) == {0.0}
-    for a, b in zip(out["gather"], out["fused"]):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    dropouts.clear()
+    for compact in (True, False):
+        calls.clear()
+        out = {form: trained_in_form(form, enc, heads, ids, mask, hide, causal, compact)
+               for form in ("gather", "fused")}
+        assert len(out["fused"]) == len(out["gather"]) > 10
+        for a, b in zip(out["gather"], out["fused"]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        # the student's encoder (two layers) and decoder (one), the encoder's two unless causal
+        assert len(calls) == (3 if causal else 5) and {c["dropout_p"] for c in calls} == {0.0}
+        per_row = [c for c in calls if c["slots"].ndim == 3]
+        assert len(per_row) == (2 if compact else 0)
+        for c in calls:
+            assert all(c[f"{phase}_{n}"] > 0 for phase in ("forward", "dq", "dkv")
+                       for n in ("block_m", "block_n", "num_warps", "num_stages"))
+            if c["slots"].ndim == 3:
+                assert (c["band_low"], c["band_high"], c["column_slots"].numel()) == (0, 0, 0)
+            else:  # the package's own band of the slots
+                low, high, columns = gradient_band(c["slots"], torch.device("cpu"))
+                assert (c["band_low"], c["band_high"]) == (low, high)
+                assert torch.equal(c["column_slots"], columns)
+    calls.clear()
     enc.layers[0].attn.p = 0.1
     with torch.no_grad():
         enc.train()(ids, mask)
         enc.eval()(ids, mask)
-    assert dropouts == [0.1, 0.0, 0.0, 0.0]
+    assert [c["dropout_p"] for c in calls] == [0.1, 0.0, 0.0, 0.0]
+    assert [c["dropout_seed"].numel() for c in calls] == [1, 0, 0, 0]
+
+
+def test_fused_plan_reads_each_pairs_bucket_by_its_offset(h100_limits):
+    """The slots of the fused plan, read as the kernel reads them (slot of pair (i, j) at
+    i - j + T - 1), are the model's bucket of every pair, at lengths up to 512 of the small
+    preset's scheme; made once per length and device."""
+    from model import fused_plan
+    for T in (1, 2, 17, 128, 512):
+        slots, low, high, columns = fused_plan(T, 32, 512, "cpu")
+        i = torch.arange(T)
+        pair = slots.long()[i[:, None] - i[None, :] + T - 1]
+        assert torch.equal(pair, relative_buckets(T, 32, 512)), T
+        assert 0 <= low < high and columns.numel() % 8 == 0
+        assert fused_plan(T, 32, 512, "cpu")[0] is slots
 
 
 def test_kernel_contract_is_the_packages_own_reference():
@@ -553,14 +624,122 @@ def test_kernel_contract_is_the_packages_own_reference():
     keep = torch.ones(B, T, dtype=torch.bool)
     keep[1, 4:] = False
     scale = 1 / math.sqrt(3 * hd)
-    want = kernel_contract([])(q, k, v, pos_key, pos_query, slots, keep, score_scale=scale,
-                                has_padding=True, strict_fp32=True, dropout_p=0.0)
+    want, _ = kernel_contract([])(query=q, key=k, value=v, pos_key=pos_key, pos_query=pos_query,
+                                  delta_to_local=slots, attention_mask=keep, score_scale=scale,
+                                  has_padding=True, has_c2p=True, has_p2c=True)
     T_ = torch.arange(T)
     pair = slots.long()[T_[:, None] - T_[None, :] + T - 1][None, None]    # (1, 1, T, T)
     plan = TorchPositionPlan(T, torch.arange(R), pair, pair, pos_key[None], pos_query[None])
     got = _torch_disentangled_attention(q, k, v, plan, keep.long(), scale=1 / scale,
                                         num_heads=H, all_head_size=H * hd, assume_unpadded=False)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+# --- every form traced by torch.compile (AOTAutograd), as a compiled GPU step traces it ---------
+
+@pytest.fixture
+def traced_as_on_a_gpu(monkeypatch, h100_limits):
+    """Triton with an sm_90 target where the CPU has no GPU driver: what torch.compile needs to
+    trace a Triton kernel (its TTIR, for the analysis of what the kernel writes); nothing runs."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    class Target:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+    monkeypatch.setattr(triton.runtime.driver, "_active", Target())
+
+
+def graphs_of(fn, *args, run_on=None) -> list:
+    """torch.compile(fn, fullgraph=True) through AOTAutograd, called on args and differentiated:
+    the forward and backward graphs it traced. run_on: a FakeTensorMode in which the graphs run
+    (meta tensors, whose Triton kernels nothing could run); else they run as traced (eager)."""
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+
+    def keep(gm, example):
+        graphs.append(gm)
+        if run_on is None:
+            return make_boxed(gm)
+
+        def run(args):
+            with run_on(allow_non_fake_inputs=True):
+                return gm(*args)
+        run._boxed_call = True
+        return run
+    y = torch.compile(fn, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                      fullgraph=True)(*args)
+    y.float().sum().backward()
+    return graphs, y
+
+
+def make_boxed(gm):
+    from functorch.compile import make_boxed_func
+    return make_boxed_func(gm.forward)
+
+
+@pytest.mark.parametrize("form", ["gather", "gather-fp32", "onehot"])
+def test_every_form_traced_by_torch_compile_trains_as_eager(form):
+    """The encoder and a per-row map (positions, BootBERT's compact student), traced by
+    torch.compile in one graph each way: the same outputs and gradients as eager, float64."""
+    torch.manual_seed(0)
+    enc = use_attention(Encoder(tiny(n_layer=2, dropout=0.0)).double(), form)
+    ids = torch.randint(5, V, (2, 11))
+    positions = torch.stack([torch.arange(11), torch.arange(11) * 2])  # its own map each row
+
+    def loss(ids):
+        return enc(ids).sin().sum() + enc(ids, positions=positions).cos().sum()
+    out = []
+    for compiled in (False, True):
+        enc.zero_grad()
+        if compiled:
+            torch._dynamo.reset()
+            graphs, y = graphs_of(loss, ids)
+            assert len(graphs) == 2  # one forward, one backward: no graph break
+        else:
+            y = loss(ids)
+            y.backward()
+        out.append([y] + [p.grad.clone() for p in enc.parameters() if p.grad is not None])
+    assert len(out[0]) == len(out[1]) > 10
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def fused_graphs(given_positions: bool):
+    """fused_form's compiled bf16 training forward and backward, traced as on a GPU (meta tensors,
+    Triton targeting sm_90), with dropout: its two graphs and output."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    torch._dynamo.reset()
+    enc = Encoder(tiny(n_layer=2, d_model=128, n_head=2, dropout=0.1))
+    enc = use_attention(enc.to(torch.bfloat16).to("meta").train(), "fused")
+    ids = torch.randint(5, V, (2, 16)).to("meta")
+    mask = torch.ones(2, 16, dtype=torch.long).to("meta")
+    positions = torch.stack([torch.arange(16), torch.arange(16) * 2]).to("meta")
+    given = positions if given_positions else None
+    return graphs_of(lambda ids, mask: enc(ids, mask, positions=given), ids, mask,
+                     run_on=FakeTensorMode)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fused_form_traced_by_torch_compile(traced_as_on_a_gpu, per_row):
+    """The fused form in a compiled bf16 step: one forward graph and one backward, the package's
+    Triton kernels in them (per layer: the forward; the backward's preprocessing, dQ and dK/dV),
+    for a map shared by the batch and for per-row maps (BootBERT's compact student)."""
+    graphs, y = fused_graphs(per_row)
+    assert y.shape == (2, 16, 128) and len(graphs) == 2
+    kernels = [[n.kwargs["kernel_idx"] for n in g.graph.nodes
+                if "triton_kernel_wrapper" in str(n.target)] for g in graphs]
+    assert [len(k) for k in kernels] == [2, 6], kernels
+
+
+def test_fused_form_with_autotuned_tiles_cannot_be_traced(traced_as_on_a_gpu, monkeypatch):
+    """Why every tile is given: left to the package (tiles of 0), its backward kernels autotune
+    with configs whose pre_hook zeroes their atomic outputs, and torch.compile refuses to trace
+    them, as the first compiled fused step on a GPU would have."""
+    from machinery import kernels
+    monkeypatch.setattr(kernels, "launch_configs", lambda *a: ((0, 0, 0, 0),) * 3)
+    with pytest.raises(Exception, match="pre_hook and post_hook are not supported"):
+        fused_graphs(False)
 
 
 # --- flex attention (kernels.flex_relative) -----------------------------------------------------
