@@ -103,11 +103,11 @@ def bench_step(args, device, tmp):
             two_phase = bool(entry and entry.two_phase)
             coded = bool(entry and "dict" in entry.flags)  # mlsm's targets: sparse codes
             for form in args.attention:
-                run = Path(tmp) / f"{objective}_{size}_{form}"
+                run = timed_run_dir(tmp, objective, size, form)
                 case = f"{objective} {size} {B}x{T}{run_variant(args, form)}"
                 flags = train_flags(args, device, objective, size, run, form=form)
                 if two_phase:  # phase 2 alone, taught by the baseline's run (in the first form)
-                    teacher = Path(tmp) / f"{BASELINE}_{size}_{args.attention[0]}" / "ckpt.pt"
+                    teacher = timed_run_dir(tmp, BASELINE, size, args.attention[0]) / "ckpt.pt"
                     flags += ["--teacher", str(teacher)]
                 if coded:
                     g = torch.Generator().manual_seed(0)
@@ -138,6 +138,11 @@ def bench_step(args, device, tmp):
                           **extra)
                 if is_first:
                     reference[size] = tps
+
+
+def timed_run_dir(tmp, objective: str, size: str, form: str) -> Path:
+    """Where a timed train.py run of `objective` at `size` in attention `form` writes."""
+    return Path(tmp) / (f"{objective}_{size}" + (f"_{form}" if form != "gather" else ""))
 
 
 def train_flags(args, device, objective: str, size: str, out_dir, seed: int = 0,

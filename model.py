@@ -81,16 +81,12 @@ def relative_scores(q, k, qp, kp, idx, pick: str = "gather"):
     """The content-to-position plus position-to-content scores (B, H, T, T), unscaled:
     q_i.kp[r(i,j)] + k_j.qp[r(i,j)] for q, k (B, H, T, hd), projected position vectors qp, kp
     (H, R, hd) and buckets r = idx (B or 1, 1, T, T): scored against every bucket (B, H, T, R),
-    then each pair's score picked (`pick`, one of TRAINING_ATTENTION's first three):
-      gather       a gather; its backward is a scatter-add into (B, H, T, R), in the scores'
-                   dtype: under bf16 autocast bf16 atomics, up to 26 keys sharing a bucket at
-                   T = 128 (contended compare-and-swap loops on GPUs without bf16 atomics)
-      gather-fp32  the same gather on the scores cast to at least float32: its scatter-add
-                   accumulates in float32 (native atomics), returns float32 scores
-      onehot       (a shared idx) a product with idx's (T, T, R) one-hot: matrix products
-                   forward and backward, no atomics, about 2 B H T^2 R more FLOPs each way
-    Any other pick (fused and flex, where they do not apply) is the gather. The same numbers each
-    way (in float64 the same sums, up to their order)."""
+    then each pair's picked by `pick`: `gather` (its backward a scatter-add into the buckets:
+    atomics on a GPU, bf16 ones under autocast, up to 26 keys of a row per bucket at T = 128);
+    `gather-fp32`, the gather on the scores cast to at least float32 (float32 atomics; float32
+    scores); `onehot` (a shared idx), a product with idx's (T, T, R) one-hot (matrix products
+    both ways, no atomics, 2 B H T^2 R more FLOPs each way); any other (fused, flex where they
+    do not apply), the gather. The same numbers each way, up to the order of the sums."""
     B, H, T, _ = q.shape
     c2p, p2c = q @ kp.transpose(-1, -2), k @ qp.transpose(-1, -2)       # (B, H, T, R)
     if pick == "onehot" and idx.shape[0] == 1:
@@ -163,7 +159,7 @@ class Attention(nn.Module):
         assert cfg.d_model % cfg.n_head == 0, "d_model must be a multiple of n_head"
         self.n_head, self.head_dim, self.p = cfg.n_head, cfg.d_model // cfg.n_head, cfg.dropout
         self.relative = cfg.position == "relative"
-        self.buckets = (cfg.position_buckets, cfg.max_position)  # relative_buckets' scheme
+        self.bucket_scheme = (cfg.position_buckets, cfg.max_position)  # relative_buckets
         # three score terms (content-content, content-position, position-content) share the
         # softmax, so LTG-BERT scales by 1/sqrt(3 d_head) to keep their sum at unit variance
         self.scale = 1 / math.sqrt((3 if self.relative else 1) * self.head_dim)
@@ -200,7 +196,7 @@ class Attention(nn.Module):
             bias = bias + self.scale * relative_scores(q, k, qp, kp, idx, self.form)
         if fused:  # the probabilities dropped inside the kernel, as SDPA's dropout_p drops them
             # a shared idx is always Encoder.buckets[:T, :T] (attention_inputs): its plan
-            plan = fused_plan(T, *self.buckets, str(x.device)) if idx.shape[0] == 1 else None
+            plan = fused_plan(T, *self.bucket_scheme, str(x.device)) if idx.shape[0] == 1 else None
             y = fused_relative(q, k, v, qp, kp, idx, bias[:, 0, 0] == 0, self.scale, p, plan)
         elif flex:
             y = flex_relative(q, k, v, qp, kp, idx, bias.to(q.dtype), self.scale)

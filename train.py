@@ -224,11 +224,13 @@ def build_parser():
         help="with --compile, compile LAMB's update too (one graph of fused kernels); off: on an "
         "H200 it added ~35 s to a run's start, and no gain in tokens/s (docs/bench.md)")
     add("--attention", default="gather", choices=TRAINING_ATTENTION, help="how "
-        "relative attention is computed: each pair's position bucket picked by a gather "
-        "(default), or by a one-hot product whose backward needs no atomics on a GPU; or fused: "
+        "relative attention is computed, the same function each way (tests/test_model.py): "
+        "each pair's position bucket picked by a gather (default; its backward adds into the "
+        "buckets with atomics, bf16 ones under --bf16), by the gather in float32 (float32 "
+        "atomics), or by a one-hot product (matrix products, no atomics); or fused: "
         "disentangled-flash's Triton kernels, no (B, H, T, T) tensor (CUDA; pip install -r "
-        "requirements-kernels.txt). The same function (tests/test_model.py), not yet timed "
-        "against each other on a GPU")
+        "requirements-kernels.txt). Which is fastest on a GPU: gpu_check.sh speed, "
+        "docs/bench.md")
     add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
         help="with --compile on CUDA, replay the compiled step's forward and backward as CUDA "
         "graphs (torch.compile mode reduce-overhead): fewer kernel launches, more memory; off "

@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,7 +43,7 @@ flags = "--size tiny --n-layer 1 --d-model 64 --n-head 2 --d-ff 128 --seq-len 32
 --eval-every 3 --vocab-size 2000 --device cpu"
 [scales.cpu.evaluate]
 mlm = { segments = 8 }
-blimp = ["babylm_eval/full_eval/blimp_filtered"]
+blimp = ["babylm_eval/full_eval/blimp_filtered", "babylm_eval/full_eval/supplement_filtered"]
 """
 
 
@@ -50,7 +51,8 @@ blimp = ["babylm_eval/full_eval/blimp_filtered"]
 def carried(small_raw, tmp_path_factory) -> dict:
     """`gpu_check.sh carry STUDY` run on a raw root laid out as ../shared/data (babylm_10m: the
     tests' small corpus, under a 2000-piece tokenizer; BLiMP and its supplement: two paradigms
-    each of the fast sets). Returns the environment the tiers run in."""
+    each of the fast sets; the study names both, so headline finds them too). Returns the
+    environment the tiers run in."""
     root = tmp_path_factory.mktemp("gpu")
     raw = root / "raw"
     (raw / "babylm_10m").mkdir(parents=True)
@@ -75,11 +77,11 @@ def carried(small_raw, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def ran(carried, tmp_path_factory) -> dict:
-    """{tier: (its CompletedProcess, its $OUT)}: the eight tiers with --smoke, two at a time
+    """{tier: (its CompletedProcess, its $OUT)}: the seven tiers with --smoke, two at a time
     (each is mostly one single-threaded process after another; the tests' machine has 2 cores)."""
     study = Path(carried["GPU_DATA"]).parent / "tiny.toml"  # carried with its evaluation data
-    tiers = {"verify": [], "study": [study], "rest": [], "headline": [], "objectives": [],
-             "compare": [], "throughput": [], "attention": []}
+    tiers = {"speed": [], "study": [study], "verify": [], "rest": [], "headline": [],
+             "objectives": [], "compare": []}
 
     def run(tier):
         out = tmp_path_factory.mktemp(tier)
@@ -179,33 +181,72 @@ def test_rest(ran):
         "ltg", "attn", "pll"}
 
 
-def test_throughput(ran):
-    r, tmp_path = ran["throughput"]
+def test_speed(ran):
+    """The CUDA check (skipped here), each form's step against BertForMaskedLM in one process
+    (BERT built and compiled once: its first step on the first row alone), the top operators of
+    each, then train.py in the fastest form measured, plain, with --cuda-graphs and compiled by
+    layer."""
+    r, tmp_path = ran["speed"]
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "bench.log", "side.json",
-                                   "graphs.json", "layers.json"}
-    rows = json.loads((tmp_path / "side.json").read_text())["rows"]
-    assert [r["case"].split(" x ")[0] for r in rows] == ["1", "2"]
-    assert rows[1]["reference"] == "alone" and rows[1]["ref"] == rows[0]["ours"]
-    [graphs] = json.loads((tmp_path / "graphs.json").read_text())["rows"]
-    assert graphs["case"] == "mlm tiny 4x32 cuda-graphs" and graphs["ours"] > 0
-    [layers] = json.loads((tmp_path / "layers.json").read_text())["rows"]
-    assert layers["case"] == "mlm tiny 4x32 compiled by layer" and layers["ours"] > 0
+    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "check.log", "bench.log",
+                                   "forms.json", "step.json", "graphs.json", "layers.json"}
+    assert "skipped" in (tmp_path / "check.log").read_text()  # no CUDA here
+    done = parts(tmp_path)
+    assert all(": exit 0 in " in done[p] for p in ("check", "forms", "step", "graphs", "layers"))
+    forms = json.loads((tmp_path / "forms.json").read_text())
+    rows = forms["rows"]
+    assert [r["form"] for r in rows] == ["gather", "gather-fp32", "onehot"]
+    assert all(r["reference"] == "BertForMaskedLM" and r["first_step_s"] > 0 for r in rows)
+    assert rows[0]["ref_first_step_s"] > 0 and rows[1]["ref_first_step_s"] is None
+    assert len(forms["profiles"]) == 3 and all(set(p) == {"ours", "BertForMaskedLM"}
+                                               for p in forms["profiles"].values())
+    best = max(rows, key=lambda r: r["ours"])["form"]
+    assert done["fastest form"].endswith(f"fastest form: {best}")
+    variant = "" if best == "gather" else f" {best}"
+    for run, case in (("step", f"mlm tiny 4x32{variant}"),
+                      ("graphs", f"mlm tiny 4x32 cuda-graphs{variant}"),
+                      ("layers", f"mlm tiny 4x32{variant} compiled by layer")):
+        [row] = json.loads((tmp_path / f"{run}.json").read_text())["rows"]
+        assert row["case"] == case and row["ours"] > 0 and row["overhead_s"] > 0
+    env = (tmp_path / "env.txt").read_text()
+    assert re.search(r"^carried: \d+ MiB in ", env, flags=re.M), env
 
 
-def test_attention(ran):
-    r, tmp_path = ran["attention"]
-    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "bench.log", "bert_gather.json",
-                                   "bert_onehot.json", "attn.json"}
-    for form in ("gather", "onehot"):
-        saved = json.loads((tmp_path / f"bert_{form}.json").read_text())
-        [row] = saved["rows"]
-        assert row["reference"] == "BertForMaskedLM" and (form == "gather") == (
-            "onehot" not in row["case"])
-        assert [set(p) for p in saved["profiles"].values()] == [{"ours", "BertForMaskedLM"}]
-    cases = [r["case"] for r in json.loads((tmp_path / "attn.json").read_text())["rows"]]
-    assert any("one-hot" in c for c in cases)
+def test_a_failed_part_is_named_and_the_tier_exits_1(carried, tmp_path):
+    """speed with a BertForMaskedLM that cannot be built (a stand-in package, first on the
+    path): the forms part's row fails, every later part still runs (in the gather, no form
+    having been measured), the failed part is named in one line, and the tier exits 1."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "transformers.py").write_text(
+        "class BertConfig:\n    def __init__(self, **kw):\n"
+        "        raise RuntimeError('broken by the test')\n\n\nBertForMaskedLM = None\n")
+    env = {**carried, "OUT": str(tmp_path / "out"), "PYTHONPATH": str(broken), "FORMS": "gather"}
+    r = gpu_check("--smoke", "speed", env=env)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("error: speed: forms failed"), r.stderr
+    done = parts(tmp_path / "out")
+    assert "exit 1 in" in done["forms"] and done["fastest form"].endswith(": gather")
+    assert all(": exit 0 in " in done[p] for p in ("check", "step", "graphs", "layers")), done
+    assert done["failed"].endswith("failed: forms")
+    [row] = json.loads((tmp_path / "out" / "forms.json").read_text())["rows"]
+    assert "broken by the test" in row["failed"]
+
+
+def test_a_study_window_carries_its_evaluation_data_alone(carried, tmp_path):
+    """carry with a study: the corpus, the commit, and the folders the study's scale names, not
+    the full BLiMP that headline reads (here the study names the supplement alone)."""
+    g = Path(carried["GPU_DATA"])
+    shutil.copytree(g / "prep", tmp_path / "carried" / "prep")  # prepared once already
+    study = tmp_path / "supplement.toml"
+    study.write_text(STUDY.replace('"babylm_eval/full_eval/blimp_filtered", ', ""))
+    env = {**carried, "NANOMLM_RAW": str(g.parent / "raw"), "GPU_DATA": str(tmp_path / "carried")}
+    r = gpu_check("carry", study, "cpu", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    full = tmp_path / "carried" / "raw" / "babylm_eval" / "full_eval"
+    assert sorted(os.listdir(full)) == ["supplement_filtered"]
+    assert (tmp_path / "carried" / "commit").exists()
+    assert re.search(r"^carry: .*, \d+ MiB, and the checkout's \d+ MiB", r.stdout, flags=re.M)
 
 
 def tar_members(path) -> dict:
@@ -295,7 +336,7 @@ def test_every_cuda_test_runs_in_a_tier():
     script = (REPO / "gpu_check.sh").read_text()
     selections = re.findall(r'"\$\{tests\[@\]\}" -k "([^"]+)"', script)
     words = [w for k in selections for w in k.split(" or ")]
-    assert len(selections) == 2 and all(re.fullmatch(r"\w+", w) for w in words), selections
+    assert len(selections) == 3 and all(re.fullmatch(r"\w+", w) for w in words), selections
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
                                 "no:cacheprovider", "tests/test_cuda.py"], cwd=REPO,
                                capture_output=True, text=True, timeout=120).stdout

@@ -151,10 +151,11 @@ def test_files_are_at_most_600_lines_and_a_stage_800(path):
 
 def test_the_model_file_is_the_model_and_the_loop_fits_a_screen_or_two():
     """model.py holds the model alone (no run machinery: no files, devices or processes), in at
-    most 520 lines (500 until its CPU dropout moved in from machinery/kernels.py, so that a step
-    reads no run machinery); train.main, the loop, in at most 90."""
+    most 550 lines (500 until its CPU dropout moved in from machinery/kernels.py, so that a step
+    reads no run machinery; 520 until relative attention gained its float32 gather and the
+    fused kernels' per-length plan, issue 78); train.main, the loop, in at most 90."""
     source = (REPO / "model.py").read_text()
-    assert len(source.splitlines()) <= 520
+    assert len(source.splitlines()) <= 550
     nodes = list(ast.walk(ast.parse(source)))
     modules = {a.name for node in nodes if isinstance(node, ast.Import) for a in node.names}
     modules |= {node.module for node in nodes if isinstance(node, ast.ImportFrom)}
