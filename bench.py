@@ -13,24 +13,26 @@ On a GPU, every model row (step, bert, ltg) has mfu, and ref_mfu for its referen
 model's own matrix FLOPs per token (bench_models.flops_per_token, bert_flops_per_token) at its
 rate, over the GPU's bf16 peak. A row that fails keeps the last lines of its error (`failed`),
 the other rows go on, and bench.py exits 1 at the end.
-  step     train.py itself, one short run per objective and size: tokens/s of the log intervals
-           after the first (start-up, allocator warm-up); reference: mlm at the same size
+  step     train.py itself, one short run per objective, size and --attention form: tokens/s of
+           the log intervals after the first (start-up, allocator warm-up); reference: mlm in
+           the first form at the same size
   side     --side N runs of the first objective at the first size at once on one device: their
            summed tokens/s against the first N's (one run alone), and each run's overhead_s (its
            wall time outside its steady steps: start, torch.compile, the first step)
   bert     our MLM training step in-process against transformers' BertForMaskedLM at the same
            shape (layers, hidden, heads, FFN width, vocabulary, sequence, batch), each compiled
            as train.py compiles its step (on with CUDA), ours reading the predicted positions as
-           fixed slots as train.py does; only if transformers is installed (never a
-           requirement); flops_ratio is ours / theirs in FLOPs per token
+           fixed slots as train.py does, a row per --attention form (BERT compiled once); only
+           if transformers is installed (never a requirement); flops_ratio is ours / theirs in
+           FLOPs per token, first_step_s each model's first step (its compile)
   ltg      our MLM training step against LTG-BERT's own model code, re-implemented from
            ltgoslo/ltg-bert in benchmarks/ltg_bert.py, loaded with the same weights (eager unless
            --compile); max_abs_diff is the largest difference of their logits in float32
   attn     one attention layer's relative-position core, forward and backward, dropout off:
-           the model's gather path against other formulations (the relative shift, flex_attention
-           as kernels.flex_relative (forward only on the CPU), on CUDA SDPA's efficient kernel with
-           a bias gradient); each row's max_abs_diff is its largest difference from the gather
-           path, output and gradients
+           the model's gather path against other formulations (its other --attention forms, the
+           relative shift, flex_attention as kernels.flex_relative (forward only on the CPU), on
+           CUDA SDPA's efficient kernel with a bias gradient); each row's max_abs_diff is its
+           largest difference from the gather path, output and gradients
   ema      fused EMA (one torch._foreach_lerp_) against a per-tensor loop
   pll      evaluate.py's batched pseudo-log-likelihood (every masked copy of equal-length
            sentences in one forward) against one forward per masked copy, on the same sentences

@@ -143,18 +143,19 @@ def test_epochs_budget_sets_the_steps(prepared, tmp_path):
         "error: --phase1-steps must leave both phases at least one of the 1 steps")
 
 
-def test_onehot_attention_trains_as_the_gather(prepared, tmp_path):
-    """train.py --attention onehot: the same loss as the gather at each of its first steps, to
-    1e-4 (float32: the sums run in another order). The fused form cannot run on the CPU; its
-    outputs and gradients are held to the gather's through the kernel's contract
-    (tests/test_model.py)."""
+def test_other_attention_forms_train_as_the_gather(prepared, tmp_path):
+    """train.py --attention onehot and gather-fp32: the same loss as the gather at each of its
+    first steps, to 1e-4 (float32: the sums run in another order). The fused form cannot run on
+    the CPU; its outputs and gradients are held to the gather's through the kernel's contract,
+    and its compiled step is traced, in tests/test_model.py."""
     common = ["--data", prepared, "--max-steps", 3, *TINY, "--log-every", 1]
-    runs = run_trains([*common, "--out-dir", tmp_path / "gather"],
-                      [*common, "--out-dir", tmp_path / "onehot", "--attention", "onehot"])
+    forms = ("gather", "onehot", "gather-fp32")
+    runs = run_trains(*[[*common, "--out-dir", tmp_path / form, "--attention", form]
+                        for form in forms])
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
-    losses = [[e["loss"] for e in read_log(tmp_path / form) if "loss" in e]
-              for form in ("gather", "onehot")]
-    assert len(losses[0]) == 3 and np.allclose(losses[0], losses[1], rtol=0, atol=1e-4)
+    losses = [[e["loss"] for e in read_log(tmp_path / form) if "loss" in e] for form in forms]
+    assert len(losses[0]) == 3
+    assert all(np.allclose(losses[0], other, rtol=0, atol=1e-4) for other in losses[1:]), losses
 
 
 def test_layers_compiled_one_graph_for_all_train_as_the_eager_model(prepared, tmp_path):
