@@ -11,7 +11,7 @@ Then, with transformers alone:
 
     from transformers import AutoModelForMaskedLM, AutoTokenizer
     model = AutoModelForMaskedLM.from_pretrained("hf_models/mlm", trust_remote_code=True)
-    tok = AutoTokenizer.from_pretrained("hf_models/mlm")       # adds [CLS] ... [SEP]
+    tok = AutoTokenizer.from_pretrained("hf_models/mlm", trust_remote_code=True)  # [CLS] .. [SEP]
 
 The model predicts through the path its objective trained (a BootBERT masked-autoencoder student
 through its decoder, as model.load_checkpoint). The tokenizer is our sentencepiece model,
@@ -66,7 +66,8 @@ def hf_config(ckpt: dict) -> dict:
             "objective": ckpt.get("objective"),
             "predicts_before": ckpt.get("predicts_before", False),
             "step": ckpt.get("step"),
-            "words_seen": ckpt.get("words_seen")}
+            "words_seen": ckpt.get("words_seen"),  # read by that step; a chck_*'s mark below
+            **({"words_mark": ckpt["words_mark"]} if "words_mark" in ckpt else {})}
 
 
 def hf_state(ckpt: dict, config: dict) -> dict:

@@ -20,6 +20,7 @@ t predicting the token at t + 1, as the BabyLM 2025 pipeline's causal backend re
 mntp backend reads NanoMLMForMaskedLM's logits at the position before each masked token.
 """
 import math
+import sys
 import warnings
 
 import torch
@@ -227,13 +228,25 @@ class NanoMLMModel(NanoMLMPreTrainedModel):
         return BaseModelOutput(last_hidden_state=self.nanomlm(input_ids, attention_mask))
 
 
+def built_by_a_pipeline() -> bool:
+    """Whether transformers.pipeline() is building this model (a frame of its module below us)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("transformers.pipelines"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class NanoMLMForMaskedLM(NanoMLMPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.nanomlm = Encoder(config)
         self.boot = Boot(config) if config.boot_decoder_layers else None
         self.post_init()
-        if getattr(config, "predicts_before", False):  # said once per process
+        # said where a reader would be wrong: transformers' fill-mask pipeline reads logits at
+        # the [MASK] itself (the BabyLM pipeline's mntp backend, and evaluate.py fill, read t - 1)
+        if getattr(config, "predicts_before", False) and built_by_a_pipeline():
             warnings.warn("this gpt-bert model predicts a masked token from the position before "
                           "it: read logits[:, t - 1] for a [MASK] at t (the fill-mask pipeline "
                           "reads t; nanoMLM's evaluate.py fill reads t - 1)", stacklevel=2)

@@ -8,6 +8,7 @@ folder), its JSON settings, its log.jsonl, the code that ran and its version.
                 lock         held by the one process writing there
                 eval/        evaluate.py's results, next to the checkpoint
 """
+import functools
 import hashlib
 import json
 import shutil
@@ -28,8 +29,49 @@ def repo_sources() -> list[str]:
     out (tests/test_train.py holds it to a static reading of train.py's imports)."""
     loaded = {Path(m.__file__).resolve() for m in list(sys.modules.values())
               if getattr(m, "__file__", None) and Path(m.__file__).is_absolute()}
-    return sorted(f.relative_to(REPO).as_posix() for f in loaded if f.is_relative_to(REPO)
-                  and f.suffix == ".py" and f.relative_to(REPO).parts[0] != "tests")
+    return sorted(f for f in repository_files(loaded)
+                  if f.endswith(".py") and not f.startswith("tests/"))
+
+
+def is_repository_file(path) -> bool:
+    """Whether `path` is one of the repository's own files (repository_files)."""
+    return bool(repository_files([path]))
+
+
+def repository_files(paths) -> list[str]:
+    """Those of `paths` that are the repository's own files, as repository paths: under its
+    root, not inside a Python environment there (below a folder that holds a pyvenv.cfg,
+    wherever it is and whatever its name: the README's .venv/ holds torch and numpy; or in a
+    site-packages or dist-packages folder), and in a git checkout files git tracks or would
+    (untracked, not ignored). One call for them all, in plain loops: the tests count the calls
+    of the repository's functions a run makes (tests/test_train.py)."""
+    known, out = git_files(), []
+    for path in paths:
+        path = Path(path).resolve()
+        if not path.is_relative_to(REPO):
+            continue
+        rel = path.relative_to(REPO)
+        folders, outside = rel.parts[:-1], True
+        for i in range(len(folders) + 1):
+            if i and (REPO.joinpath(*folders[:i]) / "pyvenv.cfg").is_file() or (
+                    i < len(folders) and folders[i] in ("site-packages", "dist-packages")):
+                outside = False
+                break
+        if outside and (known is None or rel.as_posix() in known):
+            out.append(rel.as_posix())
+    return out
+
+
+@functools.cache
+def git_files() -> frozenset[str] | None:
+    """The files git tracks in the checkout, and those it would (untracked, not ignored), as
+    repository paths; None outside a git checkout (the GPU machine's copy has no .git)."""
+    try:
+        r = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return frozenset(r.stdout.decode().split("\0")) - {""} if r.returncode == 0 else None
 
 
 def code_version(files) -> dict:

@@ -167,6 +167,12 @@ class SafetyNet:
         return (f"the last good checkpoint (step {self.last_saved}) is kept at "
                 f"{self.folder.path / 'ckpt.pt'}")
 
+    def go_on(self) -> str:
+        """How the command that --resume's the run goes on, said after last_good(): from the
+        checkpoint, or with none from step 0 (resumed_args begins such a run again)."""
+        return ("Go on from there" if self.last_saved is not None else
+                "Begin it again (with no checkpoint, --resume starts from step 0)")
+
     def check_finite(self, step: int) -> None:
         """At a sync point, `step` the last step taken: read the steps since the last one; stop
         the run if one of them went NaN/inf (on any process). Under DDP, also agree on a stop
@@ -181,8 +187,9 @@ class SafetyNet:
         if nonfinite >= 0:
             self.folder.log({"step": nonfinite, "error": "non-finite loss or gradient"})
             raise SystemExit(f"error: the loss or gradient became NaN/inf at step {nonfinite}; "
-                             f"stopped, {self.last_good()}. Try a lower --lr or --clip "
-                             f"(python train.py --out-dir {self.folder.path} --resume --lr ...).")
+                             f"stopped, {self.last_good()}. {self.go_on()} with a lower --lr "
+                             f"or --clip: python train.py --out-dir {self.folder.path} --resume "
+                             f"--lr LOWER")
 
     def judge(self, step: int, lr: float) -> bool:
         """Stop a diverging run (suspect at a log step, and still WINDOW // 2 steps later);
@@ -208,7 +215,7 @@ class SafetyNet:
             self.folder.log({"step": step, "error": "diverging: " + spike})
             raise SystemExit(
                 f"error: the run is diverging at step {step}: {spike}; stopped, "
-                f"{self.last_good()}. Go on from there with a lower --lr (this run: {lr:g}): "
+                f"{self.last_good()}. {self.go_on()} with a lower --lr (this run: {lr:g}): "
                 f"python train.py --out-dir {self.folder.path} --resume --lr {lr / 2:g}; or "
                 f"--resume --spike 0 to train on as it was.")
         return False
@@ -234,8 +241,10 @@ class SafetyNet:
         if self.ddp:
             dist.barrier()  # the others wait for rank 0's save: torchrun ends them all next
         if rank == 0:
-            print(f"{name}: stopped after step {step}; {self.last_good()}. "
-                  f"Continue with: python train.py --out-dir {out_dir} --resume", file=sys.stderr)
+            where = self.last_good()
+            verb = "Continue" if self.last_saved is not None else "Begin it again"
+            print(f"{name}: stopped after step {step}; {where}. {verb} with: python train.py "
+                  f"--out-dir {out_dir} --resume", file=sys.stderr)
         raise SystemExit(128 + self.got["signal"])  # the shell's code for a signalled process
 
     def release(self) -> None:

@@ -3,6 +3,7 @@ computes (logits, tokens, PLL), fine-tunes, and train.py --save-words keeps the 
 pipeline's intermediate checkpoints. Needs requirements-export.txt; skipped without it."""
 import gzip
 import json
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,6 +16,7 @@ for name in ("transformers", "tokenizers", "safetensors", "google.protobuf"):
     pytest.importorskip(name, reason="the export tests need pip install -r "
                                      "requirements-export.txt")
 
+import transformers  # noqa: E402
 from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,  # noqa: E402
                           AutoModelForSequenceClassification, AutoTokenizer)
 
@@ -243,7 +245,8 @@ def test_save_words_keeps_checkpoints_at_the_word_counts(prepared, tmp_path):
     for n, name in ((1000, "chck_1K"), (2000, "chck_2K")):
         ckpt = read_checkpoint(out / f"{name}.pt")
         step = ckpt["step"]
-        assert (step - 1) * per_step < n <= step * per_step and ckpt["words_seen"] == n
+        assert (step - 1) * per_step < n <= step * per_step and ckpt["words_mark"] == n
+        assert ckpt["words_seen"] == round(step * per_step)  # what it had read, not the mark
     assert not (out / "chck_100K.pt").exists()
     final, kept = read_checkpoint(out / "ckpt.pt"), read_checkpoint(out / "chck_2K.pt")
     assert kept["step"] == final["step"] == last and "optimizer" not in kept  # weights only
@@ -252,8 +255,9 @@ def test_save_words_keeps_checkpoints_at_the_word_counts(prepared, tmp_path):
     hf = tmp_path / "hf" / "mlm"
     export.main(["--ckpt", str(out), "--out", str(hf)])
     assert {p.name for p in hf.iterdir() if p.is_dir()} == {"chck_1K", "chck_2K"}
-    words = json.loads((hf / "chck_1K" / "mlm" / "config.json").read_text())["words_seen"]
-    assert words == 1000
+    saved = json.loads((hf / "chck_1K" / "mlm" / "config.json").read_text())
+    step = read_checkpoint(out / "chck_1K.pt")["step"]
+    assert saved["words_mark"] == 1000 and saved["words_seen"] == round(step * per_step) >= 1000
     # the final model says what it saw too: every step's words, the last step's included
     assert json.loads((hf / "config.json").read_text())["words_seen"] == round(last * per_step)
     # the pipeline's rule (babylm/evaluation-pipeline-2025, its zero-shot main()): results go to
@@ -300,8 +304,10 @@ def test_a_gpt_bert_export_generates_and_its_masked_class_says_where_it_reads(to
                                                                               tmp_path):
     """AutoModelForCausalLM's generate() (greedy, no cache) gives the tokens a hand-written loop
     over load_checkpoint's model gives: one causal forward of the whole sequence a token, the
-    argmax of the last position, until [SEP] or 12 new tokens; loading the masked class of a
-    gpt-bert export says, in one warning, that its predictions sit a position before."""
+    argmax of the last position, until [SEP] or 12 new tokens. The masked class of a gpt-bert
+    export says that its predictions sit a position before where a reader would be wrong
+    (transformers' fill-mask pipeline), in one warning, and nowhere else (the BabyLM pipeline's
+    mntp backend loads it as AutoModelForMaskedLM and reads the position before)."""
     path = checkpoint(tmp_path / "ckpt.pt", tokenizer_bytes, "gpt-bert")
     export.main(["--ckpt", str(path), "--out", str(tmp_path / "hf")])
     clm = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
@@ -319,5 +325,8 @@ def test_a_gpt_bert_export_generates_and_its_masked_class_says_where_it_reads(to
                 if nxt == tok.sep_token_id:
                     break
         assert got.tolist() == want.tolist()
-    with pytest.warns(UserWarning, match="predicts a masked token from the position before it"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # loading it for its logits: no warning
         AutoModelForMaskedLM.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+    with pytest.warns(UserWarning, match="predicts a masked token from the position before it"):
+        transformers.pipeline("fill-mask", model=str(tmp_path / "hf"), trust_remote_code=True)

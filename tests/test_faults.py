@@ -375,11 +375,26 @@ def test_a_run_at_a_rate_that_blows_up_is_stopped_early(prepared, tmp_path):
     level within tens of steps and stays up; the guard stops it within the first 100 steps of
     400, at the default --spike (seeds 0, 1, 2: at steps 35, 40, 45). At --lr 0.3 the loss
     climbs as far but may come back down: a change in the gradient norm's order of summation
-    made one such run recover to 10 nats by step 80, where it had been stopped at step 40."""
+    made one such run recover to 10 nats by step 80, where it had been stopped at step 40.
+    Stopped before its first save, it says that no checkpoint was kept, and the command it
+    prints, run as printed (but for --stop-at, to keep the test short), begins the run again
+    from step 0 at half the rate, in the same folder, with its other settings."""
+    out = tmp_path / "run"
     r = run_train(*TINY, "--data", prepared, "--optim", "adamw", "--lr", 1.0, "--max-steps",
-                  400, "--out-dir", tmp_path / "run")
+                  400, "--out-dir", out)
     assert r.returncode == 1 and "the run is diverging at step" in r.stderr, r.stderr[-500:]
     assert int(re.search(r"at step (\d+)", r.stderr).group(1)) <= 100
+    assert "stopped, no checkpoint had been saved yet. Begin it again" in r.stderr
+    cure = re.search(r"python train.py (--out-dir \S+ --resume --lr \S+);", r.stderr).group(1)
+    assert cure == f"--out-dir {out} --resume --lr 0.5" and not (out / "ckpt.pt").exists()
+    r = run_train(*cure.split(), "--stop-at", 10)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "the run begins again from step 0" in r.stdout + r.stderr
+    log = [x for x in RunFolder(out).records() if "lr" in x]
+    assert log[0]["step"] < log[-1]["step"] == 10 and log[-1]["lr"] <= 0.5
+    saved = json.loads((out / "args.json").read_text())
+    assert (saved["lr"], saved["optim"], saved["max_steps"]) == (0.5, "adamw", 400)
+    assert read_checkpoint(out / "ckpt.pt")["step"] == 10
 
 
 def test_sigterm_while_the_dictionary_is_learned_ends_the_run_at_once_and_it_resumes(prepared,

@@ -27,7 +27,9 @@ def gpu_check(*args, env, timeout=600) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-STUDY = """
+SCALE_FLAGS = ("--size tiny --n-layer 1 --d-model 64 --n-head 2 --d-ff 128 --seq-len 32 "
+               "--batch-size 8 --eval-every 3 --vocab-size 2000 --device cpu")
+STUDY = f"""
 name = "tiny"
 baseline = "mlm"
 [arms.long]
@@ -39,10 +41,9 @@ objective = "mlm"
 data = "babylm_10m"
 seeds = [0]
 steps = 6
-flags = "--size tiny --n-layer 1 --d-model 64 --n-head 2 --d-ff 128 --seq-len 32 --batch-size 8 \
---eval-every 3 --vocab-size 2000 --device cpu"
+flags = "{SCALE_FLAGS}"
 [scales.cpu.evaluate]
-mlm = { segments = 8 }
+mlm = {{ segments = 8 }}
 blimp = ["babylm_eval/full_eval/blimp_filtered", "babylm_eval/full_eval/supplement_filtered"]
 """
 
@@ -78,18 +79,37 @@ def carried(small_raw, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def ran(carried, tmp_path_factory) -> dict:
     """{tier: (its CompletedProcess, its $OUT)}: the seven tiers with --smoke, two at a time
-    (each is mostly one single-threaded process after another; the tests' machine has 2 cores)."""
+    (each is mostly one single-threaded process after another; the tests' machine has 2 cores).
+    The study's budget is measured, not fixed: a busy machine gets a longer one (study_budget)."""
     study = Path(carried["GPU_DATA"]).parent / "tiny.toml"  # carried with its evaluation data
     tiers = {"speed": [], "study": [study], "verify": [], "rest": [], "headline": [],
              "objectives": [], "compare": []}
+    budget = study_budget(carried, tmp_path_factory.mktemp("yardstick"))
 
     def run(tier):
         out = tmp_path_factory.mktemp(tier)
-        # the study: its long run trains until --train-until, 35 s after the start
-        budget = {"BUDGET": "40"} if tier == "study" else {}
-        return gpu_check("--smoke", tier, *tiers[tier], env={**carried, "OUT": out, **budget}), out
+        env = {**carried, "OUT": out, **(budget if tier == "study" else {})}
+        return gpu_check("--smoke", tier, *tiers[tier], env=env), out
     with ThreadPoolExecutor(2) as pool:
         return dict(zip(tiers, pool.map(run, tiers)))
+
+
+def study_budget(carried, tmp) -> dict:
+    """BUDGET and EVAL_S for the tiny study, from the seconds t of one run like its mlm job (6
+    steps, its validations), started as the tier starts it: the long run trains until BUDGET -
+    EVAL_S (25 s at the least, 6 t on a busy machine: mlm's run ends before, beside it), and
+    the evaluations and the report get EVAL_S (15 s at the least, 4 t). On an idle 2-core
+    machine t is about 4 s (the budget 40 s)."""
+    t0 = time.time()
+    r = subprocess.run([carried["PYTHON"], "train.py", "--data", "babylm_10m", "--max-steps", "6",
+                        *SCALE_FLAGS.split(), "--out-dir", str(tmp / "mlm")], cwd=REPO,
+                       capture_output=True, text=True,
+                       env={**carried, "NANOMLM_DATA": f"{carried['GPU_DATA']}/prep"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    t = time.time() - t0
+    print(f"study_budget: a run like the study's mlm job took {t:.1f} s")  # pytest -s shows it
+    eval_s = max(15, round(4 * t))
+    return {"BUDGET": str(eval_s + max(25, round(6 * t))), "EVAL_S": str(eval_s)}
 
 
 def test_carry_makes_one_prepared_corpus_the_evaluation_folders_and_the_commit(carried):

@@ -24,7 +24,8 @@ from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
 from machinery import optim, progress, stopping
-from machinery.run_folder import RunFolder
+from machinery import run_folder
+from machinery.run_folder import RunFolder, is_repository_file
 from machinery.storage import save_checkpoint
 from model import PRESETS, BootPredictor, Encoder, ModelConfig, boot_states, load_checkpoint
 from objectives import ObjectiveParts, Trainee
@@ -184,6 +185,44 @@ def test_fused_attention_refused_in_one_line_where_it_cannot_run(prepared, tmp_p
                   "--attention", "fused")
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
         "error: --attention fused: the fused attention kernels need CUDA")
+
+
+@pytest.mark.parametrize("git", [True, False])
+def test_the_code_a_run_keeps_is_the_repositorys_alone(tmp_path, monkeypatch, git):
+    """repo_sources, in a checkout laid out as a user's (git or not): the modules imported from
+    the repository's files, tracked or new, but none from a virtual environment inside it (the
+    README's .venv/, ignored by git; another, env/, that git does not ignore; a bare
+    site-packages), from an ignored folder, or from the tests."""
+    import subprocess
+    import types
+    root = tmp_path / "checkout"
+    files = {"train.py": "tracked", "training/run.py": "tracked", "mine.py": "new, not ignored",
+             ".venv/lib/python3.11/site-packages/torch/nn.py": "README's venv",
+             "env/lib/python3.11/site-packages/numpy/core.py": "another venv",
+             "site-packages/x.py": "a bare site-packages", "runs/old/code/model.py": "ignored",
+             "tests/test_x.py": "the tests"}
+    for name in files:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("")
+    for venv in (".venv", "env"):
+        (root / venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (root / ".gitignore").write_text("/.venv/\n/runs/\n")
+    if git:
+        run = lambda *a: subprocess.run(["git", *a], cwd=root, check=True, capture_output=True)
+        run("init", "-q")
+        run("add", "train.py", "training/run.py", ".gitignore")
+    monkeypatch.setattr(run_folder, "REPO", root)
+    run_folder.git_files.cache_clear()
+    modules = {f"fake{i}": types.SimpleNamespace(__file__=str(root / name))
+               for i, name in enumerate(files)}
+    monkeypatch.setattr(sys, "modules", {**sys.modules, **modules})
+    try:
+        got = [f for f in run_folder.repo_sources() if f in files]
+    finally:
+        run_folder.git_files.cache_clear()
+    # outside git, what .gitignore ignores cannot be told: only the environments are left out
+    assert got == (["mine.py", "train.py", "training/run.py"] if git else
+                   ["mine.py", "runs/old/code/model.py", "train.py", "training/run.py"]), got
 
 
 def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
@@ -549,7 +588,8 @@ def test_a_step_runs_code_from_six_files(prepared, tmp_path, objective):
     """Two tiny runs of 3 and 6 steps under cProfile: the repository's functions called more
     often in the longer one (those a step runs) come from STEP_FILES alone (issue 66: nine
     before). The guard reads the steps at the loop's sync points, the seeds are the masks' and
-    the CPU dropout the model's."""
+    the CPU dropout the model's. Repository files as the run's code/ counts them: a venv inside
+    the checkout (the README's .venv/) is not the repository."""
     import cProfile
     import pstats
     counts = []
@@ -559,7 +599,7 @@ def test_a_step_runs_code_from_six_files(prepared, tmp_path, objective):
                                  "--max-steps", str(n), "--log-every", "100",
                                  "--out-dir", str(tmp_path / str(n))])
         counts.append({key: calls for key, (_, calls, *_) in pstats.Stats(profile).stats.items()
-                       if key[0].startswith(str(REPO))})
+                       if key[0].startswith(str(REPO)) and is_repository_file(key[0])})
     grown = {str(Path(key[0]).relative_to(REPO)) for key, calls in counts[1].items()
              if calls > counts[0].get(key, 0)}
     assert grown and grown <= STEP_FILES, sorted(grown - STEP_FILES)

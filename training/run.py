@@ -9,6 +9,7 @@ optimizer, config, args, step, RNG states, data position, code version, tokenize
 predicts (its objective's predicts_before and decoder) and a checksum (save, below).
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -114,11 +115,22 @@ class Phase:
 def resumed_args(args, path, defaults: dict):
     """(the saved settings of the run at `path`, its checkpoint). A resumed run keeps them: typed
     flags that would change them are refused (but the RESUMABLE ones), and flags newer than the
-    checkpoint take their `defaults` ({flag: default})."""
-    if not path.exists():
+    checkpoint take their `defaults` ({flag: default}). A run stopped before its first save has
+    no checkpoint (None): its args.json, and it begins again from step 0 (the command that the
+    messages of a run stopped that early give: --resume, at a lower --lr say)."""
+    settings = path.parent / "args.json"
+    if path.exists():
+        ckpt = read_checkpoint(path)
+        saved = ckpt["args"]
+    elif settings.exists():  # stopped before its first save: it begins again, as it was begun
+        ckpt = None
+        try:
+            saved = json.loads(settings.read_text())
+        except ValueError:
+            raise SystemExit(f"error: --resume: {settings} is not a run's settings (no "
+                             f"checkpoint at {path} either)") from None
+    else:
         raise SystemExit(f"error: --resume, but there is no checkpoint at {path}")
-    ckpt = read_checkpoint(path)
-    saved = ckpt["args"]
     changed = [k for k in args.given if k not in RESUMABLE and getattr(args, k) != saved.get(k)]
     if changed:
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
@@ -244,6 +256,9 @@ def start_run(args, procs: Processes, folder: RunFolder, corpus: Corpus, encoder
     folder.lock()  # a new run locks its folder as it first writes there
     if ckpt is None:
         folder.check_new("ckpt.pt")  # another run may have begun there meanwhile
+        if args.resume:  # (resumed_args: stopped before its first save)
+            run.say(f"no checkpoint at {folder.path / 'ckpt.pt'}: the run begins again from "
+                    f"step 0, with its settings")
         saved_args = {k: v for k, v in vars(args).items() if k != "given"}
         folder.start(code, args=saved_args, config=asdict(encoder.config), data=corpus.meta)
     else:
@@ -307,7 +322,8 @@ DATA_KEYS = ("name", "folder", "vocab_size", "train_tokens", "unigram_entropy") 
 
 def checkpoint_state(run: Run, phase: Phase, step: int, words: int | None = None) -> dict:
     """Everything a resumed run needs to go on bit for bit (references to the live tensors);
-    with `words` (--save-words), the model alone, as seen after that many training words."""
+    with `words` (--save-words), the model alone at the first step past that many training
+    words (words_mark; words_seen, as always, what the run had read by then)."""
     state = {
         "model": run.encoder.state_dict(), "objective": phase.objective,
         "predicts_before": phase.entry.predicts_before, "decoder": phase.entry.decoder,
@@ -315,7 +331,10 @@ def checkpoint_state(run: Run, phase: Phase, step: int, words: int | None = None
         "args": {k: v for k, v in vars(run.args).items() if k != "given"}, "step": step,
         "code_version": run.version, "tokenizer": run.tokenizer,
         "data": {k: run.meta[k] for k in DATA_KEYS}}
-    state["words_seen"] = round(step * words_per_step(run)) if words is None else words
+    # the words read by the end of `step`; a --save-words checkpoint also names its mark
+    state["words_seen"] = round(step * words_per_step(run))
+    if words is not None:
+        state["words_mark"] = words
     if words is None:
         cuda = run.device.type == "cuda"
         state.update({
@@ -393,8 +412,10 @@ def checked_settings(args, defaults: dict) -> dict:
         path = Path(args.out_dir) / "ckpt.pt"
         args, ckpt = resumed_args(args, path, defaults)
         end = min(args.max_steps, args.stop_at or args.max_steps)
-        print(past_end(args, ckpt["step"], path) or f"--resume: {path} is at step "
-              f"{ckpt['step']}; it would train on to step {end}", file=sys.stderr)
+        said = past_end(args, ckpt["step"], path) if ckpt else None
+        where = f"is at step {ckpt['step']}" if ckpt else "is not there: the run begins again"
+        print(said or f"--resume: {path} {where}; it would train on to step {end}",
+              file=sys.stderr)
     located(args.data, args.vocab_size)  # the corpus is there, raw or prepared (one line if not)
     if not args.resume and args.max_steps is None and args.warmup >= 1:
         print(f"note: --epochs sets the steps once the data is read; --warmup {args.warmup:g} "
