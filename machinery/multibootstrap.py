@@ -46,9 +46,10 @@ def seed_interval(a, b, paired: bool) -> dict:
     """B - A over pretraining seeds alone, from each seed's value on all the examples (a: A's,
     b: B's, one number per seed): Student's t on the per-seed differences when the seeds are
     paired (the same seeds, in the same order), else Welch's t. Its two-sided 95% interval and
-    p are exact for normally distributed seed effects at any count of at least 2 (a side); below
-    that, no interval (None) and no verdict. Examples enter through each seed's value (their
-    noise varies from seed to seed), not as a population of their own."""
+    p are exact for normally distributed seed effects at any count of at least 2 when paired,
+    and Welch's approximation otherwise; below 2, no interval (None) and no verdict. Examples
+    enter through each seed's value (their noise varies from seed to seed), not as a population
+    of their own."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if paired:
         d = b - a
@@ -67,6 +68,28 @@ def seed_interval(a, b, paired: bool) -> dict:
     p = 2 * stats.t.sf(abs(diff) / se, df) if se > 0 else float(diff == 0)
     return {"n": n, "diff": diff, "ci95": [diff - q * se, diff + q * se], "p": float(p),
             "df": float(df), "test": "paired t" if paired else "Welch t"}
+
+
+def verdict(t: dict, better: str, n_a: int, n_b: int) -> str:
+    """The sentence a page quotes for one comparison, made from its seed-level t (seed_interval's
+    dict) alone: B - A "higher/lower by X" where the 95% interval excludes 0, "not
+    distinguishable" where it holds 0, "a demo" with one seed a side; always with the interval,
+    the seeds it stands on and p. Losses (lower is better) in nats to 4 decimals, rates in
+    percentage points to 2, as the report tables print them. n_a, n_b: the seeds of each side."""
+    unit, show = (("nats", lambda x: f"{x:.4f}") if better == "lower" else
+                  ("points", lambda x: f"{100 * x:.2f}"))
+    sign = lambda x: ("+" if x >= 0 else "-") + show(abs(x))
+    if t["ci95"] is None:
+        return f"{sign(t['diff'])} {unit} from one seed a side: a demo, no verdict"
+    seeds = (f"{t['n']} paired seeds" if t["test"] == "paired t" else
+             f"{n_a} and {n_b} seeds (Welch's t, approximate)")
+    lo, hi = t["ci95"]
+    p = "p < 0.001" if t["p"] < 0.001 else f"p = {t['p']:.3f}"
+    interval = f"95% t interval {sign(lo)}..{sign(hi)} over {seeds}, {p}"
+    if lo > 0 or hi < 0:
+        way = "higher" if t["diff"] > 0 else "lower"
+        return f"{way} by {show(abs(t['diff']))} {unit}, {interval}"
+    return f"not distinguishable: {sign(t['diff'])} {unit}, {interval}"
 
 
 def bootstrap_counts(rng, n, size) -> np.ndarray:

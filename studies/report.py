@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from studies.plan import metric_names, plan, scale_arms, shown
-from machinery.multibootstrap import examples_of, multibootstrap
+from machinery.multibootstrap import examples_of, multibootstrap, verdict
 from machinery.results import read_result
 from machinery.run_folder import REPO
 
@@ -44,11 +44,12 @@ def subset(ex: dict, keep: np.ndarray) -> dict:
 
 
 def compare_arms(study, scale_name, results, nboot) -> dict:
-    """{metric: {arm: multibootstrap(baseline, arm)}} and per BLiMP phenomenon."""
+    """{metric: {arm: multibootstrap(baseline, arm)}}, per BLiMP phenomenon, and each arm's
+    verdict sentence against the baseline ({metric: {arm: sentence}})."""
     base = study["baseline"]
     out, phen = {}, {}
     if base not in results:
-        return {"metrics": out, "phenomena": phen}
+        return {"metrics": out, "phenomena": phen, "verdicts": {}}
     names = study.get("metrics") or metric_names(study["scales"][scale_name])
     for m in names:
         A = [examples_of(r, m, f"{base} s{r['seed']}") for r in results[base] if m in r]
@@ -62,7 +63,30 @@ def compare_arms(study, scale_name, results, nboot) -> dict:
                     keep = np.flatnonzero(labels == p)
                     phen.setdefault(m, {}).setdefault(str(p), {})[arm] = multibootstrap(
                         [subset(a, keep) for a in A], [subset(b, keep) for b in B], nboot)
-    return {"metrics": out, "phenomena": phen}
+    verdicts = {m: {arm: verdict(r["seed_level"], r["better"], len(r["seeds_a"]),
+                                 len(r["seeds_b"])) for arm, r in by_arm.items() if arm != base}
+                for m, by_arm in out.items()}
+    return {"metrics": out, "phenomena": phen, "verdicts": verdicts}
+
+
+def many_intervals(tests: list[dict]) -> str:
+    """What a table of many uncorrected intervals can and cannot say: how many it holds, how
+    many exclude 0, how many chance alone would (1 in 20 where nothing differs), and how many
+    Holm's correction at 5% family-wise keeps (Holm 1979: the k-th smallest p against
+    0.05 / (m - k + 1), stopping at the first that fails)."""
+    done = [t for t in tests if t["ci95"] is not None]
+    if not done:
+        return "No intervals: one seed a side."
+    excluding = sum(t["ci95"][0] > 0 or t["ci95"][1] < 0 for t in done)
+    held = 0
+    for k, p in enumerate(sorted(t["p"] for t in done)):
+        if p > 0.05 / (len(done) - k):
+            break
+        held += 1
+    return (f"{len(done)} intervals, each uncorrected: where no arm differs, chance alone "
+            f"excludes 0 from about {len(done) / 20:.1f} of them; {excluding} exclude it here, "
+            f"and {held} {'stands' if held == 1 else 'stand'} after Holm's correction (5%, "
+            f"family-wise, over the table).")
 
 
 def fmt(x, better) -> str:
@@ -106,14 +130,15 @@ def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
     if scale.get("notes"):
         lines += [scale["notes"].strip(), ""]
     lines += ["B - A is each arm minus the baseline, seed by seed where they share seeds. Its "
-              "95% interval and p (two-sided) are Student's t over the pretraining seeds (paired "
-              "where the seeds are the same, else Welch's): exact for normal seed effects from 2 "
-              "seeds a side, and measured to cover 94-95% at 3, 5 and 10 "
-              "(docs/evaluation.md). One seed a side gets none: a demo, not a verdict. The "
-              "Multi-Bootstrap (seeds and examples resampled jointly, `evaluate.py compare`) is "
-              "in report.json; below 25 seeds its percentiles are about the span of the per-seed "
-              "differences, not a 95% interval. val_loss is lower-better (nats); the other "
-              "metrics are percentages.", ""]
+              "95% interval and p (two-sided) are Student's t over the pretraining seeds: paired "
+              "where the seeds are the same (exact for normal seed effects from 2 seeds), else "
+              "Welch's (approximate); in tests/test_evaluate.py's simulated studies both cover "
+              "93-97% at 3, 5 and 10 seeds a side. One seed a side gets none: a demo, not a "
+              "verdict. Under each table, each arm's verdict, the sentence a page quotes "
+              "(machinery/multibootstrap.verdict). The Multi-Bootstrap (seeds and examples "
+              "resampled jointly, `evaluate.py compare`) is in report.json; below 25 seeds its "
+              "percentiles are about the span of the per-seed differences, not a 95% interval. "
+              "val_loss is lower-better (nats); the other metrics are percentages.", ""]
     for m, by_arm in comp["metrics"].items():
         better = next(iter(by_arm.values()))["better"]
         lines += [f"## {m}" + (" (lower is better)" if better == "lower" else ""), "",
@@ -136,11 +161,17 @@ def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
                              f"{fmt(r['mean_b'], better)} | {signed(r['diff'], better)} | {ci} "
                              f"| {p} |")
         lines.append("")
+        for arm in (a for a in arms if a in comp["verdicts"].get(m, {})):
+            lines.append(f"- `{arm}` against `{base}`: {comp['verdicts'][m][arm]}.")
+        lines.append("")
     for m, by_phen in comp["phenomena"].items():
         shown_arms = [a for a in arms if a in next(iter(by_phen.values()))]
+        total = len(results[base][0][m]["phenomenon"])
         lines += [f"## {m} per phenomenon", "",
-                  f"Accuracy (%) on the reporting half; for each arm B - A [95% interval, "
-                  f"seed-level t] against `{base}`.", "",
+                  f"Accuracy (%) on the reporting half, {total} pairs (the pairs a fixed hash of "
+                  f"their ids puts there: figures of another study match these only if it read "
+                  f"the same files); for each arm B - A [95% interval, seed-level t] against "
+                  f"`{base}`.", "",
                   "| phenomenon | pairs | " + " | ".join(shown_arms) + " |",
                   "|---|---|" + "---|" * len(shown_arms)]
         for p, by_arm in by_phen.items():
@@ -153,7 +184,8 @@ def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
                              f"{100 * r['mean_b']:.1f} ({100 * r['diff']:+.1f}" + (
                                  f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}])" if ci else ")"))
             lines.append(f"| {p} | {n} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += ["", many_intervals([r["seed_level"] for by_arm in by_phen.values()
+                                      for a, r in by_arm.items() if a != base]), ""]
     tasks = {t for rs in results.values() for r in rs for t in r.get("finetune", {})}
     if tasks:
         lines += ["## Fine-tuning, per task (mean +- std over pretraining x fine-tuning seeds)",
@@ -199,10 +231,15 @@ def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
     for j in jobs:
         if j.seed == scale["seeds"][0] or (j.arm is None and j.name.endswith(
                 f"s{scale['seeds'][0]}")) or j.name.startswith("corpus"):
+            today = [shown(s.argv) for s in as_ran.get(j.name, j).steps]
             ran = [r for r in results.get(j.arm, []) if r["seed"] == j.seed]  # as it was run
-            commands = ran[0]["commands"] if ran else [
-                shown(s.argv) for s in as_ran.get(j.name, j).steps]
-            lines += [f"`{j.name}`:", "```bash", *commands, "```"]
+            if not ran or ran[0]["commands"] == today:
+                lines += [f"`{j.name}`:", "```bash", *today, "```"]
+            else:  # run under other defaults, or as another arm: today's reproduce this one
+                lines += [f"`{j.name}`, as this study file plans it today (what reproduces the "
+                          f"arm):", "```bash", *today, "```", "and as it was run (its result "
+                          "file's record, under the code and defaults of its date):", "```bash",
+                          *ran[0]["commands"], "```"]
     if figures:
         lines += ["", *draw_figures(folder, study, results, comp)]
     (folder / "report.json").write_text(json.dumps(

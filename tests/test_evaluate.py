@@ -892,3 +892,38 @@ def test_a_second_blimp_on_the_same_result_is_refused(ckpt, tmp_path):
     held.close()
     E.main(argv)  # the first gone, its lock file is taken over
     assert out.exists()
+
+
+def test_a_verdict_sentence_says_what_its_interval_says():
+    """machinery/multibootstrap.verdict, on hand-computed t intervals: paired seeds b - a =
+    (-1, -0.5, -0.6) nats: mean -0.7, sd sqrt(0.07), se 0.15275, t(2) 4.3027: interval
+    -1.3572..-0.0428 excludes 0 ("lower by"); (+0.1, -0.05, 0.0) holds 0 ("not
+    distinguishable"); rates print in points; Welch names itself approximate; one seed a side
+    is a demo."""
+    t = multibootstrap.seed_interval([4.0, 4.0, 4.0], [3.0, 3.5, 3.4], True)
+    assert multibootstrap.verdict(t, "lower", 3, 3) == (
+        "lower by 0.7000 nats, 95% t interval -1.3572..-0.0428 over 3 paired seeds, p = 0.044")
+    t = multibootstrap.seed_interval([4.0, 4.0, 4.0], [4.1, 3.95, 4.0], True)
+    assert multibootstrap.verdict(t, "lower", 3, 3).startswith(
+        "not distinguishable: +0.0167 nats, 95% t interval -0.1731..+0.2064 over 3 paired seeds")
+    t = multibootstrap.seed_interval([0.60, 0.62, 0.61], [0.70, 0.71, 0.69, 0.72], False)
+    said = multibootstrap.verdict(t, "higher", 3, 4)
+    assert said.startswith("higher by 9.50 points, 95% t interval +") and said.endswith(
+        "over 3 and 4 seeds (Welch's t, approximate), p < 0.001"), said
+    t = multibootstrap.seed_interval([0.6], [0.7], True)
+    assert multibootstrap.verdict(t, "higher", 1, 1) == (
+        "+10.00 points from one seed a side: a demo, no verdict")
+
+
+def test_a_table_of_many_intervals_says_what_chance_alone_gives():
+    """studies/report.many_intervals: 40 intervals, 3 excluding 0, chance about 2.0; Holm keeps
+    the smallest p's while p_(k) <= 0.05 / (m - k + 1): p = 0.0001, 0.001 and 0.04 of 40 give
+    0.0001 <= 0.00125 and 0.001 <= 0.00128, then 0.04 > 0.00132: two stand."""
+    from studies.report import many_intervals
+    none = {"ci95": [-1.0, 1.0], "p": 0.5}
+    tests = [none] * 37 + [{"ci95": [0.1, 1.0], "p": p} for p in (0.0001, 0.001, 0.04)]
+    assert many_intervals(tests) == (
+        "40 intervals, each uncorrected: where no arm differs, chance alone excludes 0 from "
+        "about 2.0 of them; 3 exclude it here, and 2 stand after Holm's correction (5%, "
+        "family-wise, over the table).")
+    assert many_intervals([{"ci95": None, "p": None}]) == "No intervals: one seed a side."

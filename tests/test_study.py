@@ -18,7 +18,7 @@ import evaluate as E
 import study
 from conftest import REPO, TINY, run_script, run_train, shared_data
 from studies import plan as study_plan, report as study_report
-from machinery import results
+from machinery import multibootstrap, results
 from machinery.storage import read_checkpoint
 
 
@@ -106,6 +106,8 @@ def test_report_equals_compare_on_the_result_files(whole, tmp_path):
                 f"| {study_report.signed(direct['diff'], better)} | "
                 f"{study_report.signed(t['ci95'][0], better)} .. "
                 f"{study_report.signed(t['ci95'][1], better)} | {t['p']:.3f} |") in md
+        said = multibootstrap.verdict(t, better, 2, 2)  # the sentence a page quotes, made here
+        assert f"- `kd` against `mlm`: {said}." in md and report["verdicts"][metric]["kd"] == said
     # a result file is small and holds what compare needs and what the report shows
     r = results.read_result(folder / "results" / "kd" / "s1.json.gz")
     assert (folder / "results" / "kd" / "s1.json.gz").stat().st_size < 100_000
