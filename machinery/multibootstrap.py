@@ -225,11 +225,13 @@ def compare(args):
     seeds = r["seed_level"]
     print(f"per seed: A {' '.join(map(show, r['values_a']))} | "
           f"B {' '.join(map(show, r['values_b']))}")
-    verdict = (f"95% interval {sign(seeds['ci95'][0])} .. {sign(seeds['ci95'][1])}, p = "
+    said = (f"95% interval {sign(seeds['ci95'][0])} .. {sign(seeds['ci95'][1])}, p = "
                f"{seeds['p']:.3g} (two-sided {seeds['test']} over {seeds['n']} seeds)"
                if seeds["ci95"] else "no interval: one seed a side is a demo, not a verdict")
     print(f"{name}: mean A {show(r['mean_a'])} | mean B {show(r['mean_b'])} | "
-          f"B - A {sign(r['diff'])}: {verdict}  [{r['better']} is better]")
+          f"B - A {sign(r['diff'])}: {said}  [{r['better']} is better]")
+    print(f"verdict, B against A (the sentence a page quotes): "
+          f"{verdict(seeds, r['better'], len(A), len(B))}")
     level = ("95% interval" if r["at_level"] else
              f"spread (a 95% interval from {MULTIBOOTSTRAP_SEEDS} seeds a side)")
     print(f"Multi-Bootstrap, seeds and examples resampled {r['nboot']} times: {level} "
