@@ -220,10 +220,31 @@ def chunks(pairs, size: int) -> list[np.ndarray]:
     return out + [np.array(run)] if run else out
 
 
+def own_scorers(model) -> tuple[str, ...]:
+    """The scorers that read a model where its objective trained it to predict, its own first:
+    mntp for a model that predicts a hidden token from the position before it (gpt-bert), and
+    causal too if its run trained causal rows; pll and word-l2r for every other."""
+    if model.predicts_before:
+        causal = model.train_args.get("causal_fraction", 0) > 0
+        return ("mntp", "causal") if causal else ("mntp",)
+    return ("pll", "word-l2r")
+
+
 def blimp(args):
     device = pick_device(args.device)
-    pairs = read_blimp(args.blimp_dir)
     model, tok = load_checkpoint(args.ckpt, device)
+    # a model read by a rule it was never trained for scores a number with no meaning, which
+    # would sit beside the real results: refused unless asked for (--any-scorer)
+    own = own_scorers(model)
+    args.scorer = args.scorer or own[0]
+    if args.scorer not in own and not args.any_scorer:
+        name = model.train_args.get("objective")
+        args.error(f"--scorer {args.scorer}: {f'a {name} model' if name else 'this model'} is "
+                   f"read by {' or '.join(own)} (--any-scorer scores it by {args.scorer} anyway)")
+    if args.scorer == "causal" and not isinstance(model, Encoder):
+        raise SystemExit(f"error: --scorer causal needs an encoder; {args.ckpt} predicts through "
+                         f"a decoder")
+    pairs = read_blimp(args.blimp_dir)
     temps = sorted({1.0, *args.temperatures})
     t1 = temps.index(1.0)
     sentences = [p["good"] for p in pairs] + [p["bad"] for p in pairs]
@@ -232,17 +253,9 @@ def blimp(args):
         raise SystemExit(f"error: a sentence has {max(map(len, seqs))} tokens, more than the "
                          f"model's {model.config.max_position}")
     batch_tokens = args.batch_tokens or BATCH_TOKENS[device.type]
-    # the model's own scorer by default: gpt-bert predicts a masked token from the position
-    # before it, every other objective where it is; blimp.json holds that one
-    own = "mntp" if model.predicts_before else "pll"
-    args.scorer = args.scorer or own
-    if args.scorer in ("mntp", "causal") and own != "mntp":
-        print(f"note: --scorer {args.scorer} reads each token at the position before it, which "
-              f"a {model.train_args.get('objective', '?')} model was not trained to predict from")
-    if args.scorer == "causal" and not isinstance(model, Encoder):
-        raise SystemExit(f"error: --scorer causal needs an encoder; {args.ckpt} predicts through "
-                         f"a decoder")
-    suffix = "" if args.scorer == own else "_" + args.scorer.replace("word-", "")
+    # blimp.json holds the model's own scorer (gpt-bert: mntp, the others: pll); another
+    # scorer writes blimp_SCORER.json beside it
+    suffix = "" if args.scorer == own[0] else "_" + args.scorer.replace("word-", "")
     out = result_path(args.out, args.ckpt, f"blimp{suffix}")
     # scores kept chunk by chunk as they are made, so that an interrupted run goes on from there;
     # the fingerprint: what they depend on (a checkpoint's size and time stand for its weights)
@@ -379,6 +392,9 @@ def masked_lm(args):
     example per segment (its mean over its hidden tokens), so `compare` resamples segments."""
     device = pick_device(args.device)
     model, tok = load_checkpoint(args.ckpt, device)
+    if args.seq_len and args.seq_len > model.config.max_position:
+        args.error(f"--seq-len {args.seq_len}: the model reads at most "
+                   f"{model.config.max_position} positions")
     data, vocab = args.data or model.train_args.get("data"), model.config.vocab_size
     if data is None:
         raise SystemExit(f"error: {args.ckpt} does not say what it trained on; pass --data")
@@ -509,7 +525,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--scorer", default=None, choices=SCORERS,
         help="pll (Salazar et al.), word-l2r (Kauf & Ivanova), mntp or causal (the BabyLM 2025 "
         "pipeline's backends for GPT-BERT); default: mntp for a gpt-bert model, else pll; "
-        "a scorer other than the model's own writes blimp_SCORER.json")
+        "a scorer other than the model's own writes blimp_SCORER.json. A scorer that reads the "
+        "model where it was not trained to predict is refused (--any-scorer)")
+    add("--any-scorer", action="store_true",
+        help="score by --scorer even where the model was not trained to predict as it reads "
+        "(pll or word-l2r on gpt-bert, mntp or causal on the others)")
     add("--temperatures", type=floats, default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0],
         range=flags.above(0),
         help="comma-separated grid; 1 is always added (default 0.5,0.75,1,1.5,2,3)")
@@ -592,6 +612,10 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("weights", help="per-module parameter mean / std / max |w| of a checkpoint")
     common(w, "weights")
     w.set_defaults(func=weights)
+    # a flag wrong for the checkpoint it points at, found once that is read: one line, exit 2,
+    # as the subcommand's parser says a bad flag (args.error)
+    for p in sub.choices.values():
+        p.set_defaults(error=p.error)
     return ap
 
 
@@ -601,6 +625,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if getattr(args, "ckpt", None) and (Path(args.ckpt) / "ckpt.pt").is_file():
         args.ckpt = str(Path(args.ckpt) / "ckpt.pt")  # a run folder: its checkpoint
+    if getattr(args, "out", None):  # an --out that cannot be written: one line, before the work
+        out = Path(args.out)
+        if out.is_dir():
+            args.error(f"--out {out} is a folder; give the result file's path")
+        with one_line_os_errors(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
     kept = {"blimp": "the chunks scored so far are kept: the same command goes on from them",
             "finetune": "the seeds fine-tuned so far are kept: the same command goes on from "
             "them"}.get(args.command, "run the same command again")

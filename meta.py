@@ -363,13 +363,14 @@ def replace_args(args, **kw):
 # The networks' shape: Shen's for Two Moons, a --size preset for text
 
 MOONS_MODEL = dict(n_layer=2, n_head=2, d_model=8, d_ff=32)  # Shen's Two Moons models
+GLUE_POSITIONS = 512  # the text student's positions, as train.py's default --max-position
 
 
 def model_config(args, vocab: int) -> ModelConfig:
     """Shen's Two Moons model or the --size preset, under the model flags given (as train.py)."""
     preset = MOONS_MODEL if args.task == "two_moons" else PRESETS[args.size]
     # glue: as train.py, so that evaluate.py's --max-len fits
-    longest = 64 if args.task == "two_moons" else max(512, args.seq_len)
+    longest = 64 if args.task == "two_moons" else GLUE_POSITIONS
     return training_run.model_config(args, vocab, {**preset, "max_position": longest})
 
 
@@ -615,7 +616,7 @@ def build_parser() -> flags.Parser:
         "$NANOMLM_RAW/babylm_eval/full_eval/glue_filtered)")
     add("--glue-tasks", default="rte,mrpc,cola",
         help="glue: labelled tasks (TASK.train.jsonl), taking turns step by step")
-    add("--seq-len", type=int, default=128, range=flags.at_least(3),
+    add("--seq-len", type=int, default=128, range=flags.Range(3, GLUE_POSITIONS),
         help="glue: sequence length (two_moons: 34, fixed)")
     add("--size", choices=tuple(PRESETS), default="tiny",
         help="glue: model preset (two_moons: 2 layers, d_model 8)")

@@ -58,7 +58,7 @@ from studies.report import build_report
 from machinery import flags
 from machinery.results import read_result
 from machinery.run_folder import REPO, RunFolder
-from machinery.storage import atomic_write
+from machinery.storage import atomic_write, one_line_os_errors
 
 
 # tokens/s of an MLM step when no run of the study has finished yet (--dry-run's estimate): tiny
@@ -473,10 +473,17 @@ def main(argv=None):
     folder = Path(args.out) if args.out else REPO / "runs" / study["name"] / args.scale
     jobs = plan(study, args.scale, folder, only, args.seeds)
     if args.report:
+        if not any((folder / "results").glob("*/*")):
+            raise StudyError(f"error: {folder / 'results'} holds no results to report; run the "
+                             f"study first (python study.py {path} --scale {args.scale}"
+                             + (f" --out {folder}" if args.out else "") + ")")
         print(build_report(study, args.scale, folder, plan(study, args.scale, folder), args.nboot,
                            not args.no_figures))
         return
     resolved = preflight(study, args.scale, jobs, path)
+    if not args.dry_run:
+        with one_line_os_errors(folder):  # an unwritable --out: one line, before the corpora
+            folder.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
         print(f"{study['name']}, scale {args.scale}: {len(jobs)} jobs into {folder}")
         print("\n".join(estimate(jobs, resolved, folder)))

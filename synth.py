@@ -39,6 +39,7 @@ import numpy as np
 
 from data.prepare import raw_root
 from machinery import flags
+from machinery.storage import one_line_os_errors
 
 
 TREEBANKS = ["UD_French-GSD", "UD_French-Sequoia", "UD_French-ParTUT"]
@@ -332,6 +333,9 @@ def build_parser() -> flags.Parser:
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    with one_line_os_errors(out):  # an unwritable --out: one line, before the sampling
+        out.mkdir(parents=True, exist_ok=True)
     ud = Path(args.ud or raw_root() / "ud")
     t0 = time.time()
     sentences = [s for f in treebank_files(ud, args.treebanks) for s in read_conllu(f)]
@@ -364,10 +368,9 @@ def main(argv=None):
           f"{stats['median_length']:.0f} (treebank "
           f"{stats['treebank_mean_length']:.1f}) | same-sentence PMI "
           f"{stats['same_sentence_pmi']:.3f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     bounds = np.r_[0, np.cumsum(lengths)]
-    with open(out / "synth.train", "w") as tr, open(out / "synth.dev", "w") as dv:
+    with one_line_os_errors(out), open(out / "synth.train", "w") as tr, \
+            open(out / "synth.dev", "w") as dv:
         for first in range(0, args.sentences, 50000):  # in chunks: 1M sentences' strings take GBs
             last = min(first + 50000, args.sentences)
             words = np.char.add("w", tokens[bounds[first]:bounds[last]].astype(str))
@@ -375,12 +378,14 @@ def main(argv=None):
                 sentence = words[bounds[i] - bounds[first]:bounds[i + 1] - bounds[first]]
                 (dv if i % 20 == 19 else tr).write(" ".join(sentence) + "\n")
     rules = {l: [[" ".join(r), p] for r, p in rs.items()] for l, rs in g["rules"].items()}
-    (out / "grammar.json").write_text(json.dumps({"symbols": g["symbols"], "sizes": sizes.tolist(),
-                                                  "args": vars(args), "rules": rules}))
-    (out / "stats.json").write_text(json.dumps(stats, indent=1))
-    # data/prepare.py then makes one token per word
-    (out / "tokenizer.json").write_text(json.dumps(
-        {"model_type": "word", "separate_sentences": args.separate_sentences}))
+    with one_line_os_errors(out):  # a full disk: one line
+        (out / "grammar.json").write_text(json.dumps(
+            {"symbols": g["symbols"], "sizes": sizes.tolist(), "args": vars(args),
+             "rules": rules}))
+        (out / "stats.json").write_text(json.dumps(stats, indent=1))
+        # data/prepare.py then makes one token per word
+        (out / "tokenizer.json").write_text(json.dumps(
+            {"model_type": "word", "separate_sentences": args.separate_sentences}))
     print(f"wrote {out}")
 
 

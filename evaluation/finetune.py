@@ -203,7 +203,7 @@ def finetune(args):
     partial = out.with_name(out.name + ".partial")
     fingerprint = {**checkpoint_identity(args.ckpt), "device": str(device),
                    "settings": {k_: v for k_, v in vars(args).items()
-                                if k_ not in ("func", "seeds", "out", "device")}}
+                                if k_ not in ("func", "error", "seeds", "out", "device")}}
     done = {int(s): r for s, r in read_partial(partial, fingerprint, "seed", "run").items()
             if s in args.seeds}
     if done:
@@ -224,7 +224,7 @@ def finetune(args):
         f"{m} {100 * a['mean']:.2f}{spread(a)}" for m, a in aggregate.items()))
     result = {"kind": "finetune", "task": args.task, "ckpt": str(args.ckpt),
               "pretrain_seed": encoder.train_args.get("seed"),
-              "settings": {k_: v for k_, v in vars(args).items() if k_ not in ("func",)},
+              "settings": {k_: v for k_, v in vars(args).items() if k_ not in ("func", "error")},
               "aggregate": aggregate, "runs": {str(s): r for s, r in runs.items()},
               "examples": {"id": valid.ids, "label": valid.labels.tolist(),
                            "pred": [r["pred"] for r in runs.values()], "metric": metrics[0],

@@ -153,3 +153,18 @@ def test_a_bench_stopped_by_sigterm_stops_its_train_run(prepared, tmp_path):
     running = [c for c in Path("/proc").glob("[0-9]*/cmdline") if str(tmp_path) in
                c.read_bytes().decode(errors="replace")] if Path("/proc").is_dir() else []
     assert not running
+
+
+def test_an_out_that_cannot_be_written_is_one_line_before_any_bench(tmp_path, capsys):
+    """Issue 83's sibling: an --out under a file failed at the first row's write, after that
+    bench had run (a failed row, then a traceback); a folder, the same. Both one line now."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--out", str(tmp_path / "file" / "b.json"), "--device", "cpu"])
+    assert str(stopped.value).startswith(f"error: cannot write {tmp_path / 'file' / 'b.json'}: ")
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--out", str(tmp_path), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1, err
+    assert f"--out {tmp_path} is a folder; give the rows' file path" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]

@@ -4,8 +4,10 @@ their errors, and fine-tuning end to end."""
 import itertools
 import json
 import math
+import shutil
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -504,18 +506,21 @@ def test_finetune_can_choose_epochs_without_seeing_validation(ckpt, tmp_path, mo
 
 def test_a_gpt_bert_model_is_scored_by_its_own_rule(ckpt, tmp_path):
     """A gpt-bert checkpoint's blimp.json is scored by mntp, the pipeline's rule for it; another
-    scorer writes its own file; a decoder model cannot be scored causally."""
+    scorer writes its own file (pll, which reads where gpt-bert was not trained to predict, only
+    with --any-scorer)."""
     state = read_checkpoint(ckpt)
     run = tmp_path / "run"
     run.mkdir()
-    save_checkpoint({**state, "predicts_before": True},
+    save_checkpoint({**state, "predicts_before": True,
+                     "args": {**state["args"], "objective": "gpt-bert",
+                              "causal_fraction": 0.0625}},
                     run / "ckpt.pt")
     src = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
     folder = tmp_path / "mini"
     folder.mkdir()
     lines = (src / "anaphor_gender_agreement.jsonl").read_text().splitlines(True)
     (folder / "anaphor_gender_agreement.jsonl").write_text("".join(lines[:6]))
-    for scorer in ([], ["--scorer", "causal"], ["--scorer", "pll"]):
+    for scorer in ([], ["--scorer", "causal"], ["--scorer", "pll", "--any-scorer"]):
         E.main(["blimp", "--ckpt", str(run / "ckpt.pt"), "--blimp-dir", str(folder), *scorer,
                 "--device", "cpu"])
     said = {f.name: json.loads(f.read_text())["scorer"] for f in (run / "eval").glob("*.json")}
@@ -609,6 +614,58 @@ def test_cli_errors_are_one_line(ckpt, tmp_path):
         r = run_script("evaluate.py", *argv)
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert __import__("re").search(pattern, r.stderr.strip().splitlines()[-1]), r.stderr
+
+
+def test_flags_wrong_for_the_checkpoint_are_one_line_and_write_nothing(ckpt, tmp_path, capsys):
+    """Issue 83: a scorer that reads an MLM model where it was never trained to predict (causal,
+    mntp), and a --seq-len past the model's positions, are refused as a bad flag is (exit 2, one
+    line naming the flag), before anything is scored or written; --any-scorer asks for the
+    scorer anyway and writes its own file."""
+    folder = tmp_path / "mini"
+    folder.mkdir()
+    src = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
+    lines = (src / "anaphor_gender_agreement.jsonl").read_text().splitlines(True)
+    (folder / "anaphor_gender_agreement.jsonl").write_text("".join(lines[:4]))
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(ckpt, run / "ckpt.pt")
+    blimp = ["blimp", "--ckpt", str(run / "ckpt.pt"), "--blimp-dir", str(folder), "--device",
+             "cpu"]
+    cases = [([*blimp, "--scorer", "causal"], "--scorer causal: this model is read by pll or "
+              "word-l2r (--any-scorer scores it by causal anyway)"),
+             ([*blimp, "--scorer", "mntp"], "--scorer mntp: this model is read by pll or "
+              "word-l2r"),
+             (["mlm", "--ckpt", str(run / "ckpt.pt"), "--seq-len", "100000", "--device", "cpu"],
+              "--seq-len 100000: the model reads at most 512 positions")]
+    for argv, says in cases:
+        with pytest.raises(SystemExit) as stopped:
+            E.main(argv)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.count("\n") == 1 and says in err, err
+        assert err.startswith(f"evaluate.py {argv[0]}: error: ")
+    with pytest.raises(SystemExit) as stopped:
+        E.main([*blimp, "--out", str(tmp_path)])
+    assert stopped.value.code == 2 and "--out " + str(tmp_path) + " is a folder; give the " \
+        "result file's path" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    for argv in (blimp, ["mlm", "--ckpt", str(run / "ckpt.pt"), "--device", "cpu"]):
+        with pytest.raises(SystemExit) as stopped:
+            E.main([*argv, "--out", str(tmp_path / "file" / "r.json")])
+        bad = tmp_path / "file" / "r.json"
+        assert str(stopped.value).startswith(f"error: cannot write {bad}: ")  # the OS's reason
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt"]  # no eval/, no partial file
+    E.main([*blimp, "--scorer", "causal", "--any-scorer"])
+    assert json.loads((run / "eval" / "blimp_causal.json").read_text())["scorer"] == "causal"
+
+
+def test_own_scorers_follow_the_objective():
+    """What each kind of checkpoint is read by, its own scorer first: an MLM-style model where
+    the token is, gpt-bert at the position before it, and causally only if it trained causal
+    rows."""
+    model = lambda before, args: SimpleNamespace(predicts_before=before, train_args=args)
+    assert E.own_scorers(model(False, {"objective": "mlm"})) == ("pll", "word-l2r")
+    assert E.own_scorers(model(True, {"causal_fraction": 1 / 16})) == ("mntp", "causal")
+    assert E.own_scorers(model(True, {"causal_fraction": 0.0})) == ("mntp",)
 
 
 def test_weight_stats_hand_computed():

@@ -42,7 +42,7 @@ def checkpoint(path, tokenizer: bytes, objective="mlm", **kw):
     entry = O.OBJECTIVES[objective]
     ckpt = {"model": model.state_dict(), "config": asdict(cfg), "tokenizer": tokenizer,
             "objective": objective, "step": 7, "predicts_before": entry.predicts_before,
-            "decoder": entry.decoder}
+            "decoder": entry.decoder, "args": {"objective": objective, "causal_fraction": 1 / 16}}
     if entry.decoder:
         ckpt["heads"] = BootHeads(cfg, 1, mae=True).state_dict()
     for t in [*ckpt["model"].values(), *ckpt.get("heads", {}).values()]:

@@ -187,6 +187,8 @@ def test_every_numeric_flag_declares_its_range(script):
     ("meta", ["--seeds", "0,-1"], "--seeds must be >= 0, not -1"),
     ("meta", ["--seeds", "0,x"], "--seeds: 0,x: give comma-separated integers"),
     ("meta", ["--labels", "hardd"], "--labels hardd: each must be hard, soft"),
+    ("meta", ["--task", "glue", "--seq-len", "100000"],
+     "--seq-len must be in [3, 512], not 100000"),
     ("synth", ["--out", "x", "--sentences", "0"], "--sentences must be >= 1, not 0"),
     ("meta", ["--protocol", "shen", "--ft-epochs", "0"], "--ft-epochs 0 fine-tunes full-batch"),
     ("study", ["x.toml", "--nboot", "0"], "--nboot must be >= 1, not 0"),

@@ -412,6 +412,23 @@ def test_dictionary_lines_are_numbered_as_the_bar(capsys):
         assert f"objective {h['objective']:.4g}" in line
 
 
+def test_an_out_that_cannot_be_written_is_one_line_before_the_checkpoint_is_read(tmp_path,
+                                                                                 capsys):
+    """Issue 83: --out under a file, or naming a folder, stops in one line before anything is
+    read (the checkpoint named does not exist: reading it first would say so instead)."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as stopped:
+        S.main(["--ckpt", str(tmp_path / "none.pt"), "--out", str(tmp_path / "file" / "d.pt")])
+    bad = tmp_path / "file" / "d.pt"
+    assert str(stopped.value).startswith(f"error: cannot write {bad}: ")  # the OS's reason
+    with pytest.raises(SystemExit) as stopped:
+        S.main(["--ckpt", str(tmp_path / "none.pt"), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1
+    assert f"--out {tmp_path} is a folder; give the dictionary file's path" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 @pytest.mark.parametrize("cfg, n_layer, says", [
     (dict(batch_size=0), None, "error: --batch-size must be >= 1, not 0"),
     (dict(tol=-1.0), None, "error: --tol must be >= 0, not -1"),

@@ -207,6 +207,24 @@ def test_bad_study_files_fail_in_one_line(env, tmp_path, change, says, warm_exec
     assert line.startswith(f"error: {path}: ") and says in line and "\n" not in line, line
 
 
+def test_a_report_without_results_and_an_unwritable_out_are_one_line(env, tmp_path,
+                                                                     warm_executable):
+    """Issue 83: --report of a folder with no results says so and what to run (it drew a
+    figure into a folder that was not there: a traceback); an --out where no folder can be made
+    stops before any corpus is prepared. Neither writes anything."""
+    path = study_file(tmp_path, env)
+    with pytest.raises(SystemExit) as stopped:
+        study.main([str(path), "--report", "--out", str(tmp_path / "none")])
+    assert str(stopped.value) == (f"error: {tmp_path / 'none' / 'results'} holds no results to "
+                                  f"report; run the study first (python study.py {path} --scale "
+                                  f"cpu --out {tmp_path / 'none'})")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as stopped:
+        study.main([str(path), "--out", str(tmp_path / "file" / "s")])
+    assert str(stopped.value) == f"error: cannot write {tmp_path / 'file' / 's'}: Not a directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blimp_mini", "file", "tiny.toml"]
+
+
 def test_a_failed_run_is_reported_and_the_others_go_on(env, tmp_path):
     """A run that crashes (here: kd told to start from a checkpoint that is not there, which
     only training finds out) is listed in REPORT.md; the baseline's run still finishes."""

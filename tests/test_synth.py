@@ -164,6 +164,18 @@ def test_cli_writes_a_corpus_folder_that_trains_word_by_word(tmp_path, monkeypat
     assert r.returncode == 0, r.stderr
 
 
+def test_an_unwritable_out_is_one_line_before_the_sampling(tmp_path, capsys):
+    """Issue 83: --out under a file (no folder can be made there) stops in one line, before
+    the treebanks are read (--ud points nowhere: reading it would fail otherwise)."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as stopped:
+        S.main(["--sentences", "10", "--ud", str(tmp_path / "nowhere"),
+                "--out", str(tmp_path / "file" / "x")])
+    line = str(stopped.value)
+    assert line == f"error: cannot write {tmp_path / 'file' / 'x'}: Not a directory", line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 def test_loglinear_draws_words_by_the_papers_scale():
     """One sentence of 20,000 words of one relation: their frequencies are softmax(v_t . v_w)
     with v_w and v_t both ~ N(0, I_10) (Ri & Tsuruoka 2022, sec. 3.1), redrawn here from the
