@@ -49,6 +49,8 @@ none does not pretrain at all.
 import argparse
 import contextlib
 import json
+import shlex
+import signal
 import sys
 import time
 from dataclasses import asdict, replace
@@ -72,6 +74,7 @@ from machinery.device import add_device_flag, autocast, pick_device
 from machinery.optim import inverse_sqrt
 from machinery.progress import bar, line_buffered
 from machinery.run_folder import REPO, RunFolder, repo_sources
+from machinery.stopping import exit_on_stop_signals, stop_after_the_step
 from machinery.storage import load_state
 from model import PRESETS, Encoder, ModelConfig, init_linears, small_init
 
@@ -317,7 +320,9 @@ def label_defaults(args):
 
 
 def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=None, show=None,
-             start=0, opts=None, save=None):
+             start=0, opts=None, save=None, stop=None) -> int:
+    """The meta steps start..args.steps; -> the step it ended at: args.steps, or the step after
+    which `stop()` said to stop (saved first, by `save`)."""
     args = label_defaults(args)
     opt_s, opt_t = opts or optimizers(student, teacher, args)
     warm = max(1, args.steps // 20)
@@ -352,7 +357,11 @@ def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=No
                 show(step + 1, b["x_u"], *info["written"])
         if save is not None and (step + 1) % args.save_every == 0:
             save(step + 1)
-    return opt_s, opt_t
+        if stop is not None and stop():  # a stop signal: this step saved, the loop ends
+            if save is not None:
+                save(step + 1)
+            return step + 1
+    return args.steps
 
 
 def replace_args(args, **kw):
@@ -456,7 +465,15 @@ def run_two_moons(args, device, folder: RunFolder):
     parallel = args.workers > 1 and device.type == "cpu" and len(jobs) > 1
     data = two_moons(args.data_seed)  # (each worker process makes its own)
     if parallel:
-        pool = torch.multiprocessing.get_context("spawn").Pool(args.workers)
+        # the workers start with Ctrl-C ignored (kept across exec, and Python then installs no
+        # handler of its own): the terminal sends SIGINT to the whole process group, and the
+        # parent alone should stop, its pool ending the workers (no traceback from each, even
+        # one still starting, and no orphan)
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            pool = torch.multiprocessing.get_context("spawn").Pool(args.workers)
+        finally:
+            signal.signal(signal.SIGINT, before)
         done = pool.imap_unordered(cell_worker, jobs)
     else:
         pool = contextlib.nullcontext()
@@ -489,8 +506,12 @@ def run_two_moons(args, device, folder: RunFolder):
 # ---------------------------------------------------------------------------------------------
 # (Super)GLUE: one student pretrained on text, saved as an ordinary checkpoint
 
-def run_glue(args, device, folder: RunFolder):
-    task = glue_task(args, device)
+def run_glue(args, device, folder: RunFolder, go_on: str):
+    with exit_on_stop_signals("`meta.py` before its first step; nothing was saved"):
+        return glue_loop(args, device, folder, go_on, glue_task(args, device))
+
+
+def glue_loop(args, device, folder: RunFolder, go_on: str, task):
     data_dir, V, words = task.data_dir, task.text_vocab, task.words
     cfg = model_config(args, task.ids["vocab"])
     folder.write("config", asdict(cfg))
@@ -511,6 +532,8 @@ def run_glue(args, device, folder: RunFolder):
     start = 0
     if args.resume and (folder.path / "meta.pt").exists():
         state = load_state(folder.path / "meta.pt", map_location=device)
+        if "rng" in state:  # dropout's draws (shen's 0.1) go on as they would have
+            torch.set_rng_state(state["rng"])
         student.load_state_dict(state["student"], strict=True)
         teacher.load_state_dict(state["teacher"], strict=True)
         for o, s in zip(opts, state["optimizers"]):
@@ -522,7 +545,8 @@ def run_glue(args, device, folder: RunFolder):
 
     def save(step):
         folder.save({"student": student.state_dict(), "teacher": teacher.state_dict(),
-                     "step": step, "optimizers": [o.state_dict() for o in opts]}, "meta.pt")
+                     "step": step, "optimizers": [o.state_dict() for o in opts],
+                     "rng": torch.get_rng_state()}, "meta.pt")
         text_only = lambda k, v: v[:V] if k in ("word.weight", "head_bias") else v
         sd = {k: text_only(k, v) for k, v in student.state_dict().items()}  # for evaluate.py
         folder.save({"model": sd, "config": asdict(replace(cfg, vocab_size=V)),
@@ -533,8 +557,13 @@ def run_glue(args, device, folder: RunFolder):
         folder.log(record)
         tqdm.write(" | ".join(f"{k} {v}" for k, v in record.items()))
 
-    pretrain(student, teacher, task.unlabeled, task.labeled, args, device,
-             desc=f"meta {args.labels}", log=log, show=show, start=start, opts=opts, save=save)
+    with stop_after_the_step() as got:  # a signal: the step in progress ends and is saved
+        ended = pretrain(student, teacher, task.unlabeled, task.labeled, args, device,
+                         desc=f"meta {args.labels}", log=log, show=show, start=start, opts=opts,
+                         save=save, stop=lambda: bool(got))
+    if ended < args.steps:
+        raise SystemExit(f"{signal.Signals(got['signal']).name}: stopped at step {ended}, saved "
+                         f"in {folder.path / 'meta.pt'}; the same run goes on: {go_on}")
     save(args.steps)
     print(f"wrote {folder.path / 'ckpt.pt'} (the student; fine-tune it with evaluate.py finetune)")
 
@@ -663,13 +692,22 @@ def main(argv=None):
     device = pick_device(args.device)
     name = f"meta_{args.task}_{args.labels.replace(',', '+')}"
     folder = RunFolder(args.out_dir or REPO / "runs" / name)
+    if args.resume and not (folder.path / "args.json").is_file():
+        raise SystemExit(f"error: --resume, but {folder.path} holds no meta.py run to go on from")
     folder.lock()  # one process per run folder
     if not args.resume:
         folder.check_new()
     folder.start(repo_sources(), keep_log=args.resume, args=vars(args))
     print(f"meta.py {args.task} --labels {args.labels} on {device}; run folder {folder.path}",
           file=sys.stderr)
-    (run_two_moons if args.task == "two_moons" else run_glue)(args, device, folder)
+    typed = list(sys.argv[1:] if argv is None else argv)
+    go_on = shlex.join(["python", "meta.py", *typed, *([] if args.resume else ["--resume"])])
+    if args.task == "two_moons":  # each entry is kept as it ends: a stop ends at once
+        with exit_on_stop_signals(f"`meta.py`; the entries finished are kept, the same run goes "
+                                  f"on: {go_on}"):
+            run_two_moons(args, device, folder)
+    else:
+        run_glue(args, device, folder, go_on)
 
 
 if __name__ == "__main__":

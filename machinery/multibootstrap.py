@@ -27,7 +27,10 @@ def examples_of(result: dict, key: str, path="the result") -> dict:
     it: label (N,), pred (F, N) (F fine-tuning seeds; one row elsewhere), the metric, and whether
     higher or lower is better."""
     if key not in result:
-        raise SystemExit(f"error: {path} has no '{key}' section (not written by evaluate.py?)")
+        held = [k for k, v in result.items() if isinstance(v, dict) and "pred" in v]
+        raise SystemExit(f"error: {path} has no '{key}' section" + (
+            f"; its per-example sections: {', '.join(held)} (--examples NAME)" if held else
+            " (not written by evaluate.py or study.py?)"))
     ex = result[key]
     return {"seed": result.get("pretrain_seed"), "id": ex["id"], "label": np.array(ex["label"]),
             "pred": np.array(ex["pred"]), "metric": ex["metric"], "k": ex["k"],
@@ -175,16 +178,33 @@ def multibootstrap(A: list[dict], B: list[dict], nboot=1000, seed=0, block=100) 
             "seeds_a": seeds_a, "seeds_b": seeds_b}
 
 
-def expand(patterns) -> list[list[Path]]:
+def expand(patterns, key: str = "examples") -> list[list[Path]]:
     """Two groups of result files: two arguments, each a file, folder or quoted glob; or the
-    shell's expansion of two globs, split by parent folder."""
+    shell's expansion of two globs, split by parent folder. A folder gives its files that hold
+    the section `key` (a run's eval/ also holds weights.json), all of one kind: a folder of one
+    run's evaluations (blimp.json, mlm.json, rte.json) is refused, its files named."""
     def one(p):
         path = Path(p)
-        files = (sorted([*path.glob("*.json"), *path.glob("*.json.gz")]) if path.is_dir()
-                 else sorted(map(Path, glob.glob(p))))
-        if not files:
-            raise SystemExit(f"error: no result files match {p}")
-        return files
+        if not path.is_dir():
+            files = sorted(map(Path, glob.glob(p)))
+            if not files:
+                raise SystemExit(f"error: no result files match {p}")
+            return files
+        kinds, held = {}, {}  # {the section's name: the files holding it}, all sections seen
+        for f in sorted([*path.glob("*.json"), *path.glob("*.json.gz")]):
+            r = read_result(f)
+            held.update((k, 1) for k, v in r.items() if isinstance(v, dict) and "pred" in v)
+            if key in r:
+                kinds.setdefault(examples_of(r, key, f)["name"], []).append(f)
+        if not kinds:
+            raise SystemExit(f"error: no result file in {p} has a '{key}' section" + (
+                f"; theirs: {', '.join(held)} (--examples NAME)" if held else ""))
+        first = [fs[0] for fs in kinds.values()]
+        if len(kinds) > 1:
+            raise SystemExit(f"error: {p} holds results of {len(kinds)} kinds ("
+                             f"{', '.join(f.name for f in first)}): give one file or quoted glob "
+                             f"a side, e.g. {first[0]}")
+        return next(iter(kinds.values()))
     if len(patterns) == 2:
         return [one(p) for p in patterns]
     groups = {}
@@ -209,7 +229,7 @@ def twice(side: list[dict]) -> list[str]:
 
 
 def compare(args):
-    a_files, b_files = expand(args.results)
+    a_files, b_files = expand(args.results, args.examples)
     A = [load_examples(f, args.examples) for f in a_files]
     B = [load_examples(f, args.examples) for f in b_files]
     r = multibootstrap(A, B, args.nboot, args.seed)

@@ -98,6 +98,18 @@ def catch_stop_signals(then) -> dict:
     return got
 
 
+@contextlib.contextmanager
+def stop_after_the_step():
+    """catch_stop_signals for a loop that reads the returned `got` after each step (meta.py's):
+    a signal lets the step end, a second exits at once; the handlers before it back afterwards."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield catch_stop_signals(lambda: None)
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
+
+
 class SafetyNet:
     """The loop's guard, read at the loop's sync points only (its log, validation and save
     steps): the loop appends each step's (loss, gradient norm), left on the device, to `recent`,

@@ -527,6 +527,36 @@ def test_a_gpt_bert_model_is_scored_by_its_own_rule(ckpt, tmp_path):
     assert said == {"blimp.json": "mntp", "blimp_causal.json": "causal", "blimp_pll.json": "pll"}
 
 
+def test_compare_reads_a_folder_by_the_kinds_it_can_compare(tmp_path, capsys):
+    """Issue 84: two runs' eval/ folders: weights.json (no per-example section, written by
+    evaluate.py itself) is passed over; a folder holding two kinds (blimp.json and mlm.json) is
+    refused in one line naming them; a folder of study results without the section asked for
+    names the sections it has."""
+    def result(path, seed, kind, metric="accuracy", key="examples"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"kind": kind, "pretrain_seed": seed, key: {
+            "id": [0, 1, 2, 3], "label": [1, 0, 1, 1], "pred": [[1, 0, seed % 2, 1]],
+            "metric": metric, "k": 2}}))
+    for run, seed in (("a", 0), ("b", 1)):
+        result(tmp_path / run / "eval" / "blimp.json", seed, "blimp")
+        (tmp_path / run / "eval" / "weights.json").write_text(json.dumps({"rows": []}))
+    E.main(["compare", str(tmp_path / "a" / "eval"), str(tmp_path / "b" / "eval"), "--nboot",
+            "50"])
+    assert "A: 1 seeds [0], B: 1 seeds [1]; blimp accuracy" in capsys.readouterr().out
+    result(tmp_path / "a" / "eval" / "mlm.json", 0, "mlm", "mean")
+    with pytest.raises(SystemExit) as stopped:
+        E.main(["compare", str(tmp_path / "a" / "eval"), str(tmp_path / "b" / "eval")])
+    assert str(stopped.value) == (f"error: {tmp_path / 'a' / 'eval'} holds results of 2 kinds "
+                                  f"(blimp.json, mlm.json): give one file or quoted glob a side, "
+                                  f"e.g. {tmp_path / 'a' / 'eval' / 'blimp.json'}")
+    for arm in ("mlm", "boot"):
+        result(tmp_path / "study" / arm / "s0.json", 0, "study", "mean", key="val_loss")
+    with pytest.raises(SystemExit) as stopped:
+        E.main(["compare", str(tmp_path / "study" / "mlm"), str(tmp_path / "study" / "boot")])
+    assert str(stopped.value) == (f"error: no result file in {tmp_path / 'study' / 'mlm'} has a "
+                                  f"'examples' section; theirs: val_loss (--examples NAME)")
+
+
 def test_blimp_then_compare(ckpt, tmp_path, capsys):
     src = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
     folder = tmp_path / "mini"

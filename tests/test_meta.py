@@ -3,6 +3,13 @@ computation, the student keeping only its own step, the Two Moons data, and the 
 import argparse
 import json
 import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,11 +17,12 @@ import torch
 import torch.nn as nn
 
 import meta as M
-from conftest import shared_data
+from conftest import REPO, shared_data
 from data import meta_examples as EX
 from data.prepare import MASK, PAD, SEP
 from metalearning import moons as MM
 from machinery.multibootstrap import load_examples, multibootstrap
+from machinery.storage import read_checkpoint
 from model import Encoder, ModelConfig, load_checkpoint
 
 
@@ -427,6 +435,121 @@ def test_glue_cli_writes_a_student_evaluate_can_load(prepared, tmp_path, capsys)
     assert model.config.vocab_size == tok.get_piece_size()
     M.main([*common, "--steps", "6", "--resume"])
     assert "resuming at step 4" in capsys.readouterr().out
+
+
+def family(pid: int) -> set[int]:
+    """The PIDs of a process's descendants, from /proc."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    kids, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        new = {c for c, pp in parent.items() if pp == p} - kids
+        kids |= new
+        todo += new
+    return kids
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, which the container's init may never reap, counts as ended)."""
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+def ignores_ctrl_c(pid: int) -> bool:
+    """Its SIGINT disposition is 'ignore' (/proc/PID/status SigIgn, bit SIGINT - 1)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith("SigIgn:")), 16)
+    return bool(mask >> (signal.SIGINT - 1) & 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_stop_signal_ends_two_moons_at_once_and_no_worker_outlives_it(tmp_path, how):
+    """Issue 84: Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM
+    (to meta.py alone, as a scheduler sends it) while two worker processes pretrain: meta.py
+    ends within seconds, in one line giving the command that goes on, no traceback, and none of
+    its child processes is left running."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "meta.py", "--labels", "hard", "--sizes", "2,4", "--seeds", "0",
+           "--steps", "100000", "--ft-steps", "2", "--workers", "2", "--device", "cpu",
+           "--out-dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    t0 = time.time()
+    while not (out / "cells").exists():  # made once the workers have been started
+        assert proc.poll() is None and time.time() - t0 < 300, proc.communicate()
+        time.sleep(0.05)
+    children = family(proc.pid)
+    workers = {k for k in children if ignores_ctrl_c(k)}  # from their start: none can trace back
+    os.killpg(proc.pid, signal.SIGINT) if how == "ctrl-c" else proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    name = "SIGINT" if how == "ctrl-c" else "SIGTERM"
+    go_on = shlex.join(["python", *cmd[1:], "--resume"])
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (f"{name}: stopped `meta.py`; the entries finished "
+                                            f"are kept, the same run goes on: {go_on}"), err
+    t0 = time.time()
+    while any(alive(k) for k in children) and time.time() - t0 < 30:
+        time.sleep(0.1)
+    assert len(workers) >= 2 and not [k for k in children if alive(k)]
+
+
+def test_a_stop_signal_saves_the_glue_step_and_the_run_goes_on_to_the_same_weights(prepared,
+                                                                                  tmp_path):
+    """Issue 84: SIGTERM while the glue student pretrains: the step in progress ends and is
+    saved, meta.py exits 1 with one line giving the command that goes on; that command ends
+    with the weights of the same run never stopped. --resume of a folder that holds no run is
+    refused in one line and makes no folder."""
+    glue = shared_data() / "babylm_eval" / "full_eval" / "glue_filtered"
+    flags = ["--task", "glue", "--data", str(prepared), "--glue-dir", str(glue), "--glue-tasks",
+             "rte,cola", "--labels", "hard", "--log-every", "1", "--seq-len", "24",
+             "--batch-size", "2", "--task-batch", "2", "--n-layer", "1", "--d-model", "16",
+             "--n-head", "2", "--d-ff", "32", "--device", "cpu", "--steps", "300"]
+    whole = subprocess.run([sys.executable, "meta.py", *flags, "--out-dir", tmp_path / "whole"],
+                           cwd=REPO, capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    out = tmp_path / "stopped"
+    cmd = [sys.executable, "meta.py", *flags, "--out-dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    t0 = time.time()
+    logged = lambda: len((out / "log.jsonl").read_text().splitlines()) if out.exists() else 0
+    while not (out / "log.jsonl").exists() or logged() < 3:
+        assert proc.poll() is None and time.time() - t0 < 300, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    last = err.strip().splitlines()[-1]
+    go_on = shlex.join(["python", *cmd[1:], "--resume"])
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    step = int(last.split("stopped at step ")[1].split(",")[0])
+    assert 3 <= step < 300 and last == (f"SIGTERM: stopped at step {step}, saved in "
+                                        f"{out / 'meta.pt'}; the same run goes on: {go_on}")
+    resumed = subprocess.run([sys.executable, *shlex.split(go_on)[1:]], cwd=REPO,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0 and f"resuming at step {step}" in resumed.stdout, resumed.stderr
+    a, b = (read_checkpoint(d / "ckpt.pt")["model"] for d in (tmp_path / "whole", out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(SystemExit) as stopped:
+        M.main([*flags, "--out-dir", str(tmp_path / "none"), "--resume"])
+    assert str(stopped.value) == (f"error: --resume, but {tmp_path / 'none'} holds no meta.py run "
+                                  f"to go on from")
+    assert not (tmp_path / "none").exists()
 
 
 def test_shens_schedule_is_metalmos_rule():

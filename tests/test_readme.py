@@ -55,6 +55,9 @@ def test_each_readme_command_runs_as_written(env, argv, capsys):
     if script == "train.py":
         resolved = train.get_args(args)  # as --check resolves them: the defaults applied
         assert resolved.objective in objectives.OBJECTIVES
+    elif script == "evaluate.py" and args[0] == "compare":  # on committed results: runs whole
+        evaluate.main(args)
+        assert "verdict, B against A" in capsys.readouterr().out
     elif script == "evaluate.py":
         evaluate.build_parser().parse_args(args)
     elif script == "export.py":
