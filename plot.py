@@ -34,7 +34,11 @@ def read_run(folder: Path) -> tuple[list[dict], dict]:
     settings = folder / "args.json"
     if not run.log_path.is_file() or not settings.is_file():
         raise SystemExit(f"error: {folder} is not a run folder (no log.jsonl or args.json)")
-    return run.records(), json.loads(settings.read_text())
+    records = run.records()
+    if run.skipped:  # a torn or garbled line: the curves are drawn without it, and it is said
+        print(f"note: {run.log_path}: {run.skipped} line{'s' * (run.skipped > 1)} not a log "
+              f"record (torn by a kill, or edited?) left out")
+    return records, json.loads(settings.read_text())
 
 
 def curves(records: list[dict]) -> dict[str, dict[str, list]]:

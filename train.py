@@ -364,8 +364,18 @@ def get_args(argv, parser=None):
     return args
 
 
+# more tokens than a year of training even at 3M tokens/s (about 7x `small`'s step on an H200,
+# docs/bench.md): a --max-steps this large is a typo, not a plan
+MOST_TOKENS = 10 ** 14
+
+
 def check_phases(args):
-    """Each phase gets at least one step, and its warmup (once --max-steps is known)."""
+    """Each phase gets at least one step, and its warmup (once --max-steps is known); the
+    budget is one a year could train."""
+    tokens = args.max_steps * args.batch_size * args.grad_accum * args.seq_len
+    if tokens > MOST_TOKENS:
+        raise SystemExit(f"error: --max-steps {args.max_steps} is {tokens:.2g} tokens: more than "
+                         f"a year even at 3M tokens/s; give the steps you mean to train")
     p1 = phase1_steps(args)
     if has_phase1(args) and not 0 < p1 < args.max_steps:
         raise SystemExit(f"error: --phase1-steps must leave both phases at least one of the "

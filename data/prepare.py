@@ -106,6 +106,21 @@ def find_files(raw: Path) -> tuple[list[Path], list[Path]]:
     return train, dev
 
 
+def text_bytes(data: str) -> int:
+    """The size in bytes of --data's raw training text, without reading it (a gzip file's
+    trailer holds its size, mod 2^32); 0 where there is no such folder yet."""
+    raw, _ = resolve(data)
+    total = 0
+    for path in find_files(raw)[0] if raw.is_dir() else []:
+        with open(path, "rb") as f:
+            if f.read(2) == b"\x1f\x8b":
+                f.seek(-4, os.SEEK_END)
+                total += int.from_bytes(f.read(4), "little")
+            else:
+                total += path.stat().st_size
+    return total
+
+
 def read_lines(path: Path) -> list[str]:
     """Non-empty lines, stripped. gzip is detected by the file's magic bytes, not its name."""
     with open(path, "rb") as f:

@@ -139,13 +139,17 @@ class RunFolder:
 
     def records(self) -> list[dict]:
         """The records of log.jsonl (none if there is no log), a line torn by a kill or a full
-        disk left out."""
-        records = []
+        disk left out, and counted in self.skipped (what a reader says it left out)."""
+        records, self.skipped = [], 0
         for line in self.log_path.read_text().splitlines() if self.log_path.exists() else []:
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
-                continue
+                record = None
+            if isinstance(record, dict) and "step" in record:
+                records.append(record)
+            else:
+                self.skipped += 1
         return records
 
     def resume(self, step: int) -> None:

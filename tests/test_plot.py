@@ -51,3 +51,15 @@ def test_without_matplotlib_it_says_how_to_get_it(tmp_path, monkeypatch):
         plot.read_run(tmp_path)
     with pytest.raises(SystemExit, match=f"no run folder at {tmp_path / 'mistyped'}"):
         plot.read_run(tmp_path / "mistyped")
+
+
+def test_lines_that_are_not_log_records_are_counted_and_said(tmp_path, capsys):
+    """Issue 84: a garbled line (here a torn one, a bare number and a record without a step)
+    was skipped without a word; it is still left out, and said."""
+    (tmp_path / "args.json").write_text("{}")
+    (tmp_path / "log.jsonl").write_text('{"step": 1, "loss": 7.0}\n{"step": 2, "lo\n5\n'
+                                        '{"loss": 6.0}\n{"step": 3, "loss": 6.5}\n')
+    records, _ = plot.read_run(tmp_path)
+    assert [r["step"] for r in records] == [1, 3]
+    assert capsys.readouterr().out == (f"note: {tmp_path / 'log.jsonl'}: 3 lines not a log record "
+                                       f"(torn by a kill, or edited?) left out\n")

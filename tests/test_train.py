@@ -526,9 +526,28 @@ def test_a_long_run_of_a_large_model_on_a_cpu_says_it_wants_a_gpu(prepared, tmp_
     T.main(["--data", str(prepared), "--out-dir", str(tmp_path / "run"), "--size", "small",
             "--batch-size", "2", "--seq-len", "64", "--max-steps", "100000", "--stop-at", "1",
             "--device", "cpu", "--eval-batches", "1"])
-    note = [line for line in capsys.readouterr().out.splitlines() if "wants a GPU" in line]
+    out = capsys.readouterr().out.splitlines()
+    note = [line for line in out if "wants a GPU" in line]
     assert len(note) == 1 and note[0].startswith("note: small on a CPU, 13M tokens: hours")
     assert note[0].endswith(training_run.CPU_DEMO)
+    assert out.index(note[0]) < min(i for i, line in enumerate(out) if line.startswith("model:"))
+
+
+def test_a_gpu_line_on_a_cpu_says_so_before_the_tokenizer_is_made(tmp_path, capsys,
+                                                                   monkeypatch):
+    """Issue 84: the default line (small, 10 epochs of babylm_10m) on a CPU built the 16,384-piece
+    tokenizer for minutes before the note; the note now comes first, its tokens from the raw
+    text's size (gzip trailers read, nothing decompressed). Stopped at the preparation here:
+    nothing is prepared."""
+    monkeypatch.setattr(training_run, "prepare", lambda *a, **k: (_ for _ in ()).throw(
+        SystemExit("stopped before the preparation")))
+    with pytest.raises(SystemExit, match="stopped before the preparation"):
+        T.main(["--data", "babylm_10m", "--device", "cpu", "--out-dir", str(tmp_path / "run")])
+    note = capsys.readouterr().out.splitlines()
+    assert len(note) == 1 and note[0].startswith("note: small on a CPU, about ") and \
+        "M tokens: hours or days" in note[0]
+    size = training_run.text_bytes("babylm_10m")  # BabyLM's 10M words, about 50 MB of text
+    assert 3e7 < size < 1e8 and f"about {10 * size / 4 / 1e6:,.0f}M tokens" in note[0]
 
 
 def test_error_nan_loss_keeps_last_good_checkpoint(prepared, tmp_path):
@@ -1448,6 +1467,16 @@ def test_bad_flags_are_one_line_before_anything_runs(argv, says, capsys):
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.count("\n") == 1, err
     assert says in err and err.rstrip().endswith("see train.py --help")
+
+
+def test_a_max_steps_no_year_could_train_is_one_line_before_the_data():
+    """Issue 84: --max-steps 1e23 trained at lr 1.3e-23 with an ETA of 2.6e18 hours. The bound:
+    10^14 tokens (128 x 128 a step: 6.1e9 steps), checked as the flags are."""
+    with pytest.raises(SystemExit) as stopped:
+        T.get_args(["--max-steps", str(10 ** 23), "--data", "/nowhere"])
+    assert str(stopped.value) == (f"error: --max-steps {10 ** 23} is 1.6e+27 tokens: more than "
+                                  f"a year even at 3M tokens/s; give the steps you mean to train")
+    assert T.get_args(["--max-steps", str(6 * 10 ** 9)]).max_steps == 6 * 10 ** 9
 
 
 def test_throughput_counts_the_steps_of_the_interval_and_nothing_else(prepared, tmp_path,

@@ -23,7 +23,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from data.masking import make_batch, seed_of
-from data.prepare import Segments, load_meta, located, prepare, raw_root
+from data.prepare import Segments, load_meta, located, prepare, raw_root, text_bytes
 from machinery.device import (autocast, peak_memory_gb, pick_device, use_compile,
                               use_deterministic, use_tf32)
 from machinery.kernels import fused_unavailable
@@ -222,8 +222,10 @@ def open_folder(args, defaults: dict, rank: int) -> tuple[RunFolder, argparse.Na
 
 def load_corpus(args, procs: Processes, folder: RunFolder, ckpt: dict | None) -> Corpus:
     """The corpus --data names, prepared on first use (rank 0 prepares it, the others wait);
-    a resumed run's must be the one it trained on."""
+    a resumed run's must be the one it trained on. A run that wants a GPU says so first."""
     if procs.rank == 0:
+        if note := wants_a_gpu(args, procs.device):  # before minutes of preparation
+            print(note)
         data_dir = prepare(args.data, args.vocab_size)
     if procs.ddp:
         dist.barrier()
@@ -452,18 +454,30 @@ CPU_DEMO = ("python train.py --objective mlm --size tiny --vocab-size 4000 --bat
             "--max-steps 1100 --device cpu")  # the README's first block: 3.6 min on 2 cores
 
 
+def wants_a_gpu(args, device) -> str:
+    """The line said before any preparation (a tokenizer takes minutes) when the run is a model
+    larger than tiny on a CPU, for long (over 10M tokens): hours there. The tokens: from
+    --max-steps, or --epochs of the raw text at about 4 bytes a token (sentencepiece's English
+    at 16k pieces is near that)."""
+    if device.type != "cpu" or args.size == "tiny":
+        return ""
+    if args.max_steps:
+        tokens, about = args.max_steps * args.batch_size * args.grad_accum * args.seq_len, ""
+    else:
+        tokens, about = args.epochs * text_bytes(args.data) / 4, "about "
+    return (f"note: {args.size} on a CPU, {about}{tokens / 1e6:,.0f}M tokens: hours or days (the "
+            f"eta says how long once it starts); this wants a GPU. The CPU demo: {CPU_DEMO}"
+            if tokens > 1e7 else "")
+
+
 def describe(run: Run, p1: int, note: Callable | None = None) -> str:
-    """Two lines on what is about to train (after p1 steps of MLM), on what and where; a third
-    when it is a model larger than tiny on a CPU, for long (over 10M tokens): hours there; the
+    """Two lines on what is about to train (after p1 steps of MLM), on what and where; the
     objective's own `note` (a function of the flags) last."""
     args, cfg, meta = run.args, run.encoder.config, run.meta
     phases = f"mlm for {p1} steps, then " if p1 else ""
     epochs = args.max_steps * run.global_batch / run.train.n
     epochs = f"{epochs:.1f}" if epochs >= 0.1 else f"{epochs:.2g}"  # a short run: not "0.0"
-    tokens = args.max_steps * run.global_batch * args.seq_len
-    notes = (f"\nnote: {args.size} on a CPU, {tokens / 1e6:,.0f}M tokens: hours or days (the eta "
-            f"says how long once it starts); this wants a GPU. The CPU demo: {CPU_DEMO}"
-            if run.device.type == "cpu" and args.size != "tiny" and tokens > 1e7 else "")
+    notes = ""
     if args.cuda_graphs and not replays_graphs(run):
         notes += "\nnote: --cuda-graphs needs CUDA and --compile; the step runs without them here"
     if note is not None:
