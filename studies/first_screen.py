@@ -1,0 +1,137 @@
+"""The README's first screen, measured: runs the `python ...` lines of the README's first bash
+block in order, as a newcomer would (a fresh data cache, so the preparation is timed too, and
+the run, its export and its curves in a scratch folder), writes what they printed and took to
+docs/studies/first_screen.json, and rewrites the README's quote of it (between the
+`first_screen` markers) from that file, so that no figure there is typed by hand.
+
+    NANOMLM_RAW=../shared/data python -m studies.first_screen      # about 6 min on 2 cores
+
+tests/test_readme.py checks that the README's quote is `quote(first_screen.json)`.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECORD = REPO / "docs" / "studies" / "first_screen.json"
+BEGIN, END = "<!-- first_screen: begin -->", "<!-- first_screen: end -->"
+
+
+def demo_commands(readme: str) -> list[list[str]]:
+    """The argv (script first) of each `python SCRIPT.py ...` line of the README's first bash
+    block, a trailing comment cut."""
+    block = re.search(r"```bash\n(.*?)```", readme, flags=re.S).group(1)
+    lines = [re.split(r"\s+#", line)[0].strip() for line in block.splitlines()]
+    return [shlex.split(line)[1:] for line in lines if re.match(r"python \S+\.py\b", line)]
+
+
+def machine() -> str:
+    """The CPU's model name and count, as the README states where it was measured."""
+    name = platform.processor() or "CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = re.findall(r"model name\s*:\s*(.*)", cpuinfo.read_text())
+        name = names[0].strip() if names else name
+    return f"{os.cpu_count()}-core {name}"
+
+
+def run_demo(scratch: Path) -> dict:
+    """Each command run (runs/ and hf/ under scratch, plot's PNG there too): its argv as the
+    README has it, its seconds and what it printed; then the figures read from the run."""
+    env = {**os.environ, "NANOMLM_DATA": str(scratch / "prepared")}  # first use: prepared
+    done = []
+    for argv in demo_commands((REPO / "README.md").read_text()):
+        given = [a.replace("runs/", f"{scratch}/runs/").replace("hf/", f"{scratch}/hf/")
+                 for a in argv]
+        if argv[0] == "plot.py":
+            given += ["--out", str(scratch / "curves.png")]
+        t0 = time.time()
+        p = subprocess.run([sys.executable, *given], cwd=REPO, env=env, capture_output=True,
+                           text=True)
+        if p.returncode:
+            raise SystemExit(f"error: `python {shlex.join(argv)}` exited {p.returncode}:\n"
+                             f"{p.stderr[-2000:]}")
+        done.append({"argv": argv, "seconds": round(time.time() - t0, 1), "stdout": p.stdout})
+        print(f"{shlex.join(argv)}: {done[-1]['seconds']:.0f} s", file=sys.stderr)
+    run = scratch / "runs" / "mlm_babylm_10m_tiny"
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    val = [r for r in log if "val_loss" in r]
+    rates = [r["tok_per_s"] for r in log if "tok_per_s" in r]
+    mlm = json.loads((run / "eval" / "mlm.json").read_text())
+    return {"commands": done, "val": [{k: r[k] for k in ("step", "val_loss", "val_acc")}
+                                      for r in val],
+            "tok_per_s": sorted(rates)[len(rates) // 2],
+            "mlm": {"loss": mlm["loss"], "accuracy": mlm["accuracy"]}}
+
+
+def seconds(record: dict, script: str, first: str | None = None) -> float:
+    """The seconds of the record's first command of `script` (and first argument `first`)."""
+    return next(c["seconds"] for c in record["commands"] if c["argv"][0] == script
+                and (first is None or c["argv"][1] == first))
+
+
+def quote(record: dict) -> str:
+    """The README's paragraph on the demo, made from the record alone."""
+    fill = next(c["stdout"] for c in record["commands"] if c["argv"][1:2] == ["fill"])
+    total = sum(c["seconds"] for c in record["commands"]) / 60
+    first, last = record["val"][0], record["val"][-1]
+    return (f"On a {record['machine']} ({record['date']}, torch {record['torch']}, commit "
+            f"{record['commit']}) these commands took {total:.1f} minutes in all, the `pip "
+            f"install` lines aside. The training line took {seconds(record, 'train.py'):.0f} s "
+            f"(the data prepared on first use included) at about "
+            f"{record['tok_per_s'] / 1e3:.1f}k tokens/s; its validation loss went from "
+            f"{first['val_loss']:.2f} at step {first['step']} to {last['val_loss']:.2f} at step "
+            f"{last['step']}, accuracy {100 * last['val_acc']:.1f}% (its own span masking). "
+            f"`fill` then printed, in {seconds(record, 'evaluate.py', 'fill'):.0f} s:\n\n"
+            f"```\n{fill.rstrip()}\n```\n\n`evaluate.py mlm` took "
+            f"{seconds(record, 'evaluate.py', 'mlm'):.0f} s (loss {record['mlm']['loss']:.2f}, "
+            f"accuracy {100 * record['mlm']['accuracy']:.1f}%: every hidden token a `[MASK]`, "
+            f"the same for every model), `plot.py` {seconds(record, 'plot.py'):.0f} s, "
+            f"`export.py` {seconds(record, 'export.py'):.0f} s.")
+
+
+def readme_with(readme: str, text: str) -> str:
+    """The README with its quote between the markers replaced by `text`."""
+    head, rest = readme.split(BEGIN)
+    return f"{head}{BEGIN}\n{text}\n{END}{rest.split(END)[1]}"
+
+
+def quoted(readme: str) -> str:
+    """What the README has between the markers."""
+    return readme.split(BEGIN)[1].split(END)[0].strip("\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m studies.first_screen", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quote-only", action="store_true",
+                    help="rewrite the README's quote from the committed record, run nothing")
+    args = ap.parse_args(argv)
+    if not args.quote_only:
+        if not os.environ.get("NANOMLM_RAW"):
+            raise SystemExit("error: set NANOMLM_RAW to the folder that holds babylm_10m/, as "
+                             "the README's block does")
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                capture_output=True, text=True).stdout.strip()
+        import torch  # only here: --quote-only needs none of it
+        with tempfile.TemporaryDirectory() as scratch:
+            record = {"machine": machine(), "date": str(datetime.date.today()),
+                      "torch": torch.__version__, "commit": commit, **run_demo(Path(scratch))}
+        RECORD.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {RECORD}")
+    readme = REPO / "README.md"
+    readme.write_text(readme_with(readme.read_text(), quote(json.loads(RECORD.read_text()))))
+    print(f"rewrote the quote in {readme}")
+
+
+if __name__ == "__main__":
+    main()
