@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -52,6 +53,8 @@ def run_demo(scratch: Path) -> dict:
     for argv in demo_commands((REPO / "README.md").read_text()):
         given = [a.replace("runs/", f"{scratch}/runs/").replace("hf/", f"{scratch}/hf/")
                  for a in argv]
+        if argv[0] == "train.py":  # its default folder is the checkout's runs/: not there
+            given += ["--out-dir", f"{scratch}/runs/mlm_babylm_10m_tiny"]
         if argv[0] == "plot.py":
             given += ["--out", str(scratch / "curves.png")]
         t0 = time.time()
@@ -80,23 +83,27 @@ def seconds(record: dict, script: str, first: str | None = None) -> float:
 
 
 def quote(record: dict) -> str:
-    """The README's paragraph on the demo, made from the record alone."""
+    """The README's paragraph on the demo, made from the record alone (its prose wrapped at 100
+    columns, fill's output verbatim)."""
     fill = next(c["stdout"] for c in record["commands"] if c["argv"][1:2] == ["fill"])
     total = sum(c["seconds"] for c in record["commands"]) / 60
     first, last = record["val"][0], record["val"][-1]
-    return (f"On a {record['machine']} ({record['date']}, torch {record['torch']}, commit "
-            f"{record['commit']}) these commands took {total:.1f} minutes in all, the `pip "
-            f"install` lines aside. The training line took {seconds(record, 'train.py'):.0f} s "
-            f"(the data prepared on first use included) at about "
-            f"{record['tok_per_s'] / 1e3:.1f}k tokens/s; its validation loss went from "
-            f"{first['val_loss']:.2f} at step {first['step']} to {last['val_loss']:.2f} at step "
-            f"{last['step']}, accuracy {100 * last['val_acc']:.1f}% (its own span masking). "
-            f"`fill` then printed, in {seconds(record, 'evaluate.py', 'fill'):.0f} s:\n\n"
-            f"```\n{fill.rstrip()}\n```\n\n`evaluate.py mlm` took "
-            f"{seconds(record, 'evaluate.py', 'mlm'):.0f} s (loss {record['mlm']['loss']:.2f}, "
-            f"accuracy {100 * record['mlm']['accuracy']:.1f}%: every hidden token a `[MASK]`, "
-            f"the same for every model), `plot.py` {seconds(record, 'plot.py'):.0f} s, "
-            f"`export.py` {seconds(record, 'export.py'):.0f} s.")
+    wrap = lambda text: textwrap.fill(text, 100)
+    return (wrap(f"On a {record['machine']} ({record['date']}, torch {record['torch']}, commit "
+                 f"{record['commit']}) these commands took {total:.1f} minutes in all, the `pip "
+                 f"install` lines aside. The training line took "
+                 f"{seconds(record, 'train.py'):.0f} s (the data prepared on first use "
+                 f"included) at about {record['tok_per_s'] / 1e3:.1f}k tokens/s; its validation "
+                 f"loss went from {first['val_loss']:.2f} at step {first['step']} to "
+                 f"{last['val_loss']:.2f} at step {last['step']}, accuracy "
+                 f"{100 * last['val_acc']:.1f}% (its own span masking). `fill` then printed, in "
+                 f"{seconds(record, 'evaluate.py', 'fill'):.0f} s:")
+            + f"\n\n```\n{fill.rstrip()}\n```\n\n"
+            + wrap(f"`evaluate.py mlm` took {seconds(record, 'evaluate.py', 'mlm'):.0f} s (loss "
+                   f"{record['mlm']['loss']:.2f}, accuracy {100 * record['mlm']['accuracy']:.1f}%"
+                   f": every hidden token a `[MASK]`, the same for every model), `plot.py` "
+                   f"{seconds(record, 'plot.py'):.0f} s, `export.py` "
+                   f"{seconds(record, 'export.py'):.0f} s."))
 
 
 def readme_with(readme: str, text: str) -> str:

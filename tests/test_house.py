@@ -74,10 +74,11 @@ def test_imports_point_down_only(path):
 def test_no_stage_launches_another_for_internal_work():
     """bench.py times train.py's and synth.py's commands as users run them, on purpose; study.py
     runs each step of a study as the command a user would type (and its report lists);
-    machinery/run_folder.py asks git for the code's version and for the repository's files.
-    Nothing else starts a process."""
+    studies/first_screen.py runs the README's first block as a newcomer types it, and asks git
+    for the commit it measured; machinery/run_folder.py asks git for the code's version and for
+    the repository's files. Nothing else starts a process."""
     users = {str(p.relative_to(REPO)) for p in sources() if "subprocess" in imported(p)}
-    assert users == {"bench.py", "machinery/run_folder.py", "study.py"}
+    assert users == {"bench.py", "machinery/run_folder.py", "study.py", "studies/first_screen.py"}
     calls = re.findall(r"subprocess\.run\(\[([^,\]]+)",
                        (REPO / "machinery" / "run_folder.py").read_text())
     assert calls and set(calls) == {'"git"'}

@@ -2,6 +2,7 @@
 evaluate.py's and export.py's flags are parsed by their own parsers (train.py's resolved as
 `--check` does), study.py's `--dry-run` runs whole, and the other scripts' flags are ones their
 --help lists."""
+import json
 import re
 import shlex
 
@@ -12,6 +13,7 @@ import export
 import objectives
 import train
 from conftest import REPO, run_script, shared_data
+from studies import first_screen
 
 
 def readme_commands(blocks=None) -> list[tuple[dict, list[str]]]:
@@ -109,3 +111,16 @@ def test_the_cpu_demo_runs_end_to_end(small_raw, tmp_path):
     assert (run / "ckpt.pt").is_file() and (run / "eval" / "mlm.json").is_file()
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert (tmp_path / "hf" / "mlm_tiny" / "config.json").is_file()
+
+
+def test_the_first_screens_quote_is_made_from_its_record():
+    """Issue 84: the README's figures for its first block (times, losses, accuracies, fill's
+    output) are `studies.first_screen.quote` of docs/studies/first_screen.json, not typed; the
+    record was made by running today's block (the same commands, in the same order). A change
+    in training is re-measured by running `python -m studies.first_screen`."""
+    readme = (REPO / "README.md").read_text()
+    record = json.loads(first_screen.RECORD.read_text())
+    assert first_screen.quoted(readme) == first_screen.quote(record)
+    block = [argv for _, argv in readme_commands(blocks=1)]
+    assert first_screen.demo_commands(readme) == block == [c["argv"] for c in record["commands"]]
+    assert record["val"][-1]["step"] == int(block[0][block[0].index("--max-steps") + 1])
