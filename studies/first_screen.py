@@ -1,10 +1,12 @@
 """The README's first screen, measured: runs the `python ...` lines of the README's first bash
 block in order, as a newcomer would (a fresh data cache, so the preparation is timed too, and
-the run, its export and its curves in a scratch folder), writes what they printed and took to
-docs/studies/first_screen.json, and rewrites the README's quote of it (between the
-`first_screen` markers) from that file, so that no figure there is typed by hand.
+the run, its export and its curves in a scratch folder), then its Evaluation block's BLiMP and
+fine-tuning lines on that checkpoint, writes what they printed and took to
+docs/studies/first_screen.json, and rewrites the README's quotes of it (between the
+`first_screen` markers: the first screen and the evaluation sentence) from that file, so that
+no figure there is typed by hand.
 
-    NANOMLM_RAW=../shared/data python -m studies.first_screen      # about 6 min on 2 cores
+    NANOMLM_RAW=../shared/data python -m studies.first_screen      # about 15 min on 2 cores
 
 tests/test_readme.py checks that the README's quote is `quote(first_screen.json)`.
 """
@@ -25,6 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RECORD = REPO / "docs" / "studies" / "first_screen.json"
 BEGIN, END = "<!-- first_screen: begin -->", "<!-- first_screen: end -->"
+# the evaluation section's quote: BLiMP and fine-tuning on the same checkpoint
+EVAL_BEGIN = "<!-- first_screen evaluation: begin -->"
+EVAL_END = "<!-- first_screen evaluation: end -->"
 
 
 def demo_commands(readme: str) -> list[list[str]]:
@@ -33,6 +38,17 @@ def demo_commands(readme: str) -> list[list[str]]:
     block = re.search(r"```bash\n(.*?)```", readme, flags=re.S).group(1)
     lines = [re.split(r"\s+#", line)[0].strip() for line in block.splitlines()]
     return [shlex.split(line)[1:] for line in lines if re.match(r"python \S+\.py\b", line)]
+
+
+def evaluation_commands(readme: str) -> list[list[str]]:
+    """The argv of the `evaluate.py blimp` and `finetune` lines of the README's Evaluation
+    block, its shell variables (E=...; C=...) put in."""
+    block = re.search(r"## Evaluation\n+```bash\n(.*?)```", readme, flags=re.S).group(1)
+    variables = dict(re.findall(r"(\w+)=([^;\s]+)", block.splitlines()[0]))
+    put = lambda line: re.sub(r"\$(\w+)", lambda m: variables[m.group(1)], line)
+    lines = [put(re.split(r"\s+#", line)[0].strip()) for line in block.splitlines()[1:]]
+    return [shlex.split(line)[1:] for line in lines
+            if re.match(r"python evaluate\.py (blimp|finetune) ", line)]
 
 
 def machine() -> str:
@@ -50,7 +66,8 @@ def run_demo(scratch: Path) -> dict:
     README has it, its seconds and what it printed; then the figures read from the run."""
     env = {**os.environ, "NANOMLM_DATA": str(scratch / "prepared")}  # first use: prepared
     done = []
-    for argv in demo_commands((REPO / "README.md").read_text()):
+    readme = (REPO / "README.md").read_text()
+    for argv in demo_commands(readme) + evaluation_commands(readme):
         given = [a.replace("runs/", f"{scratch}/runs/").replace("hf/", f"{scratch}/hf/")
                  for a in argv]
         if argv[0] == "train.py":  # its default folder is the checkout's runs/: not there
@@ -69,11 +86,18 @@ def run_demo(scratch: Path) -> dict:
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     val = [r for r in log if "val_loss" in r]
     rates = [r["tok_per_s"] for r in log if "tok_per_s" in r]
-    mlm = json.loads((run / "eval" / "mlm.json").read_text())
+    result = lambda name: json.loads((run / "eval" / f"{name}.json").read_text())
+    mlm, blimp, rte = result("mlm"), result("blimp"), result("rte")
     return {"commands": done, "val": [{k: r[k] for k in ("step", "val_loss", "val_acc")}
                                       for r in val],
             "tok_per_s": sorted(rates)[len(rates) // 2],
-            "mlm": {"loss": mlm["loss"], "accuracy": mlm["accuracy"]}}
+            "mlm": {"loss": mlm["loss"], "accuracy": mlm["accuracy"]},
+            # over paradigms, all pairs, T=1: what evaluate.py blimp prints "to quote"
+            "blimp": {"sentences": 2 * len(blimp["pairs"]),
+                      "sentences_per_s": blimp["sentences_per_s"],
+                      "macro": {g: s["macro_paradigms"][0] for g, s in blimp["summary"].items()}},
+            "rte": {"seeds": len(rte["runs"]), **{k: rte["aggregate"]["accuracy"][k]
+                                                  for k in ("mean", "std")}}}
 
 
 def seconds(record: dict, script: str, first: str | None = None) -> float:
@@ -86,7 +110,8 @@ def quote(record: dict) -> str:
     """The README's paragraph on the demo, made from the record alone (its prose wrapped at 100
     columns, fill's output verbatim)."""
     fill = next(c["stdout"] for c in record["commands"] if c["argv"][1:2] == ["fill"])
-    total = sum(c["seconds"] for c in record["commands"]) / 60
+    block = [c for c in record["commands"] if c["argv"][1:2] not in (["blimp"], ["finetune"])]
+    total = sum(c["seconds"] for c in block) / 60  # the first block's, not the evaluations'
     first, last = record["val"][0], record["val"][-1]
     wrap = lambda text: textwrap.fill(text, 100)
     return (wrap(f"On a {record['machine']} ({record['date']}, torch {record['torch']}, commit "
@@ -106,15 +131,28 @@ def quote(record: dict) -> str:
                    f"{seconds(record, 'export.py'):.0f} s."))
 
 
-def readme_with(readme: str, text: str) -> str:
+def quote_evaluation(record: dict) -> str:
+    """The README's sentence on BLiMP and fine-tuning, on the first screen's checkpoint."""
+    b, rte = record["blimp"], record["rte"]
+    return textwrap.fill(
+        f"On the first screen's checkpoint (the same machine and day): `blimp` on the fast sets "
+        f"took {seconds(record, 'evaluate.py', 'blimp') / 60:.1f} min ({b['sentences']:,} "
+        f"sentences at {b['sentences_per_s']:.0f} sentences/s; "
+        + ", ".join(f"{g} {100 * v:.2f}" for g, v in b["macro"].items())
+        + " over paradigms, all pairs, T=1: near chance for a model this small), `finetune` on "
+        f"RTE with {rte['seeds']} seeds {seconds(record, 'evaluate.py', 'finetune') / 60:.1f} "
+        f"min (accuracy {100 * rte['mean']:.1f} ± {100 * rte['std']:.1f} over the seeds).", 100)
+
+
+def readme_with(readme: str, text: str, begin=BEGIN, end=END) -> str:
     """The README with its quote between the markers replaced by `text`."""
-    head, rest = readme.split(BEGIN)
-    return f"{head}{BEGIN}\n{text}\n{END}{rest.split(END)[1]}"
+    head, rest = readme.split(begin)
+    return f"{head}{begin}\n{text}\n{end}{rest.split(end)[1]}"
 
 
-def quoted(readme: str) -> str:
+def quoted(readme: str, begin=BEGIN, end=END) -> str:
     """What the README has between the markers."""
-    return readme.split(BEGIN)[1].split(END)[0].strip("\n")
+    return readme.split(begin)[1].split(end)[0].strip("\n")
 
 
 def main(argv=None):
@@ -136,7 +174,9 @@ def main(argv=None):
         RECORD.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {RECORD}")
     readme = REPO / "README.md"
-    readme.write_text(readme_with(readme.read_text(), quote(json.loads(RECORD.read_text()))))
+    record = json.loads(RECORD.read_text())
+    text = readme_with(readme.read_text(), quote(record))
+    readme.write_text(readme_with(text, quote_evaluation(record), EVAL_BEGIN, EVAL_END))
     print(f"rewrote the quote in {readme}")
 
 

@@ -115,12 +115,21 @@ def test_the_cpu_demo_runs_end_to_end(small_raw, tmp_path):
 
 def test_the_first_screens_quote_is_made_from_its_record():
     """Issue 84: the README's figures for its first block (times, losses, accuracies, fill's
-    output) are `studies.first_screen.quote` of docs/studies/first_screen.json, not typed; the
-    record was made by running today's block (the same commands, in the same order). A change
-    in training is re-measured by running `python -m studies.first_screen`."""
+    output) and for BLiMP and RTE on that block's checkpoint are `studies.first_screen`'s quotes
+    of docs/studies/first_screen.json, not typed; the record was made by running today's blocks
+    (the same commands, in the same order). A change in training is re-measured by running
+    `python -m studies.first_screen`."""
     readme = (REPO / "README.md").read_text()
     record = json.loads(first_screen.RECORD.read_text())
     assert first_screen.quoted(readme) == first_screen.quote(record)
+    assert first_screen.quoted(readme, first_screen.EVAL_BEGIN, first_screen.EVAL_END) == \
+        first_screen.quote_evaluation(record)
     block = [argv for _, argv in readme_commands(blocks=1)]
-    assert first_screen.demo_commands(readme) == block == [c["argv"] for c in record["commands"]]
+    evaluations = first_screen.evaluation_commands(readme)
+    assert [a[1] for a in evaluations] == ["blimp", "finetune"]
+    assert all(a[a.index("--ckpt") + 1] == f"{block[1][block[1].index('--ckpt') + 1]}/ckpt.pt"
+               for a in evaluations)  # the first screen's checkpoint
+    assert first_screen.demo_commands(readme) == block
+    assert [c["argv"] for c in record["commands"]] == block + first_screen.evaluation_commands(
+        readme)
     assert record["val"][-1]["step"] == int(block[0][block[0].index("--max-steps") + 1])
