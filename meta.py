@@ -355,11 +355,10 @@ def pretrain(student, teacher, unlabeled, labeled, args, device, desc="", log=No
                 log({"step": step + 1, **figures, "seconds": round(time.time() - t0, 1)})
             if show is not None and "written" in info:
                 show(step + 1, b["x_u"], *info["written"])
-        if save is not None and (step + 1) % args.save_every == 0:
+        stopping = stop is not None and stop()  # a stop signal: this step saved, the loop ends
+        if save is not None and ((step + 1) % args.save_every == 0 or stopping):
             save(step + 1)
-        if stop is not None and stop():  # a stop signal: this step saved, the loop ends
-            if save is not None:
-                save(step + 1)
+        if stopping:
             return step + 1
     return args.steps
 
