@@ -104,7 +104,7 @@ def bench_step(args, device, tmp):
         for objective in args.objectives:
             entry = OBJECTIVES.get(objective)  # unknown: train.py refuses it, a failed row
             two_phase = bool(entry and entry.two_phase)
-            coded = bool(entry and "dict" in entry.flags)  # mlsm's targets: sparse codes
+            coded = bool(entry and entry.declares("dict"))  # mlsm's targets: sparse codes
             for form in args.attention:
                 run = timed_run_dir(tmp, objective, size, form)
                 case = f"{objective} {size} {B}x{T}{run_variant(args, form)}"

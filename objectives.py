@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import sparse
 from machinery.device import use_compile
+from machinery.flags import Flag, above, at_least, field_flags, flag, Range
 from model import (BootHeads, BootPredictor, boot_states, init_linears, load_checkpoint,
                    small_init)
 
@@ -94,11 +95,38 @@ def mlm(model, batch, parts):
     return cross_entropy(logits, batch["targets"]), {"acc": slot_accuracy(logits, batch["targets"])}
 
 
+# the flags of an objective (OBJECTIVES[...].flags) sit beside its loss; a flag several declare
+# is declared once
+MLM_WEIGHT = flag("--mlm-weight", type=float, default=1.0, range=at_least(0),
+                  help="weight of the MLM loss beside the objective's own")
+MLM_TWO_PHASE = flag("--two-phase", action="store_true",
+                 help="kd's two phases, MLM in both (Better Together's baseline)")
+PHASES = (flag("--phase1-steps", type=float, default=0.2, range=above(0),
+               help="phase 1's MLM steps: a fraction of --max-steps if < 1"),
+          flag("--student-init", default="continued", choices=["continued", "scratch"],
+               help="phase 2 from the phase-1 weights, or fresh"))
+
+
 def causal_rows(B: int, fraction: float) -> int:
     """How many of a batch's B rows are causal: round(B f), but at least one for f > 0 and at
     most B - 1 for f < 1, so that a small batch keeps both objectives. A Python int, from flags
     alone: the split is static, one graph."""
     return min(max(round(B * fraction), int(fraction > 0)), B - int(fraction < 1))
+
+
+# GPT-BERT's mixes, named as the BabyLM 2025 baselines: gpt-bert trains 15 masked : 1 causal
+# (hybrid_numerator/denominator 15/16); the baselines' own shares are not published (recipe card)
+MIXES = {"masked-focus": 1 / 16, "mixed": 1 / 2, "causal-focus": 15 / 16}
+
+
+def causal_fraction(text: str) -> float:
+    """--causal-fraction: a named mix, or a number."""
+    return MIXES[text] if text in MIXES else float(text)
+
+
+CAUSAL_FRACTION = flag("--causal-fraction", type=causal_fraction, default=1 / 16, metavar="F",
+                       range=Range(0, 1), help="each batch's causal share: a fraction, "
+                       "masked-focus (1/16), mixed or causal-focus (default 1/16)")
 
 
 def gpt_bert(model, batch, parts):
@@ -192,6 +220,19 @@ def setup_boot(encoder, args, run_dir, device) -> ObjectiveParts:
                           compact=not use_compile(torch.device(device), args.compile))
 
 
+BOOT_FLAGS = (
+    flag("--lb-weight", type=float, default=1.0, range=at_least(0),
+         help="weight of the latent-bootstrapping loss; 0 removes it"),
+    flag("--ema-start", type=float, default=0.996, range=Range(0, 1),
+         help="mean-teacher EMA decay at the first step"),
+    flag("--ema-end", type=float, default=1.0, range=Range(0, 1),
+         help="EMA decay at the last step, reached linearly"),
+    flag("--decoder-layers", type=int, default=None, range=at_least(1),
+         help="the student's decoder (default: n_layer / 3, the paper's 4 of 12)"),
+    flag("--boot-student", default="mae", choices=["mae", "bert"], metavar="NAME",
+         help="the encoder reads the kept tokens (mae) or all (bert)"))
+
+
 def kd(model, batch, parts, with_mlm=False):
     """Knowledge distillation (Hinton et al. 2015) from the frozen phase-1 model (Berend 2023,
     "Better Together", sec. 2.2): KL(teacher || student) over the vocabulary at the masked
@@ -237,6 +278,14 @@ def setup_kd(encoder, args, run_dir, device) -> ObjectiveParts:
     if isinstance(teacher, BootPredictor):
         teacher.compact = not use_compile(torch.device(device), args.compile)
     return ObjectiveParts(teacher=teacher)
+
+
+TEACHER = flag("--teacher", default=None,
+               help="distil from this checkpoint instead of training a phase 1")
+KD_FLAGS = (flag("--kd-temperature", type=float, default=1.0, range=above(0),
+                 help="softmax temperature T; the KL is scaled by T^2"),
+            flag("--kd-teacher-input", default="clean", choices=["clean", "masked"],
+                 metavar="NAME", help="what the teacher reads: clean or masked"))
 
 
 # the MLSM code's targets (szegedai/MLSM, sparser.py): this many FISTA steps from zero, no stopping
@@ -290,6 +339,16 @@ def mlsm(model, batch, parts, with_mlm=False):
 DICT_FLAGS = {"mlsm_layer": "layer", "mlsm_k": "k", "mlsm_lam": "lam", "dict_vectors": "vectors",
               "dict_epochs": "epochs", "dict_max_freq": "max_freq"}
 DICT_FLAG_NAMES = {f: "--" + a.replace("_", "-") for a, f in DICT_FLAGS.items()}
+MLSM_FLAGS = (
+    flag("--dict", default=None,
+         help="a sparse.py dictionary (default: learned into RUN/dict.pt)"),
+    *field_flags(sparse.DictConfig, DICT_FLAGS, ranges=sparse.DICT_RANGES),
+    flag("--mlsm-coder", default="fista100", choices=["fista100", "exact"], metavar="NAME",
+         help="fista100: the MLSM code's 100 steps; exact: to --mlsm-tol"),
+    flag("--mlsm-iters", type=int, default=200, range=at_least(1),
+         help="exact: FISTA's iteration cap"),
+    flag("--mlsm-tol", type=float, default=1e-2, range=above(0),
+         help="exact: stop at a gradient mapping below tol*lam"))
 
 
 def dict_config(args) -> sparse.DictConfig:
@@ -331,10 +390,14 @@ class Objective(NamedTuple):
     defaults: dict | None = None    # shared flags whose default differs, as its paper trained it
     size_defaults: dict | None = None  # {--size: {flag: default}}: its paper's widths, say
     note: Callable | None = None    # (args) -> what to say as a run starts
-    flags: tuple = ()               # flags (their dest) of its own, refused for the others
+    flags: tuple[Flag, ...] = ()    # its own flags; typed with another objective, refused
+    about: str = ""                 # its flags' group in --help: what it is, whose paper
     # how its checkpoints predict a hidden token, written into them for the scorers and export:
     predicts_before: bool = False   # from the state at the position before it (MNTP)
     decoder: bool = False           # through its heads' decoder (BootBERT's student)
+
+    def declares(self, dest: str) -> bool:
+        return any(f.dest == dest for f in self.flags)
 
 
 UNIFORM = dict(masking="uniform")  # Berend 2023's masking, in both phases (szegedai/MLSM)
@@ -342,10 +405,13 @@ UNIFORM = dict(masking="uniform")  # Berend 2023's masking, in both phases (szeg
 # than the run: the cpu studies' smaller one (docs/objectives/mlsm.md)
 TINY_DICT = {"tiny": dict(mlsm_k=500, dict_vectors=20000, dict_epochs=2)}
 BASELINE = "mlm"  # plain MLM: what every objective is compared with, and a two-phase one's phase 1
+PHASED = (*PHASES, TEACHER)  # a two-phase objective's: phase 1 trained here, or a --teacher
 OBJECTIVES = {
-    BASELINE: Objective(mlm, flags=("two_phase",)),
+    BASELINE: Objective(mlm, flags=(MLM_TWO_PHASE, *PHASES),
+                        about="masked language modelling, LTG-BERT's recipe"),
     # the reference's recipe (ltgoslo/gpt-bert, train_10m.py, configs/): docs/objectives/gpt-bert.md
-    "gpt-bert": Objective(gpt_bert, predicts_before=True, flags=("causal_fraction",),
+    "gpt-bert": Objective(gpt_bert, predicts_before=True, flags=(CAUSAL_FRACTION,),
+                          about="masked next-token and causal LM, Charpentier & Samuel 2024",
                           defaults=dict(schedule="cosine-cooldown", cooldown=0.016, mask_p=0.3,
                                         mask_p_end=0.15, decay_embeddings=True, eps=1e-8),
                           size_defaults={"small": dict(d_ff=1280), "base": dict(d_ff=2560)},
@@ -353,29 +419,79 @@ OBJECTIVES = {
         f"gpt-bert trains {causal_rows(args.batch_size, args.causal_fraction)} of each "
         f"micro-batch's {args.batch_size} rows causally, the rest masked next-token prediction "
         f"(--causal-fraction {args.causal_fraction:g})")),
-    "boot": Objective(boot, setup_boot, decoder=True,
+    "boot": Objective(boot, setup_boot, decoder=True, flags=(*BOOT_FLAGS, MLM_WEIGHT),
+                      about="latent bootstrapping, Samuel 2023",
                       defaults=dict(lr=5e-3, weight_decay=0.02, weight_decay_end=0.2,
                                     mlm_weight=0.1, final_norm=True)),
-    "kd": Objective(kd, setup_kd, two_phase=True, defaults=UNIFORM, flags=("teacher",)),
+    "kd": Objective(kd, setup_kd, two_phase=True, defaults=UNIFORM, flags=(*PHASED, *KD_FLAGS),
+                    about="distilling the phase-1 model's predictions, Berend 2023"),
     "kd+mlm": Objective(functools.partial(kd, with_mlm=True), setup_kd, two_phase=True,
-                        defaults=UNIFORM, flags=("teacher",)),
+                        defaults=UNIFORM, flags=(*PHASED, *KD_FLAGS, MLM_WEIGHT)),
     # faithful: Berend 2023 (Table 1a) has MLSM alone below MLSM+MLM on BLiMP
     "mlsm": Objective(mlsm, setup_mlsm, two_phase=True, defaults=UNIFORM, size_defaults=TINY_DICT,
-                      flags=("teacher", "dict"), note=lambda args: (
+                      flags=(*PHASED, *MLSM_FLAGS),
+                      about="sparse codes of the phase-1 model's states, Berend 2023",
+                      note=lambda args: (
         "mlsm's phase 2 trains the latent head alone: no loss trains the vocabulary logits after "
         "phase 1 while the encoder under them moves, and BLiMP's pseudo-log-likelihoods read "
         "those logits; mlsm+mlm is the joint objective")),
     "mlsm+mlm": Objective(functools.partial(mlsm, with_mlm=True), setup_mlsm, two_phase=True,
-                          defaults=UNIFORM, size_defaults=TINY_DICT, flags=("teacher", "dict")),
+                          defaults=UNIFORM, size_defaults=TINY_DICT,
+                          flags=(*PHASED, *MLSM_FLAGS, MLM_WEIGHT)),
 }
 TWO_PHASE = sorted(name for name, o in OBJECTIVES.items() if o.two_phase)
 
 
-# GPT-BERT's mixes, named as the BabyLM 2025 baselines: gpt-bert trains 15 masked : 1 causal
-# (hybrid_numerator/denominator 15/16); the baselines' own shares are not published (recipe card)
-MIXES = {"masked-focus": 1 / 16, "mixed": 1 / 2, "causal-focus": 15 / 16}
+# ---------------------------------------------------------------------------------------------
+# The objectives' flags on train.py's command line
 
 
-def causal_fraction(text: str) -> float:
-    """--causal-fraction: a named mix, or a number."""
-    return MIXES[text] if text in MIXES else float(text)
+def owners() -> dict[str, tuple[Flag, list[str]]]:
+    """{dest: (the flag, the objectives that declare it)}, in the registry's order."""
+    found = {}
+    for name, entry in OBJECTIVES.items():
+        for f in entry.flags:
+            found.setdefault(f.dest, (f, []))[1].append(name)
+    return found
+
+
+def add_flags(parser) -> None:
+    """Every objective's own flags, one --help group per set of objectives that declares them:
+    titled by the objective and what it is where one does, by their names where several do."""
+    groups = {}
+    for f, names in owners().values():
+        title = ", ".join(names)
+        if title not in groups:
+            about = OBJECTIVES[names[0]].about if len(names) == 1 else ""
+            groups[title] = parser.add_argument_group(title + (f" ({about})" if about else ""))
+        groups[title].add_argument(f.option, **f.spec)
+
+
+def refuse_others(args, given, error) -> None:
+    """A flag of other objectives typed with this one stops, in one line naming whose it is
+    (typed: `given`, the flags' dests; a resumed run's saved objective decides, so it passes)."""
+    for dest, (f, names) in owners().items():
+        if dest in given and args.objective not in names and not args.resume:
+            error(f"{f.option} only applies to {', '.join(names)}, not {args.objective}")
+
+
+def note_defaults(parser) -> None:
+    """Each flag whose default an objective's entry changes says so in its help ('boot 0.1;
+    gpt-bert cosine-cooldown'), at one size too ('gpt-bert at small: 1280')."""
+    show = lambda v: ("on" if v else "off") if isinstance(v, bool) else (
+        f"{v:g}" if isinstance(v, float) else str(v))
+    for action in parser._actions:
+        by_value = {}
+        for name, entry in OBJECTIVES.items():
+            if action.dest in (entry.defaults or {}):
+                by_value.setdefault(entry.defaults[action.dest], []).append(name)
+        by_size = {}
+        for name, entry in OBJECTIVES.items():
+            for size, v in (entry.size_defaults or {}).items():
+                if action.dest in v:
+                    by_size.setdefault((size, v[action.dest]), []).append(name)
+        said = [f"{', '.join(n)} {show(v)}" for v, n in by_value.items() if v != action.default]
+        said += [f"{', '.join(n)} at {size}: {show(v)}" for (size, v), n in by_size.items()]
+        if said:
+            default = "" if action.default is None else f"default {show(action.default)}; "
+            action.help += f" ({default}{'; '.join(said)})"

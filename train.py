@@ -4,62 +4,35 @@
     python train.py --objective mlm --data babylm_10m --size small            # one GPU, compiled
     torchrun --nproc_per_node 4 train.py --objective mlm --data babylm_10m     # DDP
     python train.py --out-dir runs/mlm_babylm_10m_small --resume               # continue
-    python train.py --objective boot --data babylm_10m                         # BootBERT
     python train.py --objective kd+mlm --data babylm_10m --phase1-steps 0.2    # MLM, then KD
-    python train.py --objective mlsm+mlm --data babylm_10m                     # MLM, then MLSM
-    python train.py --objective mlm --two-phase --masking uniform              # their baseline
 
-The data is prepared on first use (data/prepare.py). A run folder (--out-dir; opened by
-training/run.py) keeps the settings, log, checkpoints and code of a run. SIGINT/SIGTERM
-save the current step and print the --resume command.
-
-The objectives sit one file below, in objectives.py: adding one = its loss function
-`loss, stats = fn(model, batch, parts)` (+ a setup function if it trains extra modules or needs
-a teacher) + one OBJECTIVES entry; the loop names no objective. Two-phase objectives (kd,
-kd+mlm, mlsm, mlsm+mlm) train plain MLM for --phase1-steps, keep that model as phase1.pt, then
-continue with the objective against it as a frozen teacher: one command, one schedule per phase.
-mlsm learns its dictionary between the phases (sparse.dictionary_for_run, into RUN/dict.pt). mlm
---two-phase runs the same schedule with MLM in phase 2: the baseline they are compared with. Each
-objective defaults to its paper's recipe (OBJECTIVES[...].defaults; docs/objectives/ has the
-recipe cards).
-
-Reproducibility: batches and masks are functions of (seed, step, micro-batch), and dropout is
-reseeded the same way at every micro-batch, so a run resumed from any checkpoint follows the very
-path of an uninterrupted one (bit for bit on CPU; tests/test_train.py checks it).
+Each objective is a loss and an entry in objectives.py, with its flags and its paper's defaults
+(docs/objectives/). A run folder (--out-dir) keeps settings, log, checkpoints and code; SIGINT or
+SIGTERM saves the step. Batches, masks and dropout are functions of (seed, step, micro-batch):
+a resumed run follows the path of an uninterrupted one (bit for bit on the CPU).
 """
-import argparse
 import contextlib
 import json
 import time
-from dataclasses import fields
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import sparse
+import objectives
 from data.masking import MASKINGS, make_batch, mask_p_at, seed_of
-from data.prepare import VOCAB_SIZE
 from machinery import flags
-from machinery.device import add_device_flag
 from machinery.optim import clipped_step, ema_decay_at, ema_update, set_schedule
 from machinery.progress import StepProgress, line_buffered
 from machinery.run_folder import REPO, repo_sources
 from machinery.stopping import SafetyNet, exit_now, exit_on_stop_signals, on_stop_signals
-from model import PARTS, PRESETS, TRAINING_ATTENTION, ModelConfig
-from objectives import (BASELINE, DICT_FLAG_NAMES, DICT_FLAGS, OBJECTIVES,
-                        ObjectiveParts, Trainee, causal_fraction, dict_config)
-from training.run import (COMPILE_SCOPES, Phase, Run, build_encoder, check_warmup,
-                          checkpoint_state, checked_settings, describe, load_corpus, log_line,
-                          nothing_to_do, open_folder, save, save_words_flag, start_phase,
-                          start_processes, start_run, summary, validate, word_marks)
-
-
-# Per-size defaults, under an objective's own. On an H100 `small` MLM at LAMB lr 1e-2 with
-# 128 x 128 batches diverged in two seeds, and ran 10 epochs stably at 5e-3; LTG-BERT's 1e-2 goes
-# with 8x larger batches (docs/objectives/mlm.md, deviation 4). `tiny` keeps the CPU sweep's 1e-2
-# (docs/studies/tiny_mlm.md).
-SIZE_DEFAULTS = {"tiny": dict(lr=1e-2), "small": dict(lr=5e-3), "base": dict(lr=5e-3)}
+from model import PARTS
+from objectives import BASELINE, DICT_FLAG_NAMES, OBJECTIVES, ObjectiveParts, Trainee, dict_config
+from training.run import (Phase, Run, build_encoder, check_warmup, checkpoint_state,
+                          checked_settings, describe, load_corpus, log_line, nothing_to_do,
+                          open_folder, save, save_words_flag, start_phase, start_processes,
+                          start_run, summary, validate, word_marks)
+from training.run_flags import SIZE_DEFAULTS, add_run_flags
 
 
 def has_phase1(args) -> bool:
@@ -129,207 +102,43 @@ def train_batch(run: Run, step: int, micro: int) -> dict:
 # Arguments
 
 
-def objective_defaults(flag: str) -> str:
-    """For a flag's help, the objectives whose entries set its default otherwise, grouped by
-    value: 'boot 0.005', 'kd, kd+mlm, mlsm, mlsm+mlm uniform'."""
-    names = {}
-    for name, entry in OBJECTIVES.items():
-        if flag in (entry.defaults or {}):
-            names.setdefault(entry.defaults[flag], []).append(name)
-    show = lambda v: ("on" if v else "off") if isinstance(v, bool) else (
-        f"{v:g}" if isinstance(v, float) else str(v))
-    return "; ".join(f"{', '.join(n)} {show(v)}" for v, n in names.items())
-
-
 def build_parser():
-    p = flags.Parser(prog="train.py", description=__doc__, allow_abbrev=False)
+    """The loop's flags here; the shared run flags (training/run_flags.py); the objectives'."""
+    p = flags.Parser(prog="train.py", description=__doc__, allow_abbrev=False,
+                     usage="train.py [--objective NAME] [--data DATA] [--size SIZE] [flags]")
     add = p.add_argument
-    add("--objective", default=BASELINE, choices=sorted(OBJECTIVES), help="pretraining objective")
-    add("--data", default="babylm_10m", help="corpus name under $NANOMLM_RAW, a folder of text "
-        "files, or a prepared folder")
-    # the 5 specials and 256 byte pieces at least (sentencepiece may need more for a corpus)
-    add("--vocab-size", type=int, default=VOCAB_SIZE,
-        help="sentencepiece vocabulary when the data is prepared", range=flags.at_least(262))
-    add("--size", default="small", choices=PRESETS,
-        help="model preset; ModelConfig flags below override it")
-    add("--seq-len", type=int, default=128, range=flags.at_least(3),
-        help="tokens per sequence, [CLS] and [SEP] included")
-    add("--batch-size", type=int, default=128, range=flags.at_least(1),
-        help="sequences per micro-batch per process")
+    add("--objective", default=BASELINE, choices=sorted(OBJECTIVES), metavar="NAME",
+        help="pretraining objective: " + ", ".join(OBJECTIVES))
+    add("--max-steps", type=int, default=None, range=flags.at_least(1),
+        help="optimizer steps (default: --epochs of the data)")
     add("--grad-accum", type=int, default=1, range=flags.at_least(1),
         help="micro-batches per optimizer step")
-    add("--optim", default="lamb", choices=["adamw", "lamb"],
-        help="optimizer; betas (0.9, 0.98), eps 1e-6")
-    sizes = ", ".join(f"{size} {d['lr']:g}" for size, d in SIZE_DEFAULTS.items())
-    add("--lr", type=float, default=None, help=f"peak learning rate (default by --size: {sizes}; "
-        f"{objective_defaults('lr')}; see docs/objectives/mlm.md)", range=flags.at_least(0))
-    add("--warmup", type=float, default=0.016,
-        help="warmup: a fraction of --max-steps if < 1, else steps", range=flags.at_least(0))
-    add("--schedule", default="cosine", choices=["cosine", "linear", "cosine-cooldown"],
-        help="decay after warmup; cosine-cooldown: gpt-bert's, the cosine then a line to 0 over "
-        f"the last --cooldown (default %(default)s; {objective_defaults('schedule')})")
-    add("--cooldown", type=float, default=0.016, range=flags.Range(0, 1, high_open=True),
-        help="cosine-cooldown: the share of the phase's steps that falls linearly to 0")
-    add("--min-lr", type=float, default=0.1, range=flags.Range(0, 1),
-        help="final learning rate as a fraction of --lr")
-    add("--weight-decay", type=float, default=0.1, help="decoupled weight decay on weight "
-        f"matrices (default %(default)s; {objective_defaults('weight_decay')})",
-        range=flags.at_least(0))
-    add("--weight-decay-end", type=float, default=None, range=flags.at_least(0),
-        help="cosine weight decay from --weight-decay to this over the phase (default: "
-        f"constant; {objective_defaults('weight_decay_end')})")
-    add("--decay-embeddings", action=argparse.BooleanOptionalAction, default=False,
-        help="weight-decay the embedding and position tables too, as gpt-bert's groups "
-        f"(default: not, as LTG-BERT's; {objective_defaults('decay_embeddings')})")
-    add("--eps", type=float, default=1e-6, range=flags.above(0), help="the optimizer's epsilon "
-        f"(default %(default)g; {objective_defaults('eps')})")
     add("--clip", type=float, default=2.0, range=flags.at_least(0),
         help="gradient-norm clipping, 0 = off")
-    add("--spike", type=float, default=10.0, range=flags.at_least(0),
-        help="stop a diverging run: when its 20-step gradient norm stays above this multiple "
-        "of its 1000-step average, or its 20-step loss above its best by max(1 nat, 8x its "
-        "noise), for 10 steps; it writes the last good state it kept (docs/robustness.md); "
-        "0 = off")
-    add("--mask-p", type=float, default=0.15, help="fraction of tokens to predict (with "
-        f"--mask-p-end: at the first step) (default %(default)s; {objective_defaults('mask_p')})",
-        range=flags.Range(0, 1, low_open=True, high_open=True))
-    add("--mask-p-end", type=float, default=None, range=flags.Range(0, 1, low_open=True,
-                                                                    high_open=True),
-        help="the fraction falls linearly from --mask-p to this over the run, as gpt-bert's "
-        f"(default: constant; {objective_defaults('mask_p_end')})")
-    add("--causal-fraction", type=causal_fraction, default=1 / 16, range=flags.Range(0, 1),
-        help="gpt-bert: the share of each batch trained causally, the rest masked next-token "
-        "prediction; a decimal fraction, or masked-focus (1/16, gpt-bert's 15:1), mixed (1/2) "
-        "or causal-focus (15/16) (default masked-focus)")
-    add("--masking", default="span", choices=list(MASKINGS), help="span: "
-        "LTG-BERT's spans, 80/10/10 per span; token: BERT's, each token chosen alone, 80/10/10 "
-        "(the synthetic-language blog's); uniform: int(p T) tokens per sequence, all [MASK], as "
-        f"the MLSM code (default %(default)s; {objective_defaults('masking')})")
-    add("--max-steps", type=int, default=None, range=flags.at_least(1),
-        help="optimizer steps (default: --epochs of the training data at the global batch)")
-    add("--epochs", type=float, default=10.0, help="the budget when --max-steps is not given: "
-        "passes over the training segments, rounded down to whole steps (default %(default)g, "
-        "BabyLM's "
-        "limit: 7,246 steps of 128 x 128 on babylm_10m)", range=flags.above(0))
+    add("--spike", type=float, default=10.0, range=flags.at_least(0), help="stop a diverging "
+        "run at its last good state (docs/robustness.md); 0 = off")
     add("--seed", type=int, default=0, range=flags.at_least(0),
         help="seed for init, data order, masks and dropout")
-    add_device_flag(add, "where to train")
-    add("--compile", action=argparse.BooleanOptionalAction, default=None,
-        help="torch.compile the model (default: on with CUDA, off on the CPU)")
-    add("--compile-scope", default="model", choices=COMPILE_SCOPES, help="with --compile, "
-        "what one compiled graph covers: the whole step's model (default), or one transformer "
-        "layer, whose graph every layer reuses, the rest eager (on a CPU at 12 layers: 1/7 of "
-        "the compile time, the same step time; not yet timed on a GPU, docs/bench.md)")
-    add("--compile-lamb", action=argparse.BooleanOptionalAction, default=False,
-        help="with --compile, compile LAMB's update too (one graph of fused kernels); off: on an "
-        "H200 it added ~35 s to a run's start, and no gain in tokens/s (docs/bench.md)")
-    add("--attention", default="gather", choices=TRAINING_ATTENTION, help="how "
-        "relative attention is computed, the same function each way (tests/test_model.py): "
-        "each pair's position bucket picked by a gather (default; its backward adds into the "
-        "buckets with atomics, bf16 ones under --bf16), by the gather in float32 (float32 "
-        "atomics), or by a one-hot product (matrix products, no atomics); or fused: "
-        "disentangled-flash's Triton kernels, no (B, H, T, T) tensor (CUDA; pip install -r "
-        "requirements-kernels.txt). Which is fastest on a GPU: gpu_check.sh speed, "
-        "docs/bench.md")
-    add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
-        help="with --compile on CUDA, replay the compiled step's forward and backward as CUDA "
-        "graphs (torch.compile mode reduce-overhead): fewer kernel launches, more memory; off "
-        "until measured faster (docs/bench.md)")
-    add("--bf16", action=argparse.BooleanOptionalAction, default=None,
-        help="bfloat16 autocast of the forward pass; weights, optimizer and losses stay float32 "
-        "(default: on with CUDA, off on the CPU; measured 2x faster on a CPU with AMX: see "
-        "docs/bench.md)")
-    add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="torch's "
-        "deterministic kernels only: resumes agree bit for bit on a GPU too, a little slower")
-    add("--out-dir", default=None, help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
-    add("--resume", action="store_true",
-        help="continue the run in --out-dir from its ckpt.pt, with its saved settings (these may "
-        "change: --lr, --device, --compile, --bf16, the logging, evaluation, save and stop "
-        "flags)")
-    add("--init-from", default=None,
-        help="start from this checkpoint's weights (fresh optimizer, step 0)")
-    add("--reset", default="", help="with --init-from, re-initialise these parts instead of "
-        "loading them: embeddings (token embeddings and the tied output; the vocabulary may "
-        "then differ), positions; comma-separated")
-    add("--freeze", default="", help="parts that get no updates: embeddings (the token "
-        "embeddings, so the tied output too)")
+    add("--out-dir", default=None, metavar="DIR",
+        help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
+    add("--resume", action="store_true", help="continue the run in --out-dir (--lr, device, "
+        "logging, saving may change)")
     add("--log-every", type=int, default=50, range=flags.at_least(1),
         help="steps between log lines")
     add("--eval-every", type=int, default=500, range=flags.at_least(1),
         help="steps between validations")
-    add("--eval-batches", type=int, default=20,
-        help="validation batches, always the same ones", range=flags.at_least(1))
+    add("--eval-batches", type=int, default=20, range=flags.at_least(1),
+        help="validation batches, always the same ones")
     add("--save-every", type=int, default=1000, range=flags.at_least(1),
         help="steps between checkpoints")
-    add("--save-words", default="", type=save_words_flag, help="also keep the weights when "
-        "this many training words have been seen, as chck_<N>.pt in the run folder (export.py "
-        "makes them the BabyLM pipeline's folders): a list such as 1M,2M,500K, or babylm "
-        "(BabyLM 2025: every 1M to 10M, then every 10M to 100M)")
-    add("--check", action="store_true", help="check the flags, print the settings they resolve "
-        "to (defaults applied) as JSON, and exit without training (study.py's pre-flight)")
-    add("--stop-at", type=int, default=None, help="checkpoint and exit after this step; the "
-        "schedule still runs to --max-steps (for time-limited jobs)", range=flags.at_least(1))
-    add_boot = p.add_argument_group("boot (latent bootstrapping, Samuel 2023)").add_argument
-    add_boot("--lb-weight", type=float, default=1.0, range=flags.at_least(0),
-             help="weight of the latent-bootstrapping loss; 0 removes it")
-    add_boot("--mlm-weight", type=float, default=1.0, range=flags.at_least(0),
-             help="weight of the MLM loss in kd+mlm, mlsm+mlm and boot (default %(default)g; "
-             f"{objective_defaults('mlm_weight')}, its decoder's)")
-    add_boot("--ema-start", type=float, default=0.996, range=flags.Range(0, 1),
-             help="mean-teacher EMA decay at the first step")
-    add_boot("--ema-end", type=float, default=1.0, range=flags.Range(0, 1),
-             help="EMA decay at the last step, reached linearly")
-    add_boot("--decoder-layers", type=int, default=None, range=flags.at_least(1),
-             help="layers of the student's decoder (default: a third of --n-layer, at least 1; "
-             "the paper's 4 on 12)")
-    add_boot("--boot-student", default="mae", choices=["mae", "bert"],
-             help="mae: the encoder sees the kept tokens only; bert: the whole masked input "
-             "(ablation)")
-    add_phased = p.add_argument_group(
-        "kd, kd+mlm, mlsm, mlsm+mlm, mlm --two-phase (a phase of MLM, then the objective, taught "
-        "by that model; Berend 2023)").add_argument
-    add_phased("--phase1-steps", type=float, default=0.2, range=flags.above(0),
-               help="MLM steps of phase 1: a fraction of --max-steps if < 1, else steps")
-    add_phased("--two-phase", action="store_true",
-               help="mlm only: train in kd's two phases, the second restarting optimizer and "
-               "warm-up from the phase-1 weights (Better Together's baseline)")
-    add_phased("--teacher", default=None,
-               help="distil from this checkpoint instead of training a phase 1")
-    add_phased("--student-init", default="continued", choices=["continued", "scratch"],
-               help="phase 2 starts from the phase-1 weights, or from a fresh init")
-    add_phased("--kd-temperature", type=float, default=1.0, range=flags.above(0),
-               help="softmax temperature T; the KL is scaled by T^2")
-    add_phased("--kd-teacher-input", default="clean", choices=["clean", "masked"],
-               help="what the teacher reads")
-    add_phased("--dict", default=None, help="mlsm: a dictionary from sparse.py (default: learn "
-               "one from the teacher into RUN/dict.pt)")
-    flags.add_fields(add_phased, sparse.DictConfig, DICT_FLAGS, prefix="mlsm: ",
-                     ranges=sparse.DICT_RANGES)
-    add_phased("--mlsm-coder", default="fista100", choices=["fista100", "exact"],
-               help="mlsm: the targets' codes: fista100, 100 plain FISTA steps from zero as the "
-               "MLSM code (denser, softer); exact, the working-set FISTA run to --mlsm-tol")
-    add_phased("--mlsm-iters", type=int, default=200, range=flags.at_least(1),
-               help="mlsm --mlsm-coder exact: FISTA iteration cap per batch of targets")
-    add_phased("--mlsm-tol", type=float, default=1e-2, range=flags.above(0),
-               help="mlsm --mlsm-coder exact: FISTA stops when its gradient mapping is below "
-               "tol*lam")
-    add_model = p.add_argument_group(
-        "model (ModelConfig fields; default: the --size preset)").add_argument
-    flags.add_fields(add_model, ModelConfig, {f.name: f.name for f in fields(ModelConfig)
-                                              if f.name != "vocab_size"},  # the tokenizer's
-                     preset=True, choices={"position": ("relative", "absolute")},
-                     ranges={**dict.fromkeys(("n_layer", "n_head", "d_model", "d_ff"),
-                                             flags.at_least(1)),
-                             "dropout": flags.Range(0, 1, high_open=True),
-                             "position_buckets": flags.at_least(2),
-                             "max_position": flags.at_least(3),
-                             "layer_norm_eps": flags.above(0)})
-    for action in p._actions:  # defaults an objective sets at one size say so in --help
-        at = [f"{name} at {size}: {v[action.dest]}" for name, o in OBJECTIVES.items()
-              for size, v in (o.size_defaults or {}).items() if action.dest in v]
-        if at:
-            default = "" if action.default is None else "default %(default)s; "
-            action.help += f" ({default}{', '.join(at)})"
+    add("--save-words", default="", type=save_words_flag,
+        help="also keep weights at these words seen: 1M,2M or babylm (for export.py)")
+    add("--stop-at", type=int, default=None, range=flags.at_least(1),
+        help="save and exit after this step; the schedule stays --max-steps'")
+    add("--check", action="store_true", help="print the settings the flags resolve to, exit")
+    add_run_flags(p)
+    objectives.add_flags(p)
+    objectives.note_defaults(p)
     return p
 
 
@@ -338,13 +147,13 @@ def get_args(argv, parser=None):
     args = parser.parse_args(argv)
     args.given = flags.typed(parser, argv)  # a resumed run refuses those that differ
     entry = OBJECTIVES[args.objective]
-    for flag in sorted({f for o in OBJECTIVES.values() for f in o.flags} - set(entry.flags)):
-        if flag in args.given and not args.resume:  # a resumed run's saved objective decides
-            mine = ", ".join(name for name, o in OBJECTIVES.items() if flag in o.flags)
-            parser.error(f"--{flag.replace('_', '-')} only applies to {mine}")
+    objectives.refuse_others(args, args.given, parser.error)
+    if "phase1_steps" in args.given and not has_phase1(args) and not args.resume:
+        parser.error("--phase1-steps needs a phase 1: mlm --two-phase, or kd and mlsm without "
+                     "--teacher")
     if args.reset and not args.init_from:
         parser.error("--reset only applies with --init-from")
-    if "dict" in entry.flags:  # the dictionary's flags: fail now, not after phase 1
+    if entry.declares("dict"):  # the dictionary's flags: fail now, not after phase 1
         dict_config(args).check(flags=DICT_FLAG_NAMES)
     for flag, allowed in (("reset", PARTS), ("freeze", ["embeddings"])):
         bad = [x for x in getattr(args, flag).split(",") if x and x not in allowed]
@@ -364,8 +173,8 @@ def get_args(argv, parser=None):
     return args
 
 
-# more tokens than a year of training even at 3M tokens/s (about 7x `small`'s step on an H200,
-# docs/bench.md): a --max-steps this large is a typo, not a plan
+# more tokens than a year of training even at 3M tokens/s, several times our fastest measured
+# step (docs/bench.md): a --max-steps this large is a typo, not a plan
 MOST_TOKENS = 10 ** 14
 
 

@@ -15,6 +15,7 @@ import inspect
 import re
 import sys
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 
 class Parser(argparse.ArgumentParser):
@@ -50,7 +51,21 @@ class Parser(argparse.ArgumentParser):
 
 class Help(argparse.RawDescriptionHelpFormatter):
     """--help: the description as written, and each flag's default after its help, unless the
-    help gives it (where an objective or a size changes it) or there is none."""
+    help gives it (where an objective or a size changes it) or there is none; 100 columns wide,
+    the repository's lines, whatever the terminal (argparse's own width follows it)."""
+
+    def __init__(self, prog, **kwargs):
+        super().__init__(prog, **{"width": 100, "max_help_position": 26, **kwargs})
+
+    def _format_action_invocation(self, action):
+        """--[no-]bf16 for an on/off flag: one name, so that its help starts on its line."""
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return action.option_strings[0].replace("--", "--[no-]", 1)
+        return super()._format_action_invocation(action)
+
+    def _get_default_metavar_for_optional(self, action):
+        """A value's kind, not the flag's name again: --lr X, --seed N, --data VALUE."""
+        return {int: "N", float: "X"}.get(action.type, "VALUE")
 
     def _get_help_string(self, action):
         default = action.default
@@ -67,20 +82,44 @@ def field_help(cls) -> dict[str, str]:
     return dict(re.findall(r"^\s+(\w+): .*?#\s*(.+)$", src, flags=re.M))
 
 
-def add_fields(add, cls, dests: dict[str, str] | None = None, preset: bool = False,
-               choices: dict | None = None, prefix: str = "", ranges: dict | None = None) -> None:
-    """A flag for each field of the dataclass `cls`, added by `add` (a Parser's or a group's
-    add_argument): `dests` {flag destination: field} picks and renames them (default: every field
-    under its own name). With `preset`, a flag's default is None, the preset deciding, and a
-    boolean field gets --x/--no-x; otherwise the field's default is the flag's. `ranges`
-    {field: Range} and `choices` {field: values}: what a field's flag accepts."""
+class Flag(NamedTuple):
+    """A flag declared away from any parser (an objective's, beside its loss): its option and
+    add_argument's keywords, `range` included; `add(flag.option, **flag.spec)` adds it."""
+    option: str
+    spec: dict
+
+    @property
+    def dest(self) -> str:
+        return self.option[2:].replace("-", "_")
+
+
+def flag(option: str, **spec) -> Flag:
+    return Flag(option, spec)
+
+
+def field_flags(cls, dests: dict[str, str] | None = None, preset: bool = False,
+                choices: dict | None = None, prefix: str = "",
+                ranges: dict | None = None) -> list[Flag]:
+    """A flag for each field of the dataclass `cls`: `dests` {flag destination: field} picks and
+    renames them (default: every field under its own name). With `preset`, a flag's default is
+    None, the preset deciding, and a boolean field gets --x/--no-x; otherwise the field's default
+    is the flag's. `ranges` {field: Range} and `choices` {field: values}: what a field's flag
+    accepts."""
     helps, defaults = field_help(cls), {f.name: f.default for f in fields(cls)}
+    made = []
     for dest, name in (dests or {f: f for f in defaults}).items():
-        default, flag = defaults[name], "--" + dest.replace("_", "-")
+        default = defaults[name]
         kind = (dict(action=argparse.BooleanOptionalAction) if preset and isinstance(default, bool)
                 else dict(type=type(default), choices=(choices or {}).get(name)))
-        add(flag, default=None if preset else default, help=prefix + helps[name],
-            range=(ranges or {}).get(name), **kind)
+        made.append(flag("--" + dest.replace("_", "-"), default=None if preset else default,
+                         help=prefix + helps[name], range=(ranges or {}).get(name), **kind))
+    return made
+
+
+def add_fields(add, cls, dests: dict[str, str] | None = None, **kwargs) -> None:
+    """field_flags' flags, each added by `add` (a Parser's or a group's add_argument)."""
+    for f in field_flags(cls, dests, **kwargs):
+        add(f.option, **f.spec)
 
 
 @dataclass(frozen=True)

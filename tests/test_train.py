@@ -249,7 +249,7 @@ RESUME_STOPS = {"kd": 10, "kd+mlm": 25, "mlsm": 25, "mlsm+mlm": 25}  # the other
 
 
 @pytest.mark.parametrize("objective,stop,mix", [
-    *[(o, RESUME_STOPS.get(o, 20), "masked-focus" if "causal_fraction" in e.flags else None)
+    *[(o, RESUME_STOPS.get(o, 20), "masked-focus" if e.declares("causal_fraction") else None)
       for o, e in sorted(O.OBJECTIVES.items())],
     ("gpt-bert", 15, "mixed"), ("gpt-bert", 25, "causal-focus")])
 def test_resume_is_exact(prepared, tmp_path, objective, stop, mix):
@@ -258,8 +258,9 @@ def test_resume_is_exact(prepared, tmp_path, objective, stop, mix):
     stops exactly where phase 1 ends (step 10 of 40), the other two-phase ones inside phase 2;
     gpt-bert in each of its mixes."""
     common = ["--data", prepared, "--max-steps", 40, "--objective", objective,
-              *(["--causal-fraction", mix] if mix else ["--phase1-steps", 0.25]), *TINY]
-    if "dict" in O.OBJECTIVES[objective].flags:
+              *(["--causal-fraction", mix] if mix else []), *TINY,
+              *(["--phase1-steps", 0.25] if O.OBJECTIVES[objective].two_phase else [])]
+    if O.OBJECTIVES[objective].declares("dict"):
         common += MLSM_DICT
     whole, first = run_trains([*common, "--out-dir", tmp_path / "a"],
                               [*common, "--out-dir", tmp_path / "b", "--stop-at", stop])
@@ -300,7 +301,7 @@ def test_every_objective_is_scored_filled_and_exported(prepared, small_raw, tmp_
     entry, run = O.OBJECTIVES[objective], tmp_path / "run"
     flags = ["--data", prepared, "--max-steps", 6, "--objective", objective, *TINY,
              "--out-dir", run, *(["--phase1-steps", 3] if entry.two_phase else []),
-             *(MLSM_DICT if "dict" in entry.flags else [])]
+             *(MLSM_DICT if entry.declares("dict") else [])]
     r = run_train(*flags)
     assert r.returncode == 0, r.stderr
     ckpt = torch.load(run / "ckpt.pt", weights_only=False)
@@ -1622,3 +1623,50 @@ def test_a_runs_code_hash_covers_every_file_train_py_imports(trained):
     code = trained.parent / "code"
     copied = {p.relative_to(code).as_posix() for p in code.rglob("*.py")}
     assert imported | {"train.py"} <= copied, sorted(imported - copied)
+
+
+def a_value(action) -> list[str]:
+    """A value `action` (a flag) accepts, as typed: none for an on/off flag."""
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        return [str(list(action.choices)[-1])]
+    return [{int: "20000", float: "0.5"}.get(action.type, "masked-focus" if action.dest ==
+                                                     "causal_fraction" else "x")]
+
+
+def test_an_objectives_flag_typed_with_another_is_refused_in_one_line_naming_its_own(capsys):
+    """Issue 82: every flag an entry declares, typed with each objective that does not declare
+    it, stops in one line naming the objectives it belongs to (the registry's owners, checked
+    here against the entries' flags by a loop of its own); a resume passes (its saved objective
+    decides); the objective's own flags parse. A flag declared by several entries is one
+    declaration, so its help and default cannot drift."""
+    parser = T.build_parser()
+    actions = {a.dest: a for a in parser._actions}
+    declared = {}
+    for name, entry in O.OBJECTIVES.items():
+        for f in entry.flags:
+            assert declared.setdefault(f.option, f) is f, f"{f.option}: two declarations"
+    assert set(O.owners()) == {f.dest for f in declared.values()}
+    refusals = 0
+    for f in declared.values():
+        mine = [name for name, e in O.OBJECTIVES.items() if f in e.flags]
+        typed = [f.option, *a_value(actions[f.dest])]
+        for objective in O.OBJECTIVES:
+            argv = ["--objective", objective, *typed, "--size", "tiny"]
+            if objective in mine:
+                argv += ["--two-phase"] if f.dest == "phase1_steps" and objective == "mlm" else []
+                assert T.get_args(argv).objective == objective
+                continue
+            with pytest.raises(SystemExit) as stopped:
+                T.get_args(argv)
+            err = capsys.readouterr().err
+            assert stopped.value.code == 2 and err.count("\n") == 1, err
+            assert err.startswith(f"train.py: error: {f.option} only applies to "
+                                  f"{', '.join(mine)}, not {objective};"), err
+            refusals += 1
+    assert refusals >= 40  # each of the ~25 flags, against the objectives that do not own it
+    r = run_train("--objective", "mlm", "--lb-weight", "0.5")  # the issue's own example
+    assert r.returncode == 2 and r.stderr == ("train.py: error: --lb-weight only applies to "
+                                              "boot, not mlm; see train.py --help\n"), r.stderr
+    assert T.get_args(["--resume", "--out-dir", "x", "--lb-weight", "0.5"]).resume
