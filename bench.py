@@ -72,7 +72,7 @@ from machinery import flags
 from machinery.device import add_device_flag, pick_device, use_compile, use_tf32
 from machinery.run_folder import REPO, RunFolder
 from machinery.storage import one_line_os_errors
-from machinery.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
+from benchmarks.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
 from model import PRESETS, TRAINING_ATTENTION, Encoder, ModelConfig, use_attention
 from objectives import BASELINE, OBJECTIVES
 from training.run import COMPILE_SCOPES

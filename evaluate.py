@@ -40,9 +40,9 @@ from data.tasks import TASKS, pad, read_jsonl
 from evaluation.finetune import RECIPES, finetune
 from machinery import flags
 from machinery.device import add_device_flag, autocast, pick_device
-from machinery.multibootstrap import compare
+from evaluation.multibootstrap import compare
 from machinery.progress import bar, duration, line_buffered
-from machinery.results import read_partial, result_path, write_lines, write_result
+from evaluation.results import read_partial, result_path, write_lines, write_result
 from machinery.stopping import exit_on_stop_signals
 from machinery.storage import checkpoint_identity, hold_lock, one_line_os_errors
 from model import Encoder, load_checkpoint

@@ -71,7 +71,7 @@ from metalearning.moons import (MOONS_TOKENS, PROTOCOLS, Labeled, ft_batch, labe
                                 moons_batches, moons_text, predict_labels, print_table, two_moons)
 from machinery import flags
 from machinery.device import add_device_flag, autocast, pick_device
-from machinery.optim import inverse_sqrt
+from training.optim import inverse_sqrt
 from machinery.progress import bar, line_buffered
 from machinery.run_folder import REPO, RunFolder, repo_sources
 from machinery.stopping import exit_on_stop_signals, stop_after_the_step

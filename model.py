@@ -535,7 +535,7 @@ def load_checkpoint(path, device="cpu", encoder_only=False):
     if tok.get_piece_size() != model.config.vocab_size:
         raise SystemExit(f"error: {path} pairs a {model.config.vocab_size}-token model with a "
                          f"{tok.get_piece_size()}-piece tokenizer; it was not written by train.py")
-    if "code_version" in ckpt and "decoder" not in ckpt:  # train.py before 2026-11-27
+    if "code_version" in ckpt and "decoder" not in ckpt:  # an older train.py's
         raise SystemExit(f"error: {path} predates checkpoints that say how they predict")
     if ckpt.get("decoder") and not encoder_only:
         boot = BootHeads(model.config, *boot_shape(ckpt["heads"]))

@@ -56,18 +56,18 @@ from studies.plan import (Job, StudyError, load_study, metric_names, plan, raw_p
                                 scale_arms, shown)
 from studies.report import build_report
 from machinery import flags
-from machinery.results import read_result
+from evaluation.results import read_result
 from machinery.run_folder import REPO, RunFolder
 from machinery.storage import atomic_write, one_line_os_errors
 
 
 # tokens/s of an MLM step when no run of the study has finished yet (--dry-run's estimate): tiny
-# at 32 x 128 on a 2-core CPU (0.45 s a step), small and base at 128 x 128 on an H100 (the
-# figures in docs/bench_log.md); two-phase objectives cost more (docs/bench.md)
+# at 32 x 128 on a 2-core CPU, small and base at 128 x 128 on one GPU (the figures in
+# docs/bench_log.md); two-phase objectives cost more (docs/bench.md)
 RATES = {("cpu", "tiny"): 9.1e3, ("cuda", "small"): 4.1e5, ("cuda", "base"): 2.1e5}
 
 # GPU memory of one run (GB), for --parallel's check on one GPU: the largest peak measured at
-# `small` (boot, 5.62 GB, H200, 2026-11-26: docs/bench.md) and 1 GB for the CUDA context and
+# `small` (boot's, docs/bench.md) and 1 GB for the CUDA context and
 # torch.compile's workspace, which torch's peak does not count. Other sizes are not measured yet.
 RUN_GPU_GB = {"small": 6.6}
 # seconds a run stopped by --train-until has to save its step before it is killed

@@ -245,8 +245,8 @@ def relex_loglinear(rels, sids, sizes, rng, dim: int = 10, chunk: int = 2000) ->
     p(w | t) proportional to exp(v_w . v_t). Sentences are done `chunk` at a time: for each one
     the cumulative distribution of every set, then one searchsorted for all its words.
     The scale is the paper's: v_w . v_t has variance dim, so a topic favours few words of each
-    set (same-sentence PMI 1.4 on the French treebanks). Until 2026-11-24 v_w was drawn from
-    N(0, I/dim), unit variance and a PMI of 0.59: the corpora of the studies made before."""
+    set (same-sentence PMI 1.4 on the French treebanks); v_w ~ N(0, I/dim) would give unit
+    variance and a PMI of 0.59, the earlier studies' corpora (docs/objectives/synthetic.md)."""
     V, R = sizes.sum(), len(sizes)
     block = np.repeat(np.arange(R), sizes)
     vec = rng.standard_normal((V, dim))
@@ -315,7 +315,7 @@ def build_parser() -> flags.Parser:
     add("--separate-sentences", action=argparse.BooleanOptionalAction, default=True,
         help="ask data/prepare.py for [SEP] after every sentence in the token stream, so that a "
         "training segment packing several independent sentences keeps their boundaries "
-        "(default on; --no-separate-sentences: joined, as the studies before 2026-11-24)")
+        "(default on; --no-separate-sentences: joined, as the earliest studies)")
     add("--relex", default="zipf", choices=["zipf", "loglinear"],
         help="word distribution")
     add("--vocab", type=int, default=5000, help="made-up words in all", range=flags.at_least(1))

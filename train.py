@@ -22,12 +22,13 @@ import torch.distributed as dist
 import objectives
 from data.masking import MASKINGS, make_batch, mask_p_at, seed_of
 from machinery import flags
-from machinery.optim import clipped_step, ema_decay_at, ema_update, set_schedule
 from machinery.progress import StepProgress, line_buffered
 from machinery.run_folder import REPO, repo_sources
-from machinery.stopping import SafetyNet, exit_now, exit_on_stop_signals, on_stop_signals
+from machinery.stopping import exit_now, exit_on_stop_signals, on_stop_signals
 from model import PARTS
 from objectives import BASELINE, DICT_FLAG_NAMES, OBJECTIVES, ObjectiveParts, Trainee, dict_config
+from training.guard import SafetyNet
+from training.optim import clipped_step, ema_decay_at, ema_update, set_schedule
 from training.run import (Phase, Run, build_encoder, check_warmup, checkpoint_state,
                           checked_settings, describe, load_corpus, log_line, nothing_to_do,
                           open_folder, save, save_words_flag, start_phase, start_processes,

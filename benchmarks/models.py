@@ -16,7 +16,7 @@ from data.prepare import MASK, SPECIALS, VOCAB_SIZE
 from benchmarks.ltg_bert import LtgBert
 from machinery.device import autocast, use_bf16, use_compile
 from machinery.kernels import fused_unavailable
-from machinery.timing import PROFILES, alternate, failed_row, profile_ops, row
+from benchmarks.timing import PROFILES, alternate, failed_row, profile_ops, row
 from model import PRESETS, Encoder, ModelConfig, use_attention
 
 

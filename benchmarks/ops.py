@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from data.prepare import VOCAB_SIZE
 from machinery.device import use_bf16
 from machinery.kernels import flex_relative, fused_relative, fused_unavailable
-from machinery.optim import ema_update
-from machinery.timing import alternate, rates, row
+from training.optim import ema_update
+from benchmarks.timing import alternate, rates, row
 from model import (PRESETS, Encoder, ModelConfig, fused_plan, relative_buckets,
                    relative_scores)
 

@@ -18,9 +18,9 @@ from data.prepare import PAD
 from data.tasks import MSGS, TASKS, Examples, pad, read_task
 from machinery import flags
 from machinery.device import autocast, pick_device
-from machinery.optim import cosine_with_warmup, linear_warmup_decay
+from training.optim import cosine_with_warmup, linear_warmup_decay
 from machinery.progress import bar
-from machinery.results import (METRICS, confusion, read_partial, result_path, write_lines,
+from evaluation.results import (METRICS, confusion, read_partial, result_path, write_lines,
                                 write_result)
 from machinery.storage import checkpoint_identity, one_line_os_errors
 from model import load_checkpoint

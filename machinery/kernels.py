@@ -1,5 +1,5 @@
 """Faster stand-ins for model.py's relative attention, each exact where it is used: through
-flex_attention (off by default: slower on the CPU, not yet measured on a GPU; docs/bench.md), and
+flex_attention (off by default; its timings: docs/bench.md), and
 through the fused Triton kernels of the disentangled-flash package (CUDA only, an optional
 package: requirements-kernels.txt). Tests hold each to its plain definition (tests/test_model.py).
 """

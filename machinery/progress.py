@@ -44,10 +44,10 @@ def bar(iterable=None, **kw) -> tqdm:
 
 class StepProgress:
     """The training loop's progress: its bar, and the rate its log lines' ETAs read. Both count
-    from the end of each phase's first step in this sitting, the one that compiles the step: on
-    an H200 at `small` it took 55 s of a 368 s run, and a rate that held it read "eta 2h16m" at
-    step 50 and "70m" at step 100 with five minutes left (docs/bench.md, 2026-11-28). The rate
-    keeps the evaluations and saves since then: they recur until the end."""
+    from the end of each phase's first step in this sitting, the one that compiles the step: a
+    compile can take a large share of a short run, and a rate that held it would promise hours
+    for minutes (docs/bench.md). The rate keeps the evaluations and saves since then: they recur
+    until the end."""
 
     def __init__(self, step: int, total: int, shown: bool):
         self.bar = bar(total=total, initial=step, disable=None if shown else True, unit="step",

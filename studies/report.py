@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from studies.plan import metric_names, plan, scale_arms, shown
-from machinery.multibootstrap import examples_of, multibootstrap, verdict
-from machinery.results import read_result
+from evaluation.multibootstrap import examples_of, multibootstrap, verdict
+from evaluation.results import read_result
 from machinery.run_folder import REPO
 
 
@@ -135,7 +135,7 @@ def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
               "Welch's (approximate); in tests/test_evaluate.py's simulated studies both cover "
               "93-97% at 3, 5 and 10 seeds a side. One seed a side gets none: a demo, not a "
               "verdict. Under each table, each arm's verdict, the sentence a page quotes "
-              "(machinery/multibootstrap.verdict). The Multi-Bootstrap (seeds and examples "
+              "(evaluation/multibootstrap.verdict). The Multi-Bootstrap (seeds and examples "
               "resampled jointly, `evaluate.py compare`) is in report.json; below 25 seeds its "
               "percentiles are about the span of the per-seed differences, not a 95% interval. "
               "val_loss is lower-better (nats); the other metrics are percentages.", ""]

@@ -100,7 +100,7 @@ TINY = ["--size", "tiny", "--n-layer", "1", "--d-model", "64", "--n-head", "2", 
         "--eval-batches", "2", "--device", "cpu"]
 
 
-# Seconds each file took inside one run of the two shards on CI's 2-core machine (2026-11-27,
+# Seconds each file took inside one run of the two shards on CI's 2-core machine (from
 # pytest's junit times summed by file, so each file's share of the shared cores and the session
 # fixtures it built first are counted). They only balance the shards; a file missing here
 # counts as 10 s.

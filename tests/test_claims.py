@@ -1,6 +1,6 @@
 """Every verdict a page quotes is one the code makes from the committed result files: the study
 reports rebuilt from their results/ (study.py --report), and the comparisons saved beside them
-(evaluate.py compare --out), each give their sentences (machinery/multibootstrap.verdict); every
+(evaluate.py compare --out), each give their sentences (evaluation/multibootstrap.verdict); every
 verdict-shaped sentence in README.md, docs/studies/ and docs/objectives/ must be one of them,
 word for word. A number retyped by hand, or left behind when results change, fails here."""
 import json
@@ -13,7 +13,7 @@ import pytest
 import study
 from conftest import REPO
 from machinery import flags
-from machinery.multibootstrap import verdict
+from evaluation.multibootstrap import verdict
 from studies.plan import load_study
 
 # the three shapes multibootstrap.verdict gives, up to the end of the sentence

@@ -18,7 +18,7 @@ import objectives as O
 from conftest import TINY, run_train, run_trains
 from data.masking import make_batch
 from data.prepare import CLS, SEP, VOCAB_SIZE, Segments, prepare
-from machinery.optim import Lamb, clipped_step, ema_update
+from training.optim import Lamb, clipped_step, ema_update
 from model import PRESETS, TRAINING_ATTENTION, Encoder, ModelConfig, use_attention
 
 
@@ -32,7 +32,7 @@ assert TINY[-2:] == ["--device", "cpu"]
 def fresh_dynamo():
     """Each test compiles as a fresh train.py process would. Dynamo keeps 8 graphs per code
     object for the whole process, and every objective's trainee runs Trainee.forward: without a
-    reset the ninth compiled objective hits that limit (the cudagraphs tests did, on an H200)."""
+    reset the ninth compiled objective hits that limit."""
     torch._dynamo.reset()
 
 

@@ -20,7 +20,8 @@ from data.prepare import CLS, MASK, SEP, load_tokenizer
 from data.tasks import read_task
 from evaluation import finetune
 from machinery import device as device_module
-from machinery import multibootstrap, optim, results
+from evaluation import multibootstrap, results
+from training import optim
 from machinery.storage import read_checkpoint, save_checkpoint
 from model import PRESETS, BootHeads, BootPredictor, Encoder, ModelConfig
 
@@ -982,7 +983,7 @@ def test_a_second_blimp_on_the_same_result_is_refused(ckpt, tmp_path):
 
 
 def test_a_verdict_sentence_says_what_its_interval_says():
-    """machinery/multibootstrap.verdict, on hand-computed t intervals: paired seeds b - a =
+    """evaluation/multibootstrap.verdict, on hand-computed t intervals: paired seeds b - a =
     (-1, -0.5, -0.6) nats: mean -0.7, sd sqrt(0.07), se 0.15275, t(2) 4.3027: interval
     -1.3572..-0.0428 excludes 0 ("lower by"); (+0.1, -0.05, 0.0) holds 0 ("not
     distinguishable"); rates print in points; Welch names itself approximate; one seed a side

@@ -322,7 +322,7 @@ def test_a_file_without_a_checksum_is_refused_in_one_line(tmp_path):
 # --- the divergence guard on real runs -----------------------------------------------------------
 
 def stopped_by_the_old_rule(losses) -> bool:
-    """The rule before 2026-11-27 (machinery/stopping.py's diverging(), its loss half): a log
+    """The guard's earlier rule (its diverging(), the loss half): a log
     line's loss 1 nat above the lowest of the phase's earlier lines, in it and the line before,
     judged from the sixth line on."""
     for i in range(5, len(losses)):

@@ -13,15 +13,16 @@ import objectives
 import train
 from conftest import REPO
 
-# Floors, from the ground up: the run machinery (machinery/), the data (data/), the model, the
-# folders that each serve one stage (training/, evaluation/, metalearning/, benchmarks/,
-# studies/), the libraries with a command line, the
-# objectives (train.py's, one file below its loop), the scripts. hf/: the modeling file export.py
-# ships, transformers' code only.
-FLOOR = {"machinery": 0, "hf": 0, "data": 1, "model": 2, "training": 3, "evaluation": 3,
-         "metalearning": 3, "benchmarks": 3, "studies": 3, "sparse": 4, "evaluate": 4,
-         "objectives": 5, "train": 6, "meta": 6, "synth": 6, "study": 6, "bench": 6, "export": 6,
-         "plot": 6}
+# Floors, from the ground up: what every stage shares (machinery/), the data (data/), the model;
+# what a training run needs (training/: the run, its flags, optimizer, guard) and meta.py's tasks
+# (metalearning/); what evaluation reads (evaluation/: fine-tuning, result files, intervals,
+# which fine-tunes with training's optimizer) and bench.py's rows (benchmarks/); study.py's plan
+# and report (studies/); the libraries with a command line; the objectives (train.py's, one file
+# below its loop); the scripts. hf/: the modeling file export.py ships, transformers' code only.
+FLOOR = {"machinery": 0, "hf": 0, "data": 1, "model": 2, "training": 3, "metalearning": 3,
+         "evaluation": 4, "benchmarks": 4, "studies": 5, "sparse": 5, "evaluate": 5,
+         "objectives": 6, "train": 7, "meta": 7, "synth": 7, "study": 7, "bench": 7, "export": 7,
+         "plot": 7}
 CARD = {"model", "train", "objectives", "sparse", "synth", "meta", "evaluate"}  # the card's
 TOOLS = {"export", "study", "bench", "plot"}                       # the few a user types
 
@@ -116,8 +117,8 @@ def objective_tests(source: str) -> list[str]:
 
 
 def test_the_name_detector_finds_each_way_of_naming_an_objective():
-    """What the test below reads for: each way an objective was told by its name before
-    (2026-11-27), and what it must leave alone (meta.py's label kinds, a study's evaluations)."""
+    """What the test below reads for: each way an objective was once told by its name,
+    and what it must leave alone (meta.py's label kinds, a study's evaluations)."""
     told = ['ckpt.get("objective") == "boot"', 'args.objective != "mlm"',
             'objective.split("+")[0] in ("kd", "mlsm")', 'objective.startswith("mlsm")',
             'args.objectives[0] != "mlm"', 'OBJECTIVES[o].setup is setup_mlsm',
@@ -152,10 +153,10 @@ def test_files_are_at_most_600_lines_and_a_stage_800(path):
 
 
 def test_the_model_file_is_the_model_and_the_loop_fits_a_screen_or_two():
-    """model.py holds the model alone (no run machinery: no files, devices or processes), in at
-    most 550 lines (500 until its CPU dropout moved in from machinery/kernels.py, so that a step
-    reads no run machinery; 520 until relative attention gained its float32 gather and the
-    fused kernels' per-length plan, issue 78); train.main, the loop, in at most 90."""
+    """model.py holds the model alone (no run machinery: no files, devices or processes): the
+    encoder, and BootBERT's decoder parts, which every scorer and the export read from a boot
+    checkpoint without its objective, in at most 550 lines. train.py, a nanoGPT reader's first
+    file, in at most 300 (its loop, `main`, in 90); its --help in under 150."""
     source = (REPO / "model.py").read_text()
     assert len(source.splitlines()) <= 550
     nodes = list(ast.walk(ast.parse(source)))
@@ -165,7 +166,32 @@ def test_the_model_file_is_the_model_and_the_loop_fits_a_screen_or_two():
                                                   "torch", "machinery"}
     assert {m for m in modules if m.startswith("machinery")} <= {"machinery.kernels",
                                                                  "machinery.storage"}
+    assert len((REPO / "train.py").read_text().splitlines()) <= 300
     assert len(inspect.getsource(train.main).splitlines()) <= 90
+    assert len(train.build_parser().format_help().splitlines()) < 150
+
+
+# What a dated anecdote looks like: a calendar date, or a figure "on an H200"
+ANECDOTE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b|\bon an? (H100|H200|A100|L4|A10)\b")
+
+
+def test_the_anecdote_detector_finds_what_it_is_for():
+    said = ["# on an H200 it added ~35 s", "Until 2026-11-24 v_w was drawn from",
+            "help=\"off: on an H100 it diverged\""]
+    assert all(ANECDOTE.search(line) for line in said)
+    assert not any(ANECDOTE.search(line) for line in [
+        'PEAK_BF16 = {"H100": 989e12}', "seed_of(2026, 11)", "an H100 reports 132 SMs"])
+
+
+@pytest.mark.parametrize("path", sources(tests=True), ids=lambda p: str(p.relative_to(REPO)))
+def test_code_says_why_and_docs_say_what_happened(path):
+    """No .py file (tests included) tells a dated measurement or what happened on which
+    machine: those live in docs/ (bench.md, the cards, the study pages), with their commands.
+    (This file holds the detector's own examples.)"""
+    if path.name == "test_house.py":
+        return
+    found = [n for n, line in enumerate(path.read_text().splitlines(), 1) if ANECDOTE.search(line)]
+    assert not found, f"{path.name}: lines {found}"
 
 
 @pytest.mark.parametrize("script", ["train", "evaluate", "meta", "synth", "study", "bench",
@@ -173,7 +199,7 @@ def test_the_model_file_is_the_model_and_the_loop_fits_a_screen_or_two():
 def test_every_numeric_flag_declares_its_range(script):
     """A numeric flag cannot slip past the range checks: each declares its range where it is
     declared (but a dictionary's layer, checked against the model by sparse.DictConfig.check).
-    Until 2026-11-26 sparse.py's flags declared none: it took --batch-size 0 and --tol -1."""
+    (sparse.py's once declared none: it took --batch-size 0 and --tol -1.)"""
     from machinery import flags
     module = __import__(script)
     exempt = {"layer", "mlsm_layer"}

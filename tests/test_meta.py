@@ -21,7 +21,7 @@ from conftest import REPO, shared_data
 from data import meta_examples as EX
 from data.prepare import MASK, PAD, SEP
 from metalearning import moons as MM
-from machinery.multibootstrap import load_examples, multibootstrap
+from evaluation.multibootstrap import load_examples, multibootstrap
 from machinery.storage import read_checkpoint
 from model import Encoder, ModelConfig, load_checkpoint
 

@@ -18,7 +18,7 @@ import evaluate as E
 import study
 from conftest import REPO, TINY, run_script, run_train, shared_data
 from studies import plan as study_plan, report as study_report
-from machinery import multibootstrap, results
+from evaluation import multibootstrap, results
 from machinery.storage import read_checkpoint
 
 

@@ -23,7 +23,8 @@ import warm_python
 from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
-from machinery import optim, progress, stopping
+from machinery import progress, stopping
+from training import guard as loop_guard, optim
 from machinery import run_folder
 from machinery.run_folder import RunFolder, is_repository_file
 from machinery.storage import save_checkpoint
@@ -583,24 +584,25 @@ def test_divergence_rule_by_hand():
     0.25."""
     z, zs = 10.0, 100.0
     calm = [z, 5 * z, 26 * z, 0.5 * z, zs, 0.25 * zs, 0, 0]           # loss 5, var 1; norm 0.5
-    assert stopping.judged(calm + [3.8], 10) == ("", 5.0)           # 1.2 above the best: well
-    what, loss = stopping.judged(calm + [3.7], 10)                  # 1.3 above: suspect
+    assert loop_guard.judged(calm + [3.8], 10) == ("", 5.0)           # 1.2 above the best: well
+    what, loss = loop_guard.judged(calm + [3.7], 10)                  # 1.3 above: suspect
     assert loss == 5.0 and "loss (a 20-step average) is 5.000, up from its best 3.700 by more " \
         "than 1.28" in what
     steady = [z, 5 * z, 25.25 * z, 0.5 * z, zs, 0.25 * zs, 0, 0]     # var 0.25: the 1-nat floor
-    assert stopping.judged(steady + [4.05], 10)[0] == "" and stopping.judged(steady + [3.95], 10)[0]
+    judged = loop_guard.judged
+    assert judged(steady + [4.05], 10)[0] == "" and judged(steady + [3.95], 10)[0]
     noisy = [z, 5 * z, 41 * z, 0.5 * z, zs, 0.25 * zs, 0, 0]          # var 16: margin 5.12
-    assert stopping.judged(noisy + [-0.1], 10)[0] == "" and stopping.judged(noisy + [-0.2], 10)[0]
+    assert judged(noisy + [-0.1], 10)[0] == "" and judged(noisy + [-0.2], 10)[0]
     spiking = [z, 5 * z, 26 * z, 3 * z, zs, 0.25 * zs, 0, 0]          # norm 3 = 12x 0.25
     assert "gradient norm (a 20-step average) is 3, 12x its 1000-step average 0.25" in \
-        stopping.judged(spiking + [5.0], 10)[0]
-    assert stopping.judged(spiking + [3.0], 0) == ("", 5.0)        # --spike 0: off
+        loop_guard.judged(spiking + [5.0], 10)[0]
+    assert loop_guard.judged(spiking + [3.0], 0) == ("", 5.0)        # --spike 0: off
 
 
 # What runs on every step: the step's own files (the loop, the objective, the model, the batch,
 # its masks, the optimizer), and no run machinery
 STEP_FILES = {"train.py", "objectives.py", "model.py", "data/prepare.py", "data/masking.py",
-              "machinery/optim.py"}
+              "training/optim.py"}
 
 
 @pytest.mark.parametrize("objective", ["mlm", "boot"])
@@ -645,7 +647,7 @@ def feed(guard, losses, norms, log_every):
 def test_the_guard_judges_a_smoothed_loss_at_any_log_interval(tmp_path, log_every):
     """Synthetic runs (CPU tensors), judged every step or every 50: a healthy loss falling from
     8 to 6 with a per-step noise of 1.5 nats, five seeds of 3,000 steps, is never stopped (the
-    rule before 2026-11-27, one noisy log line against a noisy best, stopped some of them); a
+    earlier rule, one noisy log line against a noisy best, stopped some of them); a
     loss that jumps by 3 nats at step 1,000 and stays, or a gradient norm 30x at step 1,000, is
     stopped within 4 WINDOW + 2 log_every steps (the smoothing's lag, then a suspect judgment
     and the next); the stopped run writes the good state it kept last as its checkpoint and
@@ -654,11 +656,11 @@ def test_the_guard_judges_a_smoothed_loss_at_any_log_interval(tmp_path, log_ever
     steps = np.arange(3000)
     healthy = lambda: 6 + 2 * np.exp(-steps / 300) + rng.normal(0, 1.5, 3000)
     norms = lambda: np.abs(1 + rng.normal(0, 0.3, 3000))
-    bound = 4 * stopping.WINDOW + 2 * log_every
+    bound = 4 * loop_guard.WINDOW + 2 * log_every
     for seed in range(5):
         folder = RunFolder(tmp_path / f"s{seed}")
         folder.path.mkdir()
-        guard = stopping.SafetyNet(folder, torch.device("cpu"), False, 10.0, log_every, None)
+        guard = loop_guard.SafetyNet(folder, torch.device("cpu"), False, 10.0, log_every, None)
         assert feed(guard, healthy(), norms(), log_every) is None
         guard.release()
     for what in ("loss", "norm"):
@@ -669,7 +671,7 @@ def test_the_guard_judges_a_smoothed_loss_at_any_log_interval(tmp_path, log_ever
             losses[1000:] += 3.0
         else:
             grads[1000:] *= 30.0
-        guard = stopping.SafetyNet(folder, torch.device("cpu"), False, 10.0, log_every, None)
+        guard = loop_guard.SafetyNet(folder, torch.device("cpu"), False, 10.0, log_every, None)
         stopped = feed(guard, losses, grads, log_every)
         guard.release()
         assert stopped is not None and 1000 < stopped <= 1000 + bound, (what, stopped)
@@ -681,7 +683,7 @@ def test_the_guard_judges_a_smoothed_loss_at_any_log_interval(tmp_path, log_ever
 
 def test_the_rule_before_smoothing_stopped_healthy_runs():
     """The rule this guard replaced (a log line's loss 1 nat above the phase's lowest, in it and
-    the line before: transcribed from machinery/stopping.py before 2026-11-27) on the healthy
+    the line before, transcribed from the guard's earlier code) on the healthy
     synthetic loss judged every step: it stops it, as it stopped a healthy tiny gpt-bert run at
     batch 4 x 64 (issue 69)."""
     rng = np.random.default_rng(0)
@@ -953,7 +955,7 @@ def test_kd_with_a_given_teacher_skips_phase_one(trained, prepared, tmp_path):
 
 
 def test_a_checkpoint_from_before_the_fields_is_refused_in_one_line(trained, tmp_path):
-    """A train.py checkpoint written before checkpoints said how they predict (2026-11-27) could
+    """A train.py checkpoint written before checkpoints said how they predict could
     be a boot or gpt-bert model read the wrong way: load_checkpoint and export.py refuse it."""
     state = torch.load(trained, weights_only=False)
     old = tmp_path / "old.pt"
@@ -1484,8 +1486,8 @@ def test_throughput_counts_the_steps_of_the_interval_and_nothing_else(prepared, 
                                                                        monkeypatch):
     """tok/s of log lines whose intervals hold evaluations and saves: on a clock where a step
     takes 1 s, an evaluation 100 s and a save 1000 s, every line says B x T tokens/s exactly.
-    Until 2026-11-25 an evaluation or a save restarted the interval's clock but not its step
-    count (the first line said 4 B x T), and no save was taken out."""
+    (An evaluation or a save that restarted the interval's clock but not its step count made
+    the first line say 4 B x T.)"""
     now = [0.0]
     monkeypatch.setattr(T, "time", type("Clock", (), {"time": staticmethod(lambda: now[0])}))
 
@@ -1509,9 +1511,8 @@ def test_throughput_counts_the_steps_of_the_interval_and_nothing_else(prepared, 
 def test_the_eta_leaves_out_the_first_step_that_compiles(prepared, tmp_path, monkeypatch,
                                                          capsys):
     """On a clock where the first step takes 1000 s (torch.compile) and every later one 1 s,
-    each log line's ETA is the steps left x 1 s; at the first step no step is timed yet. On an
-    H200 (2026-11-28) a rate that held the 55 s first step read "eta 2h16m" at step 50 of a run
-    with five minutes left."""
+    each log line's ETA is the steps left x 1 s; at the first step no step is timed yet (a rate that
+    held the compiling step would promise hours for minutes)."""
     now, train_batch = [0.0], T.train_batch
     clock = type("Clock", (), {"time": staticmethod(lambda: now[0])})
     monkeypatch.setattr(T, "time", clock)

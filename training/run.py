@@ -27,7 +27,7 @@ from data.prepare import Segments, load_meta, located, prepare, raw_root, text_b
 from machinery.device import (autocast, peak_memory_gb, pick_device, use_compile,
                               use_deterministic, use_tf32)
 from machinery.kernels import fused_unavailable
-from machinery.optim import make_optimizer
+from training.optim import make_optimizer
 from machinery.progress import duration
 from machinery.run_folder import RunFolder, code_version
 from machinery.storage import read_checkpoint

@@ -65,8 +65,8 @@ class Lamb(torch.optim.Optimizer):
     gains, biases) takes plain Adam steps. torch has none. A step is one lamb_update of all
     groups' tensors, gradient clipping included (step(max_norm)). Eager (the default), the step
     counts, learning rates and weight decays are Python numbers, as in torch.optim's Adam; with
-    `compile`, one compiled graph (fused kernels) reading them from device memory: on an H200
-    its compile added ~35 s to a run's start (docs/bench.md). One betas and eps."""
+    `compile`, one compiled graph (fused kernels) reading them from device memory, at the cost
+    of its compile at a run's start (docs/bench.md). One betas and eps."""
 
     def __init__(self, params, lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0,
                  compile=False):
@@ -122,8 +122,8 @@ class Lamb(torch.optim.Optimizer):
     def device_hyper(self, stepped):
         """Each stepped tensor's learning rate and weight decay as 0-dim tensors on the device,
         and the trust-ratio mask (tensors,), with no host sync: the numbers written into device
-        memory by fill_ (`hyper[i, 0] = lr` would copy a CPU tensor and wait for the GPU, seen
-        under sync-debug mode on an H200), picked per tensor by a gather."""
+        memory by fill_ (`hyper[i, 0] = lr` would copy a CPU tensor and wait for the GPU, as CUDA's
+        sync-debug mode shows), picked per tensor by a gather."""
         device = stepped[0][1].device
         key = tuple(id(p) for _, p in stepped)
         if key not in self.group_of:  # made once per set of tensors: a copy to the device
