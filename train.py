@@ -36,6 +36,106 @@ from training.run import (Phase, Run, build_encoder, check_warmup, checkpoint_st
 from training.run_flags import SIZE_DEFAULTS, add_run_flags
 
 
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+def build_parser():
+    """The loop's flags here; the shared run flags (training/run_flags.py); the objectives'."""
+    p = flags.Parser(prog="train.py", description=__doc__, allow_abbrev=False,
+                     usage="train.py [--objective NAME] [--data DATA] [--size SIZE] [flags]")
+    add = p.add_argument
+    add("--objective", default=BASELINE, choices=sorted(OBJECTIVES), metavar="NAME",
+        help="pretraining objective: " + ", ".join(OBJECTIVES))
+    add("--max-steps", type=int, default=None, range=flags.at_least(1),
+        help="optimizer steps (default: --epochs of the data)")
+    add("--grad-accum", type=int, default=1, range=flags.at_least(1),
+        help="micro-batches per optimizer step")
+    add("--clip", type=float, default=2.0, range=flags.at_least(0),
+        help="gradient-norm clipping, 0 = off")
+    add("--spike", type=float, default=10.0, range=flags.at_least(0), help="stop a diverging "
+        "run at its last good state (docs/robustness.md); 0 = off")
+    add("--seed", type=int, default=0, range=flags.at_least(0),
+        help="seed for init, data order, masks and dropout")
+    add("--out-dir", default=None, metavar="DIR",
+        help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
+    add("--resume", action="store_true", help="continue the run in --out-dir (--lr, device, "
+        "logging, saving may change)")
+    add("--log-every", type=int, default=50, range=flags.at_least(1),
+        help="steps between log lines")
+    add("--eval-every", type=int, default=500, range=flags.at_least(1),
+        help="steps between validations")
+    add("--eval-batches", type=int, default=20, range=flags.at_least(1),
+        help="validation batches, always the same ones")
+    add("--save-every", type=int, default=1000, range=flags.at_least(1),
+        help="steps between checkpoints")
+    add("--save-words", default="", type=save_words_flag,
+        help="also keep weights at these words seen: 1M,2M or babylm (for export.py)")
+    add("--stop-at", type=int, default=None, range=flags.at_least(1),
+        help="save and exit after this step; the schedule stays --max-steps'")
+    add("--check", action="store_true", help="print the settings the flags resolve to, exit")
+    add_run_flags(p)
+    objectives.add_flags(p)
+    objectives.note_defaults(p)
+    return p
+
+
+def get_args(argv, parser=None):
+    """The flags as the loop reads them: checked (a bad one stops in one line), the size's and
+    the objective's defaults filled in where a flag was not typed."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    args.given = flags.typed(parser, argv)  # a resumed run refuses those that differ
+    entry = OBJECTIVES[args.objective]
+    objectives.refuse_others(args, args.given, parser.error)
+    if "phase1_steps" in args.given and not has_phase1(args) and not args.resume:
+        parser.error("--phase1-steps needs a phase 1: mlm --two-phase, or kd and mlsm without "
+                     "--teacher")
+    if args.reset and not args.init_from:
+        parser.error("--reset only applies with --init-from")
+    if entry.declares("dict"):  # the dictionary's flags: fail now, not after phase 1
+        dict_config(args).check(flags=DICT_FLAG_NAMES)
+    for flag, allowed in (("reset", PARTS), ("freeze", ["embeddings"])):
+        bad = [x for x in getattr(args, flag).split(",") if x and x not in allowed]
+        if bad:
+            parser.error(f"--{flag}: unknown part {bad[0]!r} (choose from {', '.join(allowed)})")
+    if args.max_steps is not None:
+        check_phases(args)
+    if args.out_dir is None:
+        args.out_dir = str(REPO / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
+    preset = {**SIZE_DEFAULTS[args.size], **(entry.defaults or {}),
+              **(entry.size_defaults or {}).get(args.size, {})}
+    flags.fill_unset(args, preset, typed=args.given)
+    lowest = min(args.mask_p, args.mask_p_end or 1)
+    if MASKINGS[args.masking] is None and int(lowest * args.seq_len) < 1:
+        parser.error(f"--mask-p {lowest:g} masks no token of a --seq-len {args.seq_len} "
+                     f"sequence under uniform masking (int(p T) = 0); raise either")
+    return args
+
+
+# more tokens than a year of training even at 3M tokens/s, several times our fastest measured
+# step (docs/bench.md): a --max-steps this large is a typo, not a plan
+MOST_TOKENS = 10 ** 14
+
+
+def check_phases(args):
+    """Each phase gets at least one step, and its warmup (once --max-steps is known); the
+    budget is one a year could train."""
+    tokens = args.max_steps * args.batch_size * args.grad_accum * args.seq_len
+    if tokens > MOST_TOKENS:
+        raise SystemExit(f"error: --max-steps {args.max_steps} is {tokens:.2g} tokens: more than "
+                         f"a year even at 3M tokens/s; give the steps you mean to train")
+    p1 = phase1_steps(args)
+    if has_phase1(args) and not 0 < p1 < args.max_steps:
+        raise SystemExit(f"error: --phase1-steps must leave both phases at least one of the "
+                         f"{args.max_steps} steps")
+    check_warmup(args, [p1, args.max_steps - p1] if p1 else [args.max_steps])
+
+
+# ---------------------------------------------------------------------------------------------
+# Phases and batches
+
+
 def has_phase1(args) -> bool:
     """Whether an MLM phase comes first: kd and mlsm (unless --teacher), mlm --two-phase."""
     return (OBJECTIVES[args.objective].two_phase or args.two_phase) and not args.teacher
@@ -97,100 +197,6 @@ def train_batch(run: Run, step: int, micro: int) -> dict:
     ids = run.train.batch(step * run.global_batch + k * args.batch_size, args.batch_size)
     return make_batch(ids.to(run.device), args, run.meta["vocab_size"], gen,  # ids: on the GPU
                       mask_p_at(step, args))
-
-
-# ---------------------------------------------------------------------------------------------
-# Arguments
-
-
-def build_parser():
-    """The loop's flags here; the shared run flags (training/run_flags.py); the objectives'."""
-    p = flags.Parser(prog="train.py", description=__doc__, allow_abbrev=False,
-                     usage="train.py [--objective NAME] [--data DATA] [--size SIZE] [flags]")
-    add = p.add_argument
-    add("--objective", default=BASELINE, choices=sorted(OBJECTIVES), metavar="NAME",
-        help="pretraining objective: " + ", ".join(OBJECTIVES))
-    add("--max-steps", type=int, default=None, range=flags.at_least(1),
-        help="optimizer steps (default: --epochs of the data)")
-    add("--grad-accum", type=int, default=1, range=flags.at_least(1),
-        help="micro-batches per optimizer step")
-    add("--clip", type=float, default=2.0, range=flags.at_least(0),
-        help="gradient-norm clipping, 0 = off")
-    add("--spike", type=float, default=10.0, range=flags.at_least(0), help="stop a diverging "
-        "run at its last good state (docs/robustness.md); 0 = off")
-    add("--seed", type=int, default=0, range=flags.at_least(0),
-        help="seed for init, data order, masks and dropout")
-    add("--out-dir", default=None, metavar="DIR",
-        help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
-    add("--resume", action="store_true", help="continue the run in --out-dir (--lr, device, "
-        "logging, saving may change)")
-    add("--log-every", type=int, default=50, range=flags.at_least(1),
-        help="steps between log lines")
-    add("--eval-every", type=int, default=500, range=flags.at_least(1),
-        help="steps between validations")
-    add("--eval-batches", type=int, default=20, range=flags.at_least(1),
-        help="validation batches, always the same ones")
-    add("--save-every", type=int, default=1000, range=flags.at_least(1),
-        help="steps between checkpoints")
-    add("--save-words", default="", type=save_words_flag,
-        help="also keep weights at these words seen: 1M,2M or babylm (for export.py)")
-    add("--stop-at", type=int, default=None, range=flags.at_least(1),
-        help="save and exit after this step; the schedule stays --max-steps'")
-    add("--check", action="store_true", help="print the settings the flags resolve to, exit")
-    add_run_flags(p)
-    objectives.add_flags(p)
-    objectives.note_defaults(p)
-    return p
-
-
-def get_args(argv, parser=None):
-    parser = parser or build_parser()
-    args = parser.parse_args(argv)
-    args.given = flags.typed(parser, argv)  # a resumed run refuses those that differ
-    entry = OBJECTIVES[args.objective]
-    objectives.refuse_others(args, args.given, parser.error)
-    if "phase1_steps" in args.given and not has_phase1(args) and not args.resume:
-        parser.error("--phase1-steps needs a phase 1: mlm --two-phase, or kd and mlsm without "
-                     "--teacher")
-    if args.reset and not args.init_from:
-        parser.error("--reset only applies with --init-from")
-    if entry.declares("dict"):  # the dictionary's flags: fail now, not after phase 1
-        dict_config(args).check(flags=DICT_FLAG_NAMES)
-    for flag, allowed in (("reset", PARTS), ("freeze", ["embeddings"])):
-        bad = [x for x in getattr(args, flag).split(",") if x and x not in allowed]
-        if bad:
-            parser.error(f"--{flag}: unknown part {bad[0]!r} (choose from {', '.join(allowed)})")
-    if args.max_steps is not None:
-        check_phases(args)
-    if args.out_dir is None:
-        args.out_dir = str(REPO / "runs" / f"{args.objective}_{Path(args.data).name}_{args.size}")
-    preset = {**SIZE_DEFAULTS[args.size], **(entry.defaults or {}),
-              **(entry.size_defaults or {}).get(args.size, {})}
-    flags.fill_unset(args, preset, typed=args.given)
-    lowest = min(args.mask_p, args.mask_p_end or 1)
-    if MASKINGS[args.masking] is None and int(lowest * args.seq_len) < 1:
-        parser.error(f"--mask-p {lowest:g} masks no token of a --seq-len {args.seq_len} "
-                     f"sequence under uniform masking (int(p T) = 0); raise either")
-    return args
-
-
-# more tokens than a year of training even at 3M tokens/s, several times our fastest measured
-# step (docs/bench.md): a --max-steps this large is a typo, not a plan
-MOST_TOKENS = 10 ** 14
-
-
-def check_phases(args):
-    """Each phase gets at least one step, and its warmup (once --max-steps is known); the
-    budget is one a year could train."""
-    tokens = args.max_steps * args.batch_size * args.grad_accum * args.seq_len
-    if tokens > MOST_TOKENS:
-        raise SystemExit(f"error: --max-steps {args.max_steps} is {tokens:.2g} tokens: more than "
-                         f"a year even at 3M tokens/s; give the steps you mean to train")
-    p1 = phase1_steps(args)
-    if has_phase1(args) and not 0 < p1 < args.max_steps:
-        raise SystemExit(f"error: --phase1-steps must leave both phases at least one of the "
-                         f"{args.max_steps} steps")
-    check_warmup(args, [p1, args.max_steps - p1] if p1 else [args.max_steps])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -133,3 +133,22 @@ def test_the_first_screens_quote_is_made_from_its_record():
     assert [c["argv"] for c in record["commands"]] == block + first_screen.evaluation_commands(
         readme)
     assert record["val"][-1]["step"] == int(block[0][block[0].index("--max-steps") + 1])
+
+
+def test_the_readme_is_short_and_shows_one_result_made_from_committed_files():
+    """Issue 82: a newcomer's page, at most 200 lines, with one result figure: one a study's
+    report drew (studies/report.py's curves.png) from result files committed beside it, which
+    `python study.py STUDY --report --out FOLDER` draws again."""
+    import subprocess
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert len(figures) == 1, figures
+    figure = REPO / figures[0]
+    folder = figure.parent
+    tracked = subprocess.run(["git", "ls-files", str(folder.relative_to(REPO))], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert str(figure.relative_to(REPO)) in tracked and figure.name == "curves.png"
+    assert (folder / "report.json").is_file() and any(t.endswith(".json.gz") and "/results/" in t
+                                                       for t in tracked)
+    assert "![validation curves](curves.png)" in (folder / "REPORT.md").read_text()

@@ -1671,3 +1671,7 @@ def test_an_objectives_flag_typed_with_another_is_refused_in_one_line_naming_its
     assert r.returncode == 2 and r.stderr == ("train.py: error: --lb-weight only applies to "
                                               "boot, not mlm; see train.py --help\n"), r.stderr
     assert T.get_args(["--resume", "--out-dir", "x", "--lb-weight", "0.5"]).resume
+    for argv in (["--objective", "mlm"], ["--objective", "kd", "--teacher", "t.pt"]):
+        with pytest.raises(SystemExit):  # a phase 1 that will not be trained
+            T.get_args([*argv, "--phase1-steps", "0.5"])
+        assert "--phase1-steps needs a phase 1" in capsys.readouterr().err
