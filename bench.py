@@ -71,7 +71,7 @@ from benchmarks.ops import bench_attn, bench_ema
 from machinery import flags
 from machinery.device import add_device_flag, pick_device, use_compile, use_tf32
 from machinery.run_folder import REPO, RunFolder
-from machinery.storage import one_line_os_errors
+from machinery.storage import file_to_write
 from benchmarks.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
 from model import PRESETS, TRAINING_ATTENTION, Encoder, ModelConfig, use_attention
 from objectives import BASELINE, OBJECTIVES
@@ -587,10 +587,7 @@ def main(argv=None):
         saved = json.loads(Path(args.table).read_text())
         print(table(saved))
         return saved["rows"]
-    if Path(args.out).is_dir():
-        ap.error(f"--out {args.out} is a folder; give the rows' file path")
-    with one_line_os_errors(args.out):  # an --out that cannot be written: one line, not a row
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    file_to_write(args.out, ap.error, "the rows' file path")
     device = pick_device(args.device)
     cpu = device.type == "cpu"
     args.sizes = (args.sizes or ("tiny" if args.quick or cpu else "tiny,small,base")).split(",")

@@ -44,7 +44,7 @@ from evaluation.multibootstrap import compare
 from machinery.progress import bar, duration, line_buffered
 from evaluation.results import read_partial, result_path, write_lines, write_result
 from machinery.stopping import exit_on_stop_signals
-from machinery.storage import checkpoint_identity, hold_lock, one_line_os_errors
+from machinery.storage import checkpoint_identity, file_to_write, hold_lock, one_line_os_errors
 from model import Encoder, load_checkpoint
 
 
@@ -625,12 +625,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if getattr(args, "ckpt", None) and (Path(args.ckpt) / "ckpt.pt").is_file():
         args.ckpt = str(Path(args.ckpt) / "ckpt.pt")  # a run folder: its checkpoint
-    if getattr(args, "out", None):  # an --out that cannot be written: one line, before the work
-        out = Path(args.out)
-        if out.is_dir():
-            args.error(f"--out {out} is a folder; give the result file's path")
-        with one_line_os_errors(out):
-            out.parent.mkdir(parents=True, exist_ok=True)
+    if getattr(args, "out", None):
+        file_to_write(args.out, args.error, "the result file's path")
     kept = {"blimp": "the chunks scored so far are kept: the same command goes on from them",
             "finetune": "the seeds fine-tuned so far are kept: the same command goes on from "
             "them"}.get(args.command, "run the same command again")

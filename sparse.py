@@ -48,7 +48,7 @@ from machinery import flags
 from machinery.device import add_device_flag, pick_device
 from machinery.progress import bar, duration, line_buffered
 from machinery.stopping import exit_on_stop_signals
-from machinery.storage import (checkpoint_identity, load_state, one_line_os_errors, read_checkpoint,
+from machinery.storage import (checkpoint_identity, file_to_write, load_state, read_checkpoint,
                                save_checkpoint)
 from model import load_checkpoint
 
@@ -618,11 +618,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     cfg = DictConfig(**{f.name: getattr(args, f.name) for f in fields(DictConfig)})
     cfg.check()
-    out = Path(args.out)
-    if out.is_dir():
-        parser.error(f"--out {out} is a folder; give the dictionary file's path")
-    with one_line_os_errors(out):  # an unwritable --out: one line, before the states are read
-        out.parent.mkdir(parents=True, exist_ok=True)
+    out = file_to_write(args.out, parser.error, "the dictionary file's path")
     with exit_on_stop_signals("`sparse.py`; the epochs learned so far are kept: the same command "
                               "goes on from them"):  # one line, at once
         learn_from_checkpoint(args.ckpt, args.data, cfg, pick_device(args.device), args.out)

@@ -45,6 +45,18 @@ class one_line_os_errors:
                          f"{e.strerror or type(e).__name__}{space}") from None
 
 
+def file_to_write(path, error, what: str) -> Path:
+    """An --out that names a file to write, checked before the work: a folder is refused by
+    `error` (the parser's, one line: give `what`), and the file's folder is made now, so that one
+    that cannot be made stops in one line too, not after hours of work."""
+    out = Path(path)
+    if out.is_dir():
+        error(f"--out {out} is a folder; give {what}")
+    with one_line_os_errors(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def hold_lock(path, what: str, advice: str):
     """Take the lock file `path` (flock) for as long as the returned file stays open (the
     caller keeps it): a second process is refused in one line, "`what` is in use by HOLDER;

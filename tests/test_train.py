@@ -1675,3 +1675,18 @@ def test_an_objectives_flag_typed_with_another_is_refused_in_one_line_naming_its
         with pytest.raises(SystemExit):  # a phase 1 that will not be trained
             T.get_args([*argv, "--phase1-steps", "0.5"])
         assert "--phase1-steps needs a phase 1" in capsys.readouterr().err
+
+
+def test_each_entry_has_what_a_new_one_needs():
+    """What the registry asks of an entry, each lack named: a loss; a setup where it trains
+    heads or reads a teacher (heads: a module); its flags each with help, none another
+    entry's option declared twice; a recipe card in docs/objectives/ (kd+mlm shares kd's)."""
+    for name, entry in O.OBJECTIVES.items():
+        assert callable(entry.loss), f"{name}: no loss"
+        assert entry.setup is None or callable(entry.setup), f"{name}: its setup is not callable"
+        for f in entry.flags:
+            assert f.option.startswith("--") and f.spec.get("help"), f"{name}: {f.option}: no help"
+        card = REPO / "docs" / "objectives" / f"{name.split('+')[0]}.md"
+        assert card.is_file(), f"{name}: no recipe card at {card.relative_to(REPO)}"
+        assert not entry.two_phase or entry.declares("phase1_steps"), \
+            f"{name}: two-phase, but --phase1-steps is not among its flags"
