@@ -9,8 +9,10 @@ train.py's loop (which names no objective):
   kd, kd+mlm, mlsm, mlsm+mlm   taught by the phase-1 model's predictions, or by the sparse
             codes of its states (kd.md, mlsm.md)
 An entry adds a setup function where the objective trains extra modules or reads a teacher, its
-paper's defaults, and what the loop, the scorers and the export need to know of it (a phase of
-plain MLM first, the flags of its own, how its checkpoints predict): fields, never its name.
+paper's defaults, its own flags (declared beside its loss; train.py's --help has a group for
+them, and refuses them for another objective), and what the loop, the scorers and the export
+need to know of it (a phase of plain MLM first, how its checkpoints predict): fields, never its
+name.
 """
 import argparse
 import copy
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 import sparse
 from machinery.device import use_compile
-from machinery.flags import Flag, above, at_least, field_flags, flag, Range
+from machinery.flags import Flag, Range, above, at_least, field_flags, flag
 from model import (BootHeads, BootPredictor, boot_states, init_linears, load_checkpoint,
                    small_init)
 
@@ -100,7 +102,7 @@ def mlm(model, batch, parts):
 MLM_WEIGHT = flag("--mlm-weight", type=float, default=1.0, range=at_least(0),
                   help="weight of the MLM loss beside the objective's own")
 MLM_TWO_PHASE = flag("--two-phase", action="store_true",
-                 help="kd's two phases, MLM in both (Better Together's baseline)")
+                     help="kd's two phases, MLM in both (Better Together's baseline)")
 PHASES = (flag("--phase1-steps", type=float, default=0.2, range=above(0),
                help="phase 1's MLM steps: a fraction of --max-steps if < 1"),
           flag("--student-init", default="continued", choices=["continued", "scratch"],
