@@ -68,11 +68,11 @@ from data.masking import mask_capacity
 from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
 from benchmarks.models import bench_bert, bench_ltg, flops_per_token, mfu
 from benchmarks.ops import bench_attn, bench_ema
+from benchmarks.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
 from machinery import flags
 from machinery.device import add_device_flag, pick_device, use_compile, use_tf32
 from machinery.run_folder import REPO, RunFolder
 from machinery.storage import file_to_write
-from benchmarks.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
 from model import PRESETS, TRAINING_ATTENTION, Encoder, ModelConfig, use_attention
 from objectives import BASELINE, OBJECTIVES
 from training.run import COMPILE_SCOPES

@@ -483,12 +483,10 @@ def note_defaults(parser) -> None:
     show = lambda v: ("on" if v else "off") if isinstance(v, bool) else (
         f"{v:g}" if isinstance(v, float) else str(v))
     for action in parser._actions:
-        by_value = {}
+        by_value, by_size = {}, {}  # {value: objectives}, {(size, value): objectives}
         for name, entry in OBJECTIVES.items():
             if action.dest in (entry.defaults or {}):
                 by_value.setdefault(entry.defaults[action.dest], []).append(name)
-        by_size = {}
-        for name, entry in OBJECTIVES.items():
             for size, v in (entry.size_defaults or {}).items():
                 if action.dest in v:
                     by_size.setdefault((size, v[action.dest]), []).append(name)

@@ -178,28 +178,30 @@ def multibootstrap(A: list[dict], B: list[dict], nboot=1000, seed=0, block=100) 
             "seeds_a": seeds_a, "seeds_b": seeds_b}
 
 
-def expand(patterns, key: str = "examples") -> list[list[Path]]:
-    """Two groups of result files: two arguments, each a file, folder or quoted glob; or the
-    shell's expansion of two globs, split by parent folder. A folder gives its files that hold
-    the section `key` (a run's eval/ also holds weights.json), all of one kind: a folder of one
-    run's evaluations (blimp.json, mlm.json, rte.json) is refused, its files named."""
+def expand(patterns, key: str = "examples") -> list[list[tuple[Path, dict]]]:
+    """Two groups of result files, each file with its section `key` (load_examples), each file
+    read once: two arguments, each a file, folder or quoted glob; or the shell's expansion of two
+    globs, split by parent folder. A folder gives its files that hold the section (a run's eval/
+    also holds weights.json), all of one kind: a folder of one run's evaluations (blimp.json,
+    mlm.json, rte.json) is refused, its files named."""
     def one(p):
         path = Path(p)
         if not path.is_dir():
             files = sorted(map(Path, glob.glob(p)))
             if not files:
                 raise SystemExit(f"error: no result files match {p}")
-            return files
-        kinds, held = {}, {}  # {the section's name: the files holding it}, all sections seen
+            return [(f, load_examples(f, key)) for f in files]
+        kinds, held = {}, {}  # {the section's name: its (file, examples)}, all sections seen
         for f in sorted([*path.glob("*.json"), *path.glob("*.json.gz")]):
             r = read_result(f)
             held.update((k, 1) for k, v in r.items() if isinstance(v, dict) and "pred" in v)
             if key in r:
-                kinds.setdefault(examples_of(r, key, f)["name"], []).append(f)
+                examples = examples_of(r, key, f)
+                kinds.setdefault(examples["name"], []).append((f, examples))
         if not kinds:
             raise SystemExit(f"error: no result file in {p} has a '{key}' section" + (
                 f"; theirs: {', '.join(held)} (--examples NAME)" if held else ""))
-        first = [fs[0] for fs in kinds.values()]
+        first = [fs[0][0] for fs in kinds.values()]
         if len(kinds) > 1:
             raise SystemExit(f"error: {p} holds results of {len(kinds)} kinds ("
                              f"{', '.join(f.name for f in first)}): give one file or quoted glob "
@@ -213,7 +215,7 @@ def expand(patterns, key: str = "examples") -> list[list[Path]]:
     if len(groups) != 2:
         raise SystemExit("error: give two groups of results: `compare 'A/*.json' 'B/*.json'` "
                          "(quoted globs) or two folders")
-    return list(groups.values())
+    return [[(f, load_examples(f, key)) for f in files] for files in groups.values()]
 
 
 def twice(side: list[dict]) -> list[str]:
@@ -229,9 +231,8 @@ def twice(side: list[dict]) -> list[str]:
 
 
 def compare(args):
-    a_files, b_files = expand(args.results, args.examples)
-    A = [load_examples(f, args.examples) for f in a_files]
-    B = [load_examples(f, args.examples) for f in b_files]
+    a, b = expand(args.results, args.examples)
+    A, B = [examples for _, examples in a], [examples for _, examples in b]
     r = multibootstrap(A, B, args.nboot, args.seed)
     for line in twice(A) + twice(B):
         print(line, file=sys.stderr)
@@ -259,5 +260,5 @@ def compare(args):
               f" | p = P(B - A {'<=' if r['better'] == 'higher' else '>='} 0) "
               f"{'<' if r['p_floored'] else '='} {r['p']:.4g}" if r["at_level"] else ""))
     if args.out:
-        files = {"a": list(map(str, a_files)), "b": list(map(str, b_files))}
+        files = {"a": [str(f) for f, _ in a], "b": [str(f) for f, _ in b]}
         Path(args.out).write_text(json.dumps({**r, **files}, indent=1))

@@ -23,7 +23,7 @@ import warm_python
 from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
-from machinery import progress, stopping
+from machinery import progress
 from training import guard as loop_guard, optim
 from machinery import run_folder
 from machinery.run_folder import RunFolder, is_repository_file
