@@ -64,11 +64,11 @@ import torch.nn.functional as F
 
 import evaluate
 import sparse
-from data.masking import mask_capacity
-from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
 from benchmarks.models import bench_bert, bench_ltg, flops_per_token, mfu
 from benchmarks.ops import bench_attn, bench_ema
 from benchmarks.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
+from data.masking import mask_capacity
+from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
 from machinery import flags
 from machinery.device import add_device_flag, pick_device, use_compile, use_tf32
 from machinery.run_folder import REPO, RunFolder

@@ -38,11 +38,11 @@ from data.masking import seed_of, uniform_mask
 from data.prepare import CLS, MASK, SEP, Segments, check_tokenizer, encode_masked, prepare
 from data.tasks import TASKS, pad, read_jsonl
 from evaluation.finetune import RECIPES, finetune
+from evaluation.multibootstrap import compare
+from evaluation.results import read_partial, result_path, write_lines, write_result
 from machinery import flags
 from machinery.device import add_device_flag, autocast, pick_device
-from evaluation.multibootstrap import compare
 from machinery.progress import bar, duration, line_buffered
-from evaluation.results import read_partial, result_path, write_lines, write_result
 from machinery.stopping import exit_on_stop_signals
 from machinery.storage import checkpoint_identity, file_to_write, hold_lock, one_line_os_errors
 from model import Encoder, load_checkpoint

@@ -65,18 +65,18 @@ from tqdm import tqdm
 
 from data.meta_examples import task_batch
 from data.prepare import PAD, VOCAB_SIZE, raw_root
-from training import run as training_run
-from metalearning.glue import glue_task
-from metalearning.moons import (MOONS_TOKENS, PROTOCOLS, Labeled, ft_batch, labeled_sets,
-                                moons_batches, moons_text, predict_labels, print_table, two_moons)
 from machinery import flags
 from machinery.device import add_device_flag, autocast, pick_device
-from training.optim import inverse_sqrt
 from machinery.progress import bar, line_buffered
 from machinery.run_folder import REPO, RunFolder, repo_sources
 from machinery.stopping import exit_on_stop_signals, stop_after_the_step
 from machinery.storage import load_state
+from metalearning.glue import glue_task
+from metalearning.moons import (MOONS_TOKENS, PROTOCOLS, Labeled, ft_batch, labeled_sets,
+                                moons_batches, moons_text, predict_labels, print_table, two_moons)
 from model import PRESETS, Encoder, ModelConfig, init_linears, small_init
+from training import run as training_run
+from training.optim import inverse_sqrt
 
 
 # ---------------------------------------------------------------------------------------------

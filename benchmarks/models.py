@@ -11,12 +11,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.ltg_bert import LtgBert
+from benchmarks.timing import PROFILES, alternate, failed_row, profile_ops, row
 from data.masking import mask_capacity, predicted_slots
 from data.prepare import MASK, SPECIALS, VOCAB_SIZE
-from benchmarks.ltg_bert import LtgBert
 from machinery.device import autocast, use_bf16, use_compile
 from machinery.kernels import fused_unavailable
-from benchmarks.timing import PROFILES, alternate, failed_row, profile_ops, row
 from model import PRESETS, Encoder, ModelConfig, use_attention
 
 

@@ -10,13 +10,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from benchmarks.timing import alternate, rates, row
 from data.prepare import VOCAB_SIZE
 from machinery.device import use_bf16
 from machinery.kernels import flex_relative, fused_relative, fused_unavailable
-from training.optim import ema_update
-from benchmarks.timing import alternate, rates, row
 from model import (PRESETS, Encoder, ModelConfig, fused_plan, relative_buckets,
                    relative_scores)
+from training.optim import ema_update
 
 
 V = VOCAB_SIZE

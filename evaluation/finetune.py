@@ -16,14 +16,14 @@ import torch.nn.functional as F
 
 from data.prepare import PAD
 from data.tasks import MSGS, TASKS, Examples, pad, read_task
-from machinery import flags
-from machinery.device import autocast, pick_device
-from training.optim import cosine_with_warmup, linear_warmup_decay
-from machinery.progress import bar
 from evaluation.results import (METRICS, confusion, read_partial, result_path, write_lines,
                                 write_result)
+from machinery import flags
+from machinery.device import autocast, pick_device
+from machinery.progress import bar
 from machinery.storage import checkpoint_identity, one_line_os_errors
 from model import load_checkpoint
+from training.optim import cosine_with_warmup, linear_warmup_decay
 
 
 # Fine-tuning recipes: ours, and the BabyLM 2025 pipeline's (babylm/evaluation-pipeline-2025 at

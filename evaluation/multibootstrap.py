@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from machinery.progress import bar
 from evaluation.results import METRICS, read_result
+from machinery.progress import bar
 
 
 def examples_of(result: dict, key: str, path="the result") -> dict:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from studies.plan import metric_names, plan, scale_arms, shown
 from evaluation.multibootstrap import examples_of, multibootstrap, verdict
 from evaluation.results import read_result
 from machinery.run_folder import REPO
+from studies.plan import metric_names, plan, scale_arms, shown
 
 
 def read_results(folder: Path, jobs_by_arm: dict) -> tuple[dict, list, list, list]:

@@ -27,12 +27,12 @@ from data.prepare import Segments, load_meta, located, prepare, raw_root, text_b
 from machinery.device import (autocast, peak_memory_gb, pick_device, use_compile,
                               use_deterministic, use_tf32)
 from machinery.kernels import fused_unavailable
-from training.optim import make_optimizer
 from machinery.progress import duration
 from machinery.run_folder import RunFolder, code_version
 from machinery.storage import read_checkpoint
 from model import (PRESETS, Encoder, Layer, ModelConfig, check_config, load_weights,
                    use_attention)
+from training.optim import make_optimizer
 
 
 # the flags a resumed run may change (--lr: a run the guard stopped goes on at a lower one)
