@@ -73,15 +73,25 @@ def seed_interval(a, b, paired: bool) -> dict:
             "df": float(df), "test": "paired t" if paired else "Welch t"}
 
 
+def in_units(x: float, better: str) -> str:
+    """A metric's value as the verdicts, `compare` and the study reports print it: a rate (higher
+    is better) in percent to 2 decimals, a loss (lower is better) in nats to 4."""
+    return f"{100 * x:.2f}" if better == "higher" else f"{x:.4f}"
+
+
+def signed(x: float, better: str) -> str:
+    """in_units with its sign, for a difference: +0.52, -0.0031."""
+    return ("+" if x >= 0 else "-") + in_units(abs(x), better)
+
+
 def verdict(t: dict, better: str, n_a: int, n_b: int) -> str:
     """The sentence a page quotes for one comparison, made from its seed-level t (seed_interval's
     dict) alone: B - A "higher/lower by X" where the 95% interval excludes 0, "not
     distinguishable" where it holds 0, "a demo" with one seed a side; always with the interval,
-    the seeds it stands on and p. Losses (lower is better) in nats to 4 decimals, rates in
-    percentage points to 2, as the report tables print them. n_a, n_b: the seeds of each side."""
-    unit, show = (("nats", lambda x: f"{x:.4f}") if better == "lower" else
-                  ("points", lambda x: f"{100 * x:.2f}"))
-    sign = lambda x: ("+" if x >= 0 else "-") + show(abs(x))
+    the seeds it stands on and p, each number as in_units prints it. n_a, n_b: the seeds of each
+    side."""
+    unit = "points" if better == "higher" else "nats"
+    show, sign = (lambda x: in_units(x, better)), (lambda x: signed(x, better))
     if t["ci95"] is None:
         return f"{sign(t['diff'])} {unit} from one seed a side: a demo, no verdict"
     seeds = (f"{t['n']} paired seeds" if t["test"] == "paired t" else
@@ -240,15 +250,13 @@ def compare(args):
     name = A[0]["name"]
     print(f"A: {len(A)} seeds {r['seeds_a']}, B: {len(B)} seeds {r['seeds_b']}; {name}; "
           f"seeds {paired('paired_seeds')}, examples {paired('paired_examples')}")
-    # rates in percent with 2 decimals, losses as they are with 4
-    show = ((lambda x: f"{100 * x:.2f}") if r["better"] == "higher" else (lambda x: f"{x:.4f}"))
-    sign = lambda x: ("+" if x >= 0 else "-") + show(abs(x))
+    show, sign = (lambda x: in_units(x, r["better"])), (lambda x: signed(x, r["better"]))
     seeds = r["seed_level"]
     print(f"per seed: A {' '.join(map(show, r['values_a']))} | "
           f"B {' '.join(map(show, r['values_b']))}")
     said = (f"95% interval {sign(seeds['ci95'][0])} .. {sign(seeds['ci95'][1])}, p = "
-               f"{seeds['p']:.3g} (two-sided {seeds['test']} over {seeds['n']} seeds)"
-               if seeds["ci95"] else "no interval: one seed a side is a demo, not a verdict")
+            f"{seeds['p']:.3g} (two-sided {seeds['test']} over {seeds['n']} seeds)"
+            if seeds["ci95"] else "no interval: one seed a side is a demo, not a verdict")
     print(f"{name}: mean A {show(r['mean_a'])} | mean B {show(r['mean_b'])} | "
           f"B - A {sign(r['diff'])}: {said}  [{r['better']} is better]")
     print(f"verdict, B against A (the sentence a page quotes): "

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluation.multibootstrap import examples_of, multibootstrap, verdict
+from evaluation.multibootstrap import examples_of, in_units, multibootstrap, signed, verdict
 from evaluation.results import read_result
 from machinery.run_folder import REPO
 from studies.plan import metric_names, plan, scale_arms, shown
@@ -89,14 +89,6 @@ def many_intervals(tests: list[dict]) -> str:
             f"family-wise, over the table).")
 
 
-def fmt(x, better) -> str:
-    return f"{100 * x:.2f}" if better == "higher" else f"{x:.4f}"
-
-
-def signed(x, better) -> str:
-    return ("+" if x >= 0 else "-") + fmt(abs(x), better)
-
-
 def ran_in(results: dict) -> Path | None:
     """The study folder the runs were made in, read from an arm's recorded train command (its
     --out-dir is FOLDER/ARM/sSEED): a report may be built in another (--report --out)."""
@@ -148,18 +140,18 @@ def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
             if arm not in by_arm:
                 continue
             r = by_arm[arm]
-            each = " ".join(fmt(v, better) for v in r["values_b"])
+            each = " ".join(in_units(v, better) for v in r["values_b"])
             if arm == base:
                 lines.append(f"| **{arm}** (baseline) | {len(r['seeds_b'])} | {each} | "
-                             f"{fmt(r['mean_b'], better)} | | | |")
+                             f"{in_units(r['mean_b'], better)} | | | |")
             else:
                 t = r["seed_level"]
                 ci = (f"{signed(t['ci95'][0], better)} .. {signed(t['ci95'][1], better)}"
                       if t["ci95"] else "- (one seed)")
                 p = "-" if t["p"] is None else "< 0.001" if t["p"] < 0.001 else f"{t['p']:.3f}"
                 lines.append(f"| {arm} | {len(r['seeds_b'])} | {each} | "
-                             f"{fmt(r['mean_b'], better)} | {signed(r['diff'], better)} | {ci} "
-                             f"| {p} |")
+                             f"{in_units(r['mean_b'], better)} | {signed(r['diff'], better)} | "
+                             f"{ci} | {p} |")
         lines.append("")
         for arm in (a for a in arms if a in comp["verdicts"].get(m, {})):
             lines.append(f"- `{arm}` against `{base}`: {comp['verdicts'][m][arm]}.")

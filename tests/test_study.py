@@ -99,7 +99,7 @@ def test_report_equals_compare_on_the_result_files(whole, tmp_path):
         md = (folder / "REPORT.md").read_text()
         better = results.read_result(folder / "results" / "kd" / "s0.json.gz")[metric].get(
             "better", "higher")
-        fmt = lambda x: study_report.fmt(x, better)
+        fmt = lambda x: study_report.in_units(x, better)
         t = direct["seed_level"]  # two seeds: a t-interval with 1 degree of freedom
         assert t["test"] == "paired t" and t["df"] == 1
         assert (f"| kd | 2 | {' '.join(map(fmt, direct['values_b']))} | {fmt(direct['mean_b'])} "
