@@ -66,7 +66,8 @@ import evaluate
 import sparse
 from benchmarks.models import bench_bert, bench_ltg, flops_per_token, mfu
 from benchmarks.ops import bench_attn, bench_ema
-from benchmarks.timing import PROFILES, alternate, failed_row, print_profiles, rates, row
+from benchmarks.timing import (PROFILES, alternate, failed_row, fmt, print_profiles, rates, row,
+                               table)
 from data.masking import mask_capacity
 from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
 from machinery import flags
@@ -470,33 +471,6 @@ BENCHES = {"step": bench_step, "side": bench_side, "bert": bench_bert, "ltg": be
 
 # ---------------------------------------------------------------------------------------------
 # The table
-
-MAIN = ("bench", "case", "unit", "ours", "min", "max", "reference", "ref", "ratio")  # columns
-
-
-def fmt(x):
-    return "-" if x is None else f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
-
-
-def table(saved: dict) -> str:
-    """The markdown table of a bench.json: a heading line and one row per measurement."""
-    lines = [f"bench.py on {saved['machine']}, torch {saved['torch']}, {saved['date']}; "
-             f"median [min, max] of repetitions", "",
-             "| bench | case | ours | unit | reference | reference's | ours / ref | other |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in saved["rows"]:
-        if r.get("failed"):
-            lines.append(f"| {r['bench']} | {r['case']} | failed | - | - | - | - | "
-                         f"{r['failed'].splitlines()[0].replace('|', '/')} |")
-            continue
-        other = ", ".join(f"{k} {fmt(v) if isinstance(v, float) else v}" for k, v in r.items()
-                          if k not in MAIN and v is not None)
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        lines.append(f"| {r['bench']} | {r['case']} | {fmt(r['ours'])} [{fmt(r['min'])}, "
-                     f"{fmt(r['max'])}] | {r['unit']} | {r['reference']} | {fmt(r['ref'])} | "
-                     f"{ratio} | {other} |")
-    return "\n".join(lines)
-
 
 def cpu_name() -> str:
     """The CPU's model, cores and the vector extensions that decide bf16 speed (AMX, AVX-512)."""

@@ -336,9 +336,13 @@ def write_job_result(job: Job, partial: bool = False):
     out["curve"] = [r for r in records if any(k.startswith("val_") for k in r)]
     out["commands"] = [shown(s.argv) for s in job.steps]
     eval_dir = run / "eval"
+    # how the run trained and is read: what a masking or a reading position may favour
+    out["trained"] = {k: args.get(k) for k in ("objective", "masking", "mask_p", "mask_p_end")}
     if (eval_dir / "mlm.json").exists():
         r = read_result(eval_dir / "mlm.json")
-        out["val_loss"], out["val_acc"] = r["examples_loss"], r["examples"]
+        out.update((f"{m}_{masking}", r[f"{m}_{masking}"]) for masking in r["maskings"]
+                   for m in ("loss", "acc"))
+        out["mlm"] = {k: r[k] for k in ("read_at", "mask_p", "segments", "maskings")}
     if (eval_dir / "blimp.json").exists():
         r = read_result(eval_dir / "blimp.json")
         pairs = {p["id"]: p for p in r["pairs"]}

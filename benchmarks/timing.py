@@ -1,6 +1,7 @@
 """How bench.py measures: rates after warm-up calls (CUDA synchronised around each call), two
 functions timed in turn so that a slow spell of the machine hits both, a table row (or a failed
-one, with its error), and torch.profiler's top operators per step (--profile).
+one, with its error), torch.profiler's top operators per step (--profile), and the markdown
+table of a saved bench.json (docs/bench.md's).
 """
 import statistics
 import time
@@ -74,3 +75,30 @@ def print_profiles():
             for o in ops:
                 print(f"  {o['op'][:44]:44s} {o['ms']:9.2f} ms {o['share']:6.1%} "
                       f"{o['calls']:7.1f} calls")
+
+
+MAIN = ("bench", "case", "unit", "ours", "min", "max", "reference", "ref", "ratio")  # columns
+
+
+def fmt(x):
+    return "-" if x is None else f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def table(saved: dict) -> str:
+    """The markdown table of a bench.json: a heading line and one row per measurement."""
+    lines = [f"bench.py on {saved['machine']}, torch {saved['torch']}, {saved['date']}; "
+             f"median [min, max] of repetitions", "",
+             "| bench | case | ours | unit | reference | reference's | ours / ref | other |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in saved["rows"]:
+        if r.get("failed"):
+            lines.append(f"| {r['bench']} | {r['case']} | failed | - | - | - | - | "
+                         f"{r['failed'].splitlines()[0].replace('|', '/')} |")
+            continue
+        other = ", ".join(f"{k} {fmt(v) if isinstance(v, float) else v}" for k, v in r.items()
+                          if k not in MAIN and v is not None)
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        lines.append(f"| {r['bench']} | {r['case']} | {fmt(r['ours'])} [{fmt(r['min'])}, "
+                     f"{fmt(r['max'])}] | {r['unit']} | {r['reference']} | {fmt(r['ref'])} | "
+                     f"{ratio} | {other} |")
+    return "\n".join(lines)

@@ -268,5 +268,7 @@ def compare(args):
               f" | p = P(B - A {'<=' if r['better'] == 'higher' else '>='} 0) "
               f"{'<' if r['p_floored'] else '='} {r['p']:.4g}" if r["at_level"] else ""))
     if args.out:
-        files = {"a": [str(f) for f, _ in a], "b": [str(f) for f, _ in b]}
+        # what it compared, so that a page's quote of it can be recomputed (studies/pages.py)
+        files = {"a": [str(f) for f, _ in a], "b": [str(f) for f, _ in b],
+                 "examples": args.examples}
         Path(args.out).write_text(json.dumps({**r, **files}, indent=1))

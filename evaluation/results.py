@@ -54,15 +54,27 @@ def read_partial(path: Path, fingerprint: dict, key: str, value: str) -> dict:
     return done
 
 
+# Result files made before `evaluate.py mlm` scored two maskings (2026-12-01) hold its one
+# masking, the draw it still makes as `uniform`, under other names: study.py's as val_loss and
+# val_acc, evaluate.py's own as examples_loss and examples. Read, they take today's names.
+OLD_NAMES = {"study-run": {"val_loss": "loss_uniform", "val_acc": "acc_uniform"},
+             "mlm": {"examples_loss": "loss_uniform", "examples": "acc_uniform"}}
+
+
 def read_result(path) -> dict:
-    """A result JSON, plain or gzipped (study.py keeps its portable result files as .json.gz)."""
+    """A result JSON, plain or gzipped (study.py keeps its portable result files as .json.gz),
+    its sections under today's names (OLD_NAMES)."""
     path = Path(path)
     try:
         opener = gzip.open if path.read_bytes()[:2] == b"\x1f\x8b" else open
         with opener(path, "rt", encoding="utf-8") as f:
-            return json.load(f)
+            r = json.load(f)
     except (OSError, EOFError, ValueError) as e:
         raise SystemExit(f"error: {path} is not a readable result file ({e})")
+    for old, new in OLD_NAMES.get(r.get("kind") if isinstance(r, dict) else None, {}).items():
+        if old in r and new not in r:
+            r[new] = r.pop(old)
+    return r
 
 
 def confusion(labels, preds, k: int) -> np.ndarray:

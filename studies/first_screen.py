@@ -91,7 +91,7 @@ def run_demo(scratch: Path) -> dict:
     return {"commands": done, "val": [{k: r[k] for k in ("step", "val_loss", "val_acc")}
                                       for r in val],
             "tok_per_s": sorted(rates)[len(rates) // 2],
-            "mlm": {"loss": mlm["loss"], "accuracy": mlm["accuracy"]},
+            "mlm": {"read_at": mlm["read_at"], "maskings": mlm["maskings"]},
             # over paradigms, all pairs, T=1: what evaluate.py blimp prints "to quote"
             "blimp": {"sentences": 2 * len(blimp["pairs"]),
                       "sentences_per_s": blimp["sentences_per_s"],
@@ -124,11 +124,22 @@ def quote(record: dict) -> str:
                  f"{100 * last['val_acc']:.1f}% (its own span masking). `fill` then printed, in "
                  f"{seconds(record, 'evaluate.py', 'fill'):.0f} s:")
             + f"\n\n```\n{fill.rstrip()}\n```\n\n"
-            + wrap(f"`evaluate.py mlm` took {seconds(record, 'evaluate.py', 'mlm'):.0f} s (loss "
-                   f"{record['mlm']['loss']:.2f}, accuracy {100 * record['mlm']['accuracy']:.1f}%"
-                   f": every hidden token a `[MASK]`, the same for every model), `plot.py` "
-                   f"{seconds(record, 'plot.py'):.0f} s, `export.py` "
+            + wrap(f"`evaluate.py mlm` took {seconds(record, 'evaluate.py', 'mlm'):.0f} s: "
+                   f"held-out masked-token loss {held_out(record, 'uniform')} with isolated "
+                   f"tokens hidden (`uniform`) and {held_out(record, 'span')} with spans "
+                   f"hidden (`span`), beside what counts of the training split score on the "
+                   f"same tokens. `plot.py` {seconds(record, 'plot.py'):.0f} s, `export.py` "
                    f"{seconds(record, 'export.py'):.0f} s."))
+
+
+def held_out(record: dict, masking: str) -> str:
+    """One masking's loss as the README quotes it, its floors beside it and where it stands."""
+    m = record["mlm"]["maskings"][masking]
+    uni, bi = m["floors"]["unigram"], m["floors"]["bigram"]
+    where = ("below the bigram's" if m["loss"] < bi else "above the bigram's, not yet what "
+             "counting pairs gives") if m["loss"] < uni else "above even the unigram's"
+    return (f"{m['loss']:.2f} (accuracy {100 * m['accuracy']:.1f}%; unigram {uni:.2f}, bigram "
+            f"{bi:.2f}: {where})")
 
 
 def quote_evaluation(record: dict) -> str:

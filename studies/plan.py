@@ -11,6 +11,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import evaluate
 from data.prepare import raw_root
 from machinery.run_folder import REPO
 
@@ -227,9 +228,26 @@ def scale_arms(study: dict, scale_name: str) -> list[str]:
     return [a for a in study["arms"] if chosen is None or a in chosen]
 
 
-def metric_names(scale) -> list[str]:
-    """The metrics a scale's evaluations produce, in the report's order."""
+def verdict_metrics(scale) -> list[str]:
+    """The metrics a scale's verdicts stand on: the field's measures, BLiMP (each folder) and
+    fine-tuning (each task)."""
     ev = scale.get("evaluate", {})
-    names = ["val_loss", "val_acc"] if "mlm" in ev else []
-    names += [Path(d).name for d in ev.get("blimp", [])]
-    return names + list(ev.get("finetune", {}).get("tasks", []))
+    return [Path(d).name for d in ev.get("blimp", [])] + list(ev.get("finetune", {}).get(
+        "tasks", []))
+
+
+def diagnostic_metrics(scale) -> list[str]:
+    """The held-out masked-token loss and accuracy under each masking `evaluate.py mlm` scores
+    (loss_uniform, acc_uniform, ...): diagnostics, never a verdict, since a masking favours the
+    arms that trained on it (docs/evaluation.md)."""
+    ev = scale.get("evaluate", {})
+    if "mlm" not in ev:
+        return []
+    args = evaluate.build_parser().parse_args(["mlm", "--ckpt", "x", *shlex.split(
+        ev["mlm"].get("flags", ""))])
+    return [f"{m}_{masking}" for m in ("loss", "acc") for masking in args.maskings]
+
+
+def metric_names(scale) -> list[str]:
+    """The metrics a scale's evaluations produce, in the report's order: verdicts first."""
+    return verdict_metrics(scale) + diagnostic_metrics(scale)

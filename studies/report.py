@@ -15,7 +15,7 @@ import numpy as np
 from evaluation.multibootstrap import examples_of, in_units, multibootstrap, signed, verdict
 from evaluation.results import read_result
 from machinery.run_folder import REPO
-from studies.plan import metric_names, plan, scale_arms, shown
+from studies.plan import diagnostic_metrics, metric_names, plan, scale_arms, shown
 
 
 def read_results(folder: Path, jobs_by_arm: dict) -> tuple[dict, list, list, list]:
@@ -67,6 +67,114 @@ def compare_arms(study, scale_name, results, nboot) -> dict:
                                  len(r["seeds_b"])) for arm, r in by_arm.items() if arm != base}
                 for m, by_arm in out.items()}
     return {"metrics": out, "phenomena": phen, "verdicts": verdicts}
+
+
+def metric_table(m: str, comp: dict, arms: list, base: str, diagnostic=False) -> list[str]:
+    """One metric's table (each arm's seeds, mean, B - A, interval, p) and its verdicts."""
+    by_arm = comp["metrics"][m]
+    better = next(iter(by_arm.values()))["better"]
+    lines = [("### " if diagnostic else "## ") + m + (" (lower is better)" if better == "lower"
+                                                       else ""), "",
+             "| arm | seeds | per seed | mean | B - A | 95% interval | p |",
+             "|---|---|---|---|---|---|---|"]
+    for arm in arms:
+        if arm not in by_arm:
+            continue
+        r = by_arm[arm]
+        each = " ".join(in_units(v, better) for v in r["values_b"])
+        if arm == base:
+            lines.append(f"| **{arm}** (baseline) | {len(r['seeds_b'])} | {each} | "
+                         f"{in_units(r['mean_b'], better)} | | | |")
+        else:
+            t = r["seed_level"]
+            ci = (f"{signed(t['ci95'][0], better)} .. {signed(t['ci95'][1], better)}"
+                  if t["ci95"] else "- (one seed)")
+            p = "-" if t["p"] is None else "< 0.001" if t["p"] < 0.001 else f"{t['p']:.3f}"
+            lines.append(f"| {arm} | {len(r['seeds_b'])} | {each} | "
+                         f"{in_units(r['mean_b'], better)} | {signed(r['diff'], better)} | "
+                         f"{ci} | {p} |")
+    lines.append("")
+    for arm in (a for a in arms if a in comp["verdicts"].get(m, {})):
+        lines.append(f"- `{arm}` against `{base}`" + (" (a diagnostic)" if diagnostic else "")
+                     + f": {comp['verdicts'][m][arm]}.")
+    return lines + [""]
+
+
+def trained_on(r: dict) -> str:
+    """How a run's result says it trained: its masking and mask rate."""
+    t = r.get("trained")
+    if not t:
+        return "not recorded"
+    rate = f"{t['mask_p']:g}" + (f" to {t['mask_p_end']:g}" if t.get("mask_p_end") is not None
+                                 else "")
+    return f"{t['masking']}, {rate}"
+
+
+def held_out(results: dict, arms: list, base: str, comp: dict, metrics: list) -> list[str]:
+    """The diagnostics' section: each arm's held-out loss and accuracy under each masking, with
+    how it trained and where it is read; the count floors on the same tokens; the loss where the
+    input shows the previous piece and where it does not; then each metric's comparison."""
+    maskings = [m.removeprefix("loss_") for m in metrics if m.startswith("loss_")]
+    mean = lambda xs: float(np.mean(xs)) if xs else None
+    show = lambda x, f: "-" if x is None else f(x)
+    loss = lambda x: show(x, lambda v: f"{v:.4f}")
+    pct = lambda x: show(x, lambda v: f"{100 * v:.2f}")
+    lines = ["## Diagnostics: held-out masked-token loss (`evaluate.py mlm`)", "",
+             "Not verdicts. Each masking asks every arm the same question on the same hidden "
+             "tokens, every one `[MASK]`: `uniform` hides isolated tokens (int(p T) a "
+             "segment), `span` LTG-BERT's spans of mean 3. An arm that trained on a masking "
+             "is favoured on it, and one read at t - 1 (the position before the hidden token) "
+             "sees the real previous piece wherever it is not hidden too. Means over seeds; "
+             "the unigram and bigram rows are counts of the training split scored on the same "
+             "tokens (the same for every arm: one corpus, one draw), the floor a model that "
+             "learnt anything is below.", "",
+             "| arm | trained on | read at | " + " | ".join(
+                 f"loss {m} | acc. {m}" for m in maskings) + " |",
+             "|---|---|---|" + "---|---|" * len(maskings)]
+    info = lambda r: r.get("mlm", {})
+    for arm in arms:
+        rs = results.get(arm, [])
+        if not rs:
+            continue
+        cells = []
+        for m in maskings:
+            for metric, fmt in ((f"loss_{m}", loss), (f"acc_{m}", pct)):
+                r = comp["metrics"].get(metric, {}).get(arm)
+                cells.append(fmt(r["mean_b"]) if r else "-")
+        read = sorted({info(r).get("read_at", "not recorded") for r in rs})
+        lines.append(f"| {arm} | {', '.join(sorted({trained_on(r) for r in rs}))} | "
+                     f"{', '.join(read)} | " + " | ".join(cells) + " |")
+    floors = [info(r)["maskings"] for rs in results.values() for r in rs if info(r)]
+    for name in ("unigram", "bigram"):
+        cells = []
+        for m in maskings:
+            got = {round(f[m]["floors"][name], 6) for f in floors if m in f}
+            cells += [loss(next(iter(got))) if len(got) == 1 else
+                      "differs by arm" if got else "not recorded", ""]
+        lines.append(f"| {name} count | | | " + " | ".join(cells) + " |")
+    lines.append("")
+    if floors:
+        lines += ["Where the input shows the piece before a hidden token, and where it does not "
+                  "(token means over seeds; the bigram's own loss where it is shown beside it):",
+                  "", "| arm | masking | previous shown | loss there | loss elsewhere | "
+                  "bigram there |", "|---|---|---|---|---|---|"]
+        for arm in arms:
+            for m in maskings:
+                got = [info(r)["maskings"][m] for r in results.get(arm, [])
+                       if m in info(r).get("maskings", {})]
+                if got:
+                    pick = lambda k: mean([g[k] for g in got if g[k] is not None])
+                    lines.append(f"| {arm} | {m} | {pct(pick('previous_shown'))}% | "
+                                 f"{loss(pick('loss_previous_shown'))} | "
+                                 f"{loss(pick('loss_previous_hidden'))} | "
+                                 f"{loss(pick('bigram_previous_shown'))} |")
+        lines.append("")
+    else:
+        lines += ["These results were made before `evaluate.py mlm` recorded the floors and the "
+                  "previous piece; their one masking is `uniform`.", ""]
+    for m in metrics:
+        lines += metric_table(m, comp, arms, base, diagnostic=True)
+    return lines
 
 
 def many_intervals(tests: list[dict]) -> str:
@@ -121,6 +229,7 @@ def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
               "`results/` alone.", ""]
     if scale.get("notes"):
         lines += [scale["notes"].strip(), ""]
+    diagnostics = set(diagnostic_metrics(scale))
     lines += ["B - A is each arm minus the baseline, seed by seed where they share seeds. Its "
               "95% interval and p (two-sided) are Student's t over the pretraining seeds: paired "
               "where the seeds are the same (exact for normal seed effects from 2 seeds), else "
@@ -130,32 +239,17 @@ def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
               "(evaluation/multibootstrap.verdict). The Multi-Bootstrap (seeds and examples "
               "resampled jointly, `evaluate.py compare`) is in report.json; below 25 seeds its "
               "percentiles are about the span of the per-seed differences, not a 95% interval. "
-              "val_loss is lower-better (nats); the other metrics are percentages.", ""]
-    for m, by_arm in comp["metrics"].items():
-        better = next(iter(by_arm.values()))["better"]
-        lines += [f"## {m}" + (" (lower is better)" if better == "lower" else ""), "",
-                  "| arm | seeds | per seed | mean | B - A | 95% interval | p |",
-                  "|---|---|---|---|---|---|---|"]
-        for arm in arms:
-            if arm not in by_arm:
-                continue
-            r = by_arm[arm]
-            each = " ".join(in_units(v, better) for v in r["values_b"])
-            if arm == base:
-                lines.append(f"| **{arm}** (baseline) | {len(r['seeds_b'])} | {each} | "
-                             f"{in_units(r['mean_b'], better)} | | | |")
-            else:
-                t = r["seed_level"]
-                ci = (f"{signed(t['ci95'][0], better)} .. {signed(t['ci95'][1], better)}"
-                      if t["ci95"] else "- (one seed)")
-                p = "-" if t["p"] is None else "< 0.001" if t["p"] < 0.001 else f"{t['p']:.3f}"
-                lines.append(f"| {arm} | {len(r['seeds_b'])} | {each} | "
-                             f"{in_units(r['mean_b'], better)} | {signed(r['diff'], better)} | "
-                             f"{ci} | {p} |")
-        lines.append("")
-        for arm in (a for a in arms if a in comp["verdicts"].get(m, {})):
-            lines.append(f"- `{arm}` against `{base}`: {comp['verdicts'][m][arm]}.")
-        lines.append("")
+              "The verdicts stand on the field's measures (BLiMP, fine-tuning); the held-out "
+              "masked-token loss and accuracy are diagnostics, each under its masking "
+              "(docs/evaluation.md: a masking favours the arms that trained on it, and a model "
+              "read at t - 1 sees the previous token where the others see [MASK]). Losses are "
+              "in nats, lower is better; the other metrics are percentages.", ""]
+    verdicts = [m for m in comp["metrics"] if m not in diagnostics]
+    if not verdicts:
+        lines += ["No verdict metric: this scale evaluates no BLiMP and no fine-tuning, so its "
+                  "comparisons below are diagnostics alone.", ""]
+    for m in verdicts:
+        lines += metric_table(m, comp, arms, base)
     for m, by_phen in comp["phenomena"].items():
         shown_arms = [a for a in arms if a in next(iter(by_phen.values()))]
         total = len(results[base][0][m]["phenomenon"])
@@ -191,6 +285,9 @@ def build_report(study, scale_name, folder, jobs, nboot, figures=True) -> str:
                 cells.append(f"{100 * np.mean(v):.2f} +- {100 * np.std(v):.2f}" if v else "-")
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
         lines.append("")
+    if diagnostics & set(comp["metrics"]):
+        lines += held_out(results, arms, base, comp, [m for m in comp["metrics"]
+                                                     if m in diagnostics])
     lines += ["## Compute", "", "| arm | runs | steps | tokens | train min (mean) | "
               "eval min (mean) | tokens/s (median) | device |", "|---|---|---|---|---|---|---|---|"]
     for arm in arms:
@@ -256,6 +353,46 @@ def mlm_curve(records) -> tuple[list, list]:
     return xs, ys
 
 
+def held_out_figure(folder, study, results, comp) -> list[str]:
+    """held_out.png: each arm's held-out loss under each masking, seed by seed (dots) and their
+    mean (a bar), beside the unigram and bigram counts on the same tokens (lines); none where
+    the results hold one masking and no floors."""
+    import matplotlib.pyplot as plt
+    maskings = [m.removeprefix("loss_") for m in comp["metrics"] if m.startswith("loss_")]
+    floors = next((r["mlm"]["maskings"] for rs in results.values() for r in rs if "mlm" in r),
+                  None)
+    if len(maskings) < 2 or floors is None:
+        return []
+    arms = [a for a in study["arms"] if all(a in comp["metrics"][f"loss_{m}"] for m in maskings)]
+    fig, axes = plt.subplots(1, len(maskings), figsize=(3.4 * len(maskings) + 0.6, 3.8),
+                             sharey=True)
+    for ax, m in zip(axes, maskings):
+        for i, a in enumerate(arms):
+            r = comp["metrics"][f"loss_{m}"][a]
+            ax.bar(i, r["mean_b"], color="C0", alpha=0.35, width=0.6)
+            ax.plot([i] * len(r["values_b"]), r["values_b"], "o", color="C0", ms=4)
+        for name, style in (("unigram", ":"), ("bigram", "--")):
+            ax.axhline(floors[m]["floors"][name], color="k", ls=style, lw=1,
+                       label=f"{name} count")
+        read = {a: next((r["mlm"]["read_at"] for r in results[a] if "mlm" in r), "?")
+                for a in arms}
+        ax.set_xticks(range(len(arms)), [f"{a}\n(at {read[a]})" for a in arms], fontsize=7)
+        ax.set_title(f"{m} masking", fontsize=9)
+    axes[0].set_ylabel("held-out masked-token loss (nats)")
+    lo = min(min(r["values_b"]) for m in maskings for r in comp["metrics"][f"loss_{m}"].values())
+    axes[0].set_ylim(bottom=min(lo, min(f["floors"]["bigram"] for f in floors.values())) - 0.3)
+    axes[-1].legend(fontsize=7)
+    fig.suptitle("The same hidden tokens for every arm, under two maskings (dots: seeds)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(folder / "held_out.png", dpi=110)
+    plt.close(fig)
+    return ["![held-out loss under each masking](held_out.png)", "", "Each arm's held-out "
+            "masked-token loss under each masking, every seed a dot, beside what the unigram "
+            "and bigram counts of the training split score on the same tokens; the label says "
+            "where each arm is read.", ""]
+
+
 def draw_figures(folder, study, results, comp) -> list[str]:
     """curves.png and blimp.png when matplotlib is there; the report's lines about them."""
     try:
@@ -282,9 +419,10 @@ def draw_figures(folder, study, results, comp) -> list[str]:
     fig.tight_layout()
     fig.savefig(folder / "curves.png", dpi=110)
     plt.close(fig)
-    out += ["![validation curves](curves.png)", "", "The curves are train.py's own validation "
-            "(each arm's masking); the table's val_loss is `evaluate.py mlm`'s, the same hidden "
-            "tokens for every arm.", ""]
+    out += ["![validation curves](curves.png)", "", "The curves are train.py's own validation: "
+            "each arm under its own training masking, so not one question for every arm (the "
+            "diagnostics' tables are: `evaluate.py mlm`).", ""]
+    out += held_out_figure(folder, study, results, comp)
     for m, by_phen in comp["phenomena"].items():
         phens = list(by_phen)
         arms = [a for a in study["arms"] if a != study["baseline"] and a in by_phen[phens[0]]]

@@ -7,7 +7,9 @@
 # N: $SHARDS, default the number of CPUs; $PYTHON, default python. A line a minute says they are
 # running; each shard's output is printed whole once all have ended, then the counts summed; the
 # run fails if one shard fails. A test file named in the arguments runs in its own shard only
-# (the others may find no test: pytest's status 5).
+# (the others may find no test: pytest's status 5). RECORD=FILE also writes the run's record
+# there as JSON (its date, commit, machine, each shard's seconds, the counts): docs/status.md
+# quotes docs/suite.json, written so on a fresh clone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 n=${SHARDS:-$(nproc)}
@@ -17,8 +19,12 @@ where=(tests)  # the whole suite, unless the arguments name test files or folder
 for arg in "$@"; do [ -e "${arg%%::*}" ] && where=(); done
 pids=()
 for ((i = 0; i < n; i++)); do
-    OMP_NUM_THREADS=1 "${PYTHON:-python}" -m pytest -q "${where[@]}" --shard $i/$n "$@" \
-        > "$logs/$i" 2>&1 &
+    ( began=$SECONDS
+      OMP_NUM_THREADS=1 "${PYTHON:-python}" -m pytest -q "${where[@]}" --shard $i/$n "$@" \
+          > "$logs/$i" 2>&1
+      status=$?
+      echo $(( SECONDS - began )) > "$logs/$i.seconds"
+      exit $status ) &
     pids+=($!)
 done
 # a line a minute while they run: the shards print nothing until they end
@@ -41,5 +47,14 @@ total=$(cat "$logs"/* | grep -E '^=*\s*[0-9]+ (passed|failed|skipped|errors?)' |
         grep -oE '[0-9]+ (passed|failed|skipped|errors?)' |
         awk '{n[$2] += $1} END {for (k in n) printf "%s%d %s", (s++ ? ", " : ""), n[k], k}')
 echo "== all shards: ${total:-no tests} in $(( SECONDS - start ))s"
+if [ -n "${RECORD:-}" ]; then
+    shards=$(cat "$logs"/*.seconds | paste -sd, -)
+    machine=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
+    torch=$("${PYTHON:-python}" -c "import torch; print(torch.__version__)")
+    printf '{"date": "%s", "commit": "%s", "machine": "%s, %s cores", "torch": "%s", '\
+'"seconds": %d, "shard_seconds": [%s], "counts": "%s", "failed": %d}\n' \
+        "$(date -u +%Y-%m-%d)" "$(git rev-parse --short HEAD)" "$machine" "$(nproc)" "$torch" \
+        $(( SECONDS - start )) "$shards" "$total" $rc > "$RECORD"
+fi
 (( rc || ran )) && exit $rc
 exit 5  # no shard ran a test, as pytest says it

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import bench
+from benchmarks import timing
 from conftest import shared_data
 
 
@@ -64,7 +65,7 @@ def test_docs_tables_are_generated_from_their_json():
     saved = sorted((bench.REPO / "docs" / "bench").glob("*.json"))
     assert saved
     for path in saved:
-        assert bench.table(json.loads(path.read_text())) in doc, f"regenerate from {path.name}"
+        assert timing.table(json.loads(path.read_text())) in doc, f"regenerate from {path.name}"
 
 
 def test_every_row_is_written_as_it_is_measured(tmp_path, monkeypatch):
@@ -103,7 +104,7 @@ def test_a_failing_row_is_recorded_and_the_other_rows_go_on(prepared, tmp_path, 
     assert "invalid choice: 'nonsense'" in rows[1]["failed"] and rows[1]["ours"] is None
     assert rows[2]["ratio"] > 0 and "failed" not in rows[2]      # kd+mlm ran, against mlm
     assert rows[4]["failed"].startswith("RuntimeError: the second row broke")
-    assert "| step | nonsense tiny 4x32 | failed |" in bench.table(json.loads(out.read_text()))
+    assert "| step | nonsense tiny 4x32 | failed |" in timing.table(json.loads(out.read_text()))
 
 
 @pytest.mark.parametrize("size", ["tiny", "small"])

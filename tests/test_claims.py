@@ -1,8 +1,14 @@
-"""Every verdict a page quotes is one the code makes from the committed result files: the study
-reports rebuilt from their results/ (study.py --report), and the comparisons saved beside them
-(evaluate.py compare --out), each give their sentences (evaluation/multibootstrap.verdict); every
-verdict-shaped sentence in README.md, docs/studies/ and docs/objectives/ must be one of them,
-word for word. A number retyped by hand, or left behind when results change, fails here."""
+"""Every figure a page quotes is made by the code from the record it comes from. The study
+reports are rebuilt from their committed results/ (REPORT.md must be what the rebuild writes);
+on every page (studies/pages.pages(): README.md, docs/, the studies' pages, the recipe cards)
+each `<!-- fig ... -->` span must hold what its source gives today (a verdict recomputed from
+its own comparison: the study, the two arms, the metric and the scale its key names), each
+verdict-shaped sentence must sit in such a span with its two arms and metric named just before
+it, and a decimal figure outside a span must stand in a paragraph that says it was typed
+(`<!-- typed: WHY -->`). A number retyped by hand, a sentence moved to another comparison, or a
+figure left behind when results change fails here, naming the page.
+
+The tests that check claims have `claim` in their names: `pytest -k claim` runs them alone."""
 import json
 import re
 import shlex
@@ -13,7 +19,7 @@ import pytest
 import study
 from conftest import REPO
 from machinery import flags
-from evaluation.multibootstrap import verdict
+from studies import pages as P
 from studies.plan import load_study
 
 # the three shapes multibootstrap.verdict gives, up to the end of the sentence
@@ -24,70 +30,191 @@ VERDICT = re.compile(
     rf"(?:(?:higher|lower) by {NUMBER} (?:points|nats), {INTERVAL}"
     rf"|not distinguishable: {NUMBER} (?:points|nats), {INTERVAL}"
     rf"|{NUMBER} (?:points|nats) from one seed a side: a demo, no verdict)")
-BUILT = re.compile(r"Built by `python study.py (\S+) --scale (\S+) --report --out (\S+)`")
+BUILT = re.compile(r"Built by `python study.py (\S+) --scale (\S+) --report(?: --out (\S+))?`")
+# a decimal figure (a version such as 2.13.0 is none), or a percentage
+FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?![.\d])|(?<![\w.])\d+%")
+GENERATED = re.compile(r"<!-- (first_screen(?: evaluation)?): begin -->.*?<!-- \1: end -->",
+                       re.S)  # tests/test_readme.py checks these against their record
 
 
-def pages() -> list:
-    return [REPO / "README.md", *sorted((REPO / "docs" / "studies").glob("*.md")),
-            *sorted((REPO / "docs" / "studies").glob("*/REPORT.md")),
-            *sorted((REPO / "docs" / "objectives").glob("*.md"))]
-
-
-def quoted() -> dict:
-    """{sentence: [page, ...]}: every verdict-shaped sentence of the pages (line breaks read as
-    spaces: a pasted sentence may wrap)."""
-    out = {}
-    for page in pages():
-        text = re.sub(r"\s*\n\s*", " ", page.read_text())
-        for sentence in VERDICT.findall(text):
-            out.setdefault(sentence, []).append(page.relative_to(REPO).as_posix())
-    return out
+def rel(page) -> str:
+    return page.relative_to(REPO).as_posix()
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory) -> set:
-    """Every sentence the code makes from the committed results: each committed study report
-    rebuilt from a copy of its results/ (the verdicts stand on the seed-level t alone, so a small
-    --nboot changes none of them), and each saved comparison's."""
-    sentences = set()
-    reports = sorted((REPO / "docs" / "studies").glob("*/REPORT.md"))
+def rebuilt(tmp_path_factory) -> dict:
+    """{DIR: folder}: each committed study report rebuilt from a copy of its results/ (the
+    verdicts stand on the seed-level t alone, so a small --nboot changes none of them)."""
+    out = {}
+    reports = sorted(P.STUDIES.glob("*/REPORT.md"))
     assert len(reports) >= 3
     for report in reports:
         path, scale, _ = BUILT.search(report.read_text()).groups()
-        out = tmp_path_factory.mktemp(report.parent.name)
-        shutil.copytree(report.parent / "results", out / "results")
-        study.main([str(REPO / path), "--scale", scale, "--report", "--out", str(out),
+        folder = tmp_path_factory.mktemp(report.parent.name)
+        shutil.copytree(report.parent / "results", folder / "results")
+        study.main([str(REPO / path), "--scale", scale, "--report", "--out", str(folder),
                     "--no-figures", "--nboot", "20"])
-        for by_arm in json.loads((out / "report.json").read_text())["verdicts"].values():
-            sentences |= set(by_arm.values())
-    compared = sorted((REPO / "docs" / "studies").glob("**/compare_*.json"))
-    assert len(compared) >= 20
-    for path in compared:
-        r = json.loads(path.read_text())
-        sentences.add(verdict(r["seed_level"], r["better"], len(r["seeds_a"]),
-                              len(r["seeds_b"])))
-    return sentences
+        out[report.parent.name] = folder
+    return out
 
 
-def test_every_quoted_verdict_is_made_by_the_code_from_the_committed_results(made):
-    """Each verdict sentence on a page, word for word, among those the results give today; the
-    README and the study pages quote some (so that this cannot pass by finding none)."""
-    said = quoted()
-    stray = {s: where for s, where in said.items() if s not in made}
-    assert not stray, "\n".join(f"{where}: {s}" for s, where in stray.items())
-    where = {page for pages_ in said.values() for page in pages_}
-    assert {"README.md", "docs/studies/meta_two_moons_shen.md",
-            "docs/studies/gpt_bert_cpu.md", "docs/studies/synthetic_breton_cpu.md"} <= where
+def blocks(text: str) -> list[str]:
+    """A page's paragraphs, list items (a top-level `- ` starts one; its sub-items stay in it)
+    and tables, fenced code and the generated blocks left out."""
+    text = GENERATED.sub("", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M))
+    return [b for b in re.split(r"\n\s*\n|\n(?=- )", text) if b.strip()]
 
 
-def test_a_number_changed_by_hand_is_caught(made):
-    """The check itself: one digit of a quoted sentence changed is no longer made."""
-    sentence = next(iter(quoted()))
-    changed = re.sub(r"\d(?=\.\d)", lambda m: str((int(m.group()) + 1) % 10), sentence, count=1)
-    assert changed != sentence and VERDICT.fullmatch(changed) and changed not in made
+def spans_problems(name: str, text: str, rebuilt: dict) -> list[str]:
+    """Each span's text against its source; each verdict span's arms and metric named before
+    it (in backticks, in the text since the span before it)."""
+    out, last, let, led = [], 0, P.names(text), []
+    for m in P.SPAN.finditer(text):
+        key, said = m["key"], P.said(m)
+        try:
+            want = P.figure(key, rebuilt, let)
+        except (KeyError, ValueError, IndexError, TypeError, OSError, StopIteration,
+                SystemExit) as e:
+            out.append(f"{name}: <!-- fig {key} -->: its source gives nothing ({e!r})")
+            continue
+        if said != want:
+            out.append(f"{name}: <!-- fig {key} --> says {said!r}; its record gives {want!r}")
+        kind, *args = key.split()
+        args = [P.let_in(a, let) for a in args]
+        lead = text[last:m.start()]
+        last = m.end()
+        # the comparison the prose names nearest before the span, since the span before it; or,
+        # in the same paragraph, the one that led that span ("`b` against `a`, n = 10: ...;
+        # n = 160: ...")
+        named = re.findall(r"`([^`]+)` against\s+`([^`]+)`", lead) or (
+            led if "\n\n" not in lead else [])
+        led = named
+        if kind == "verdict":
+            d, metric, arm = args
+            base = load_study(REPO / BUILT.search((P.STUDIES / d / "REPORT.md").read_text())[
+                1])["baseline"]
+            if not named or named[-1] != (arm, base) or f"`{metric}`" not in lead:
+                out.append(f"{name}: <!-- fig {key} -->: not led by `{arm}` against `{base}` "
+                           f"and `{metric}` (its lead names {named[-1:] or 'none'})")
+        elif kind == "compare":
+            b, a = args[0].rsplit("/", 1)[-1].removeprefix("compare_").removesuffix(
+                ".json").split("_vs_")
+            a = re.sub(r"_n\d+$", "", a)  # the labelled-set size of a meta.py comparison
+            plain = lambda x: re.sub(r"\W|_", "", x)
+            near = lambda x, y: plain(x) in plain(y) or plain(y) in plain(x)
+            if not named or not (near(named[-1][0], b) and near(named[-1][1], a)):
+                out.append(f"{name}: <!-- fig {key} -->: not led by the comparison it holds, "
+                           f"{b} against {a} (its lead names {named[-1:] or 'none'})")
+    return out
 
 
-def test_each_report_shows_commands_that_train_its_arms():
+def unbound_problems(name: str, text: str) -> list[str]:
+    """Verdict sentences outside a verdict span; decimal figures outside any span, in a
+    paragraph not labelled typed (a page that opens with the label is typed throughout)."""
+    out = []
+    bare = P.SPAN.sub("", text)
+    out += [f"{name}: a verdict not bound to its comparison: {s}" for s in VERDICT.findall(
+        re.sub(r"\s*\n\s*", " ", bare))]
+    if P.TYPED.match(text):
+        return out
+    for block in blocks(bare):
+        if P.TYPED.search(block):
+            continue
+        prose = re.sub(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)", "", block, flags=re.S)
+        found = FIGURE.findall(prose)
+        if found:
+            out.append(f"{name}: figures neither from a record nor labelled typed "
+                       f"({', '.join(found[:6])}) in: {block.strip()[:160]!r}")
+    return out
+
+
+def page_problems(page, text: str, rebuilt: dict) -> list[str]:
+    name = rel(page)
+    if page.name == "REPORT.md":
+        return []  # generated whole: test_each_committed_report_is_its_rebuild_claim
+    return spans_problems(name, text, rebuilt) + unbound_problems(name, text)
+
+
+def test_every_quoted_figure_and_verdict_is_its_records_claim(rebuilt):
+    """Every page: its spans hold what their sources give, its verdicts are bound, its other
+    figures are labelled typed; and the README and the study pages do quote verdicts (so that
+    this cannot pass by finding none)."""
+    problems, quoting = [], set()
+    for page in P.pages():
+        text = page.read_text()
+        problems += page_problems(page, text, rebuilt)
+        if any(m["key"].split()[0] in ("verdict", "compare") for m in P.SPAN.finditer(text)):
+            quoting.add(rel(page))
+    assert not problems, "\n".join(problems)
+    assert {"README.md", "docs/studies/meta_two_moons_shen.md", "docs/studies/gpt_bert_cpu.md",
+            "docs/studies/synthetic_breton_cpu.md", "docs/studies/better_together_cpu.md"
+            } <= quoting
+
+
+def test_each_committed_report_is_its_rebuild_claim(rebuilt):
+    """REPORT.md is what study.py --report writes from results/ today (its figures section
+    and the --out it was built into aside)."""
+    for d, folder in rebuilt.items():
+        cut = lambda text: BUILT.sub("Built by", text.split("\n## Figures\n")[0]).rstrip()
+        assert cut((P.STUDIES / d / "REPORT.md").read_text()) == cut(
+            (folder / "REPORT.md").read_text()), f"docs/studies/{d}/REPORT.md: rebuild it"
+
+
+EDITS = {  # the edits a page must not survive, each on a copy of its text
+    "two verdicts of one page swapped": ("docs/studies/gpt_bert_cpu.md", "swap"),
+    "a verdict of one study pasted into the README": ("README.md", "paste"),
+    "a typed figure changed on a study page": ("docs/studies/gpt_bert_cpu.md", "figure"),
+    "a figure of bench.md's GPU table changed": ("docs/bench.md", "gpu table"),
+    "a figure of docs/status.md changed": ("docs/status.md", "figure"),
+}
+
+
+def edited(text: str, how: str, other: str) -> str:
+    spans = list(P.SPAN.finditer(text))
+    if how == "swap":  # the texts of two verdict spans of different comparisons exchanged
+        v = [m for m in spans if m["key"].startswith("verdict")]
+        a, b = next((x, y) for x in v for y in v if x["text"] != y["text"])
+        first, second = sorted((a, b), key=lambda m: m.start())
+        return (text[:first.start()] + second.group(0) + text[first.end():second.start()] +
+                first.group(0) + text[second.end():])
+    if how == "paste":  # another page's verdict sentence, pasted as plain text
+        sentence = next(m["text"] for m in P.SPAN.finditer(other) if m["key"].startswith(
+            "verdict"))
+        return text.replace("\n## A result\n", f"\n## A result\n\n{sentence}.\n", 1)
+    # a figure a span holds (in the GPU section's tables, for bench.md), its first digit moved
+    start = text.index("\n## GPU\n") if how == "gpu table" else 0
+    m = next(m for m in spans if m.start() > start and m["key"].split()[0] in (
+        "value", "report", "results", "table") and re.search(r"\d", m["text"]) and (
+        how != "gpu table" or text.rfind("\n", 0, m.start()) + 1 == text.find("|", text.rfind(
+            "\n", 0, m.start()))))
+    at = m.start("text") + re.search(r"\d", m["text"]).start()
+    return text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:]
+
+
+def test_pages_that_hold_no_typed_figure_claim():
+    """The pages whose every figure comes from a record: no paragraph of theirs says typed (so
+    any figure changed there is one of a span, and found), and bench.md's GPU tables none."""
+    for page in ("docs/studies/gpt_bert_cpu.md", "docs/status.md"):
+        assert not P.TYPED.search((REPO / page).read_text()), page
+    gpu = (REPO / "docs/bench.md").read_text().split("\n## GPU\n")[1]
+    for block in blocks(gpu):
+        if block.lstrip().startswith("|") or "\n|" in block:
+            assert not P.TYPED.search(block), block[:200]
+
+
+@pytest.mark.parametrize("what", EDITS)
+def test_each_edit_a_page_must_not_survive_fails_the_claim_checks(rebuilt, what):
+    """The check itself, on copies: each edit is found, and the problem names the page."""
+    page, how = EDITS[what]
+    text = (REPO / page).read_text()
+    other = (REPO / "docs/studies/better_together_cpu.md").read_text()
+    changed = edited(text, how, other)
+    assert changed != text
+    problems = page_problems(REPO / page, changed, rebuilt)
+    assert problems and all(p.startswith(page) for p in problems), problems
+
+
+def test_each_report_shows_commands_that_train_its_arms_claim():
     """In every committed report, the first train.py command under each arm's first seed,
     parsed by train.py's own parser, has every setting the study file gives that arm (its
     objective, its flags and the scale's flags for it): run as printed, it trains that arm, not
@@ -95,7 +222,7 @@ def test_each_report_shows_commands_that_train_its_arms():
     report shows today's command first, and theirs after)."""
     import train
     checked = 0
-    for report in sorted((REPO / "docs" / "studies").glob("*/REPORT.md")):
+    for report in sorted(P.STUDIES.glob("*/REPORT.md")):
         path, scale_name, _ = BUILT.search(report.read_text()).groups()
         spec = load_study(REPO / path)
         scale = spec["scales"][scale_name]
@@ -117,4 +244,3 @@ def test_each_report_shows_commands_that_train_its_arms():
                 assert getattr(got, dest) == getattr(want, dest), (report.name, arm, dest)
             checked += 1
     assert checked >= 10
-

@@ -1,9 +1,11 @@
 """evaluate.py: PLL against a one-copy-at-a-time loop, word-l2r, temperature selection, metrics
 against hand-computed values, the Multi-Bootstrap against brute-force enumeration, readers and
 their errors, and fine-tuning end to end."""
+import collections
 import itertools
 import json
 import math
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -15,7 +17,7 @@ import torch
 
 import evaluate as E
 from conftest import run_script, shared_data
-from data.masking import uniform_mask
+from data.masking import span_mask, uniform_mask
 from data.prepare import CLS, MASK, SEP, load_tokenizer
 from data.tasks import read_task
 from evaluation import finetune
@@ -740,9 +742,11 @@ def test_mean_metric_matches_brute_force_enumeration():
 @pytest.mark.parametrize("objective", ["mlm", "gpt-bert"])
 def test_masked_lm_against_a_loop_over_hidden_tokens(ckpt, small_raw, prepared, tmp_path,
                                                      monkeypatch, capsys, objective):
-    """Each segment's loss and accuracy equal a loop that reads every logit at every position
-    and scores the [MASK]ed ones one by one (a gpt-bert model's at the position before each);
-    int(0.15 T) hidden per segment, the same ones for any model."""
+    """Each segment's loss and accuracy, under each masking, equal a loop that reads every logit
+    at every position and scores the [MASK]ed ones one by one (a gpt-bert model's at the
+    position before each): uniform hides int(0.15 T) per segment, span hides span_mask's
+    choice, every hidden token [MASK] in both, the same ones for any model; the share whose
+    previous piece is shown, and the loss there, counted by the loop too."""
     monkeypatch.setenv("NANOMLM_DATA", str(prepared.parent))
     if objective == "gpt-bert":
         state = read_checkpoint(ckpt)
@@ -755,29 +759,79 @@ def test_masked_lm_against_a_loop_over_hidden_tokens(ckpt, small_raw, prepared, 
     r = json.loads(out.read_text())
     model, _ = E.load_checkpoint(ckpt)
     tokens = np.fromfile(prepared / "val.bin", dtype=np.uint16).astype(np.int64)
-    losses, accs = [], []
-    hidden_sets = []
-    for k, (first, size) in enumerate([(0, 4), (4, 2)]):  # the batches the command drew
-        gen = torch.Generator().manual_seed(E.seed_of(0, first))
-        body = torch.from_numpy(tokens[:6 * 30].reshape(6, 30)[first:first + size])
-        ids = torch.cat([torch.full((size, 1), CLS), body, torch.full((size, 1), SEP)], 1)
-        inputs, _ = uniform_mask(ids, 0.15, gen)
-        with torch.no_grad():
-            logits = model.logits(inputs).log_softmax(-1)                 # (b, T, V)
-        for row in range(size):
-            hidden = [t for t in range(32) if inputs[row, t] == MASK]
-            hidden_sets.append(hidden)
-            nll = [-logits[row, t - shift, ids[row, t]].item() for t in hidden]
-            hit = [float(logits[row, t - shift].argmax() == ids[row, t]) for t in hidden]
-            losses.append(np.mean(nll))
-            accs.append(np.mean(hit))
-    assert all(len(h) == int(0.15 * 32) and 0 not in h and 31 not in h for h in hidden_sets)
-    assert r["examples_loss"]["pred"][0] == pytest.approx(losses, rel=1e-5)
-    assert r["examples"]["pred"][0] == pytest.approx(accs)
-    assert r["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
-    assert r["examples_loss"]["better"] == "lower" and r["pretrain_seed"] == 7
+    for which, masking in enumerate(["uniform", "span"]):
+        losses, accs, hidden_sets, shown = [], [], [], []
+        for first, size in [(0, 4), (4, 2)]:  # the batches the command drew
+            seed = E.seed_of(0, first) if masking == "uniform" else E.seed_of(0, first, which)
+            gen = torch.Generator().manual_seed(seed)
+            body = torch.from_numpy(tokens[:6 * 30].reshape(6, 30)[first:first + size])
+            ids = torch.cat([torch.full((size, 1), CLS), body, torch.full((size, 1), SEP)], 1)
+            if masking == "uniform":
+                inputs, _ = uniform_mask(ids, 0.15, gen)
+            else:
+                _, labels = span_mask(ids, 0.15, 2000, gen)
+                inputs = torch.where(labels != -100, MASK, ids)
+            with torch.no_grad():
+                logits = model.logits(inputs).log_softmax(-1)                 # (b, T, V)
+            for row in range(size):
+                hidden = [t for t in range(32) if inputs[row, t] == MASK]
+                hidden_sets.append(hidden)
+                if not hidden:
+                    continue
+                nll = [-logits[row, t - shift, ids[row, t]].item() for t in hidden]
+                hit = [float(logits[row, t - shift].argmax() == ids[row, t]) for t in hidden]
+                shown += [(inputs[row, t - 1] > MASK, x) for t, x in zip(hidden, nll)]
+                losses.append(np.mean(nll))
+                accs.append(np.mean(hit))
+        if masking == "uniform":
+            assert all(len(h) == int(0.15 * 32) for h in hidden_sets)
+        else:  # spans: runs of hidden tokens longer than one, other counts per segment
+            assert len({len(h) for h in hidden_sets}) > 1
+            assert any(b - a == 1 for h in hidden_sets for a, b in zip(h, h[1:]))
+        assert all(0 not in h and 31 not in h for h in hidden_sets)
+        assert r[f"loss_{masking}"]["pred"][0] == pytest.approx(losses, rel=1e-5)
+        assert r[f"acc_{masking}"]["pred"][0] == pytest.approx(accs)
+        got = r["maskings"][masking]
+        assert got["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+        assert got["hidden"] == sum(map(len, hidden_sets))
+        assert got["previous_shown"] == pytest.approx(np.mean([s for s, _ in shown]))
+        assert got["loss_previous_shown"] == pytest.approx(
+            np.mean([x for s, x in shown if s]), rel=1e-5)
+        assert r[f"loss_{masking}"]["better"] == "lower"
+    assert r["pretrain_seed"] == 7 and r["read_at"] == ("t - 1" if shift else "t")
     assert r["step"] == 40  # the checkpoint's, so a result says which weights it scored
-    assert "6 validation segments" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "6 validation segments" in printed
+    assert f"read from the model at {r['read_at']}" in printed
+    for masking in ("uniform", "span"):  # each masking's row, its floors beside its loss
+        floors = r["maskings"][masking]["floors"]
+        assert re.search(rf"^{masking} .* {r['maskings'][masking]['loss']:.4f} .* "
+                         rf"{floors['unigram']:.4f} +{floors['bigram']:.4f} ", printed, re.M)
+
+
+def test_count_floors_against_counting_by_hand():
+    """The unigram (add-one) and Witten-Bell bigram of a short stream, against the formulas
+    written out with a Counter: p(w | v) = (c(v w) + N(v) p1(w)) / (c(v) + N(v)); the unigram
+    where no previous piece is shown (-1) or the piece was never seen before another; and, for a
+    seen v, a distribution over the vocabulary (it sums to 1)."""
+    stream = np.array([5, 6, 5, 7, 5, 6, 8, 6, 5, 9, 9, 6], np.uint16)
+    V = 11
+    floors = E.CountFloors(stream, V)
+    uni = collections.Counter(stream.tolist())
+    p1 = lambda w: (uni[w] + 1) / (len(stream) + V)
+    pairs = collections.Counter(zip(stream[:-1].tolist(), stream[1:].tolist()))
+    seen = collections.Counter(stream[:-1].tolist())
+    after = lambda v: len({b for a, b in pairs if a == v})
+    want = lambda v, w: (pairs[v, w] + after(v) * p1(w)) / (seen[v] + after(v))
+    prev = np.array([5, 5, 6, 9, 9, -1, 8, 7, 10, 6])   # 10: never seen before another piece
+    target = np.array([6, 8, 5, 6, 9, 5, 6, 9, 5, 10])
+    expect = [-math.log(p1(w) if v < 0 or not seen[v] else want(v, w)) for v, w in
+              zip(prev, target)]
+    assert floors.bigram(prev, target) == pytest.approx(expect, rel=1e-12)
+    assert floors.unigram(target) == pytest.approx([-math.log(p1(w)) for w in target])
+    for v in (5, 6, 9):
+        everything = np.arange(V)
+        assert np.exp(-floors.bigram(np.full(V, v), everything)).sum() == pytest.approx(1)
 
 
 def test_babylm2025_schedule_is_the_pipelines_rule():
@@ -882,7 +936,7 @@ def test_masked_lm_scores_in_float32_unless_bf16_is_asked(ckpt, small_raw, prepa
         out = tmp_path / "mlm.json"
         E.main(["mlm", "--ckpt", str(ckpt), "--data", str(small_raw), "--segments", "4",
                 "--seq-len", "32", "--device", "cpu", "--out", str(out), *flags])
-        return json.loads(out.read_text())["examples_loss"]["pred"][0]
+        return json.loads(out.read_text())["loss_span"]["pred"][0]
 
     want = losses()  # on the CPU: float32 whatever the default
     monkeypatch.setattr(device_module, "use_bf16", bf16_by_default)  # as on CUDA
