@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data.masking import seed_of, span_mask, uniform_mask
+from data.masking import HELD_OUT_MASKINGS, seed_of, span_mask, uniform_mask
 from data.prepare import (CLS, MASK, SEP, SPECIALS, Segments, check_tokenizer, encode_masked,
                           prepare)
 from data.tasks import TASKS, pad, read_jsonl
@@ -383,14 +383,12 @@ def blimp(args):
 # Masked-token loss and accuracy on held-out text: a diagnostic, under more than one masking,
 # beside what counting alone achieves
 
-# How `mlm` hides tokens, every hidden one by [MASK] (none kept or replaced): `uniform`, int(p T)
-# isolated tokens per segment (uniform_mask: the MLSM code's training masking, so the question
-# the mlsm and kd arms trained on); `span`, LTG-BERT's spans of mean length 3 (span_mask's draw:
-# the question mlm and boot trained on, where a hidden token's neighbours are often hidden too).
-# One masking alone favours the arms that trained on it, and a model that reads its prediction
-# at t - 1 (gpt-bert) sees the real previous token under `uniform` far more often than under
-# `span` (docs/evaluation.md): hence two, each named beside its figures.
-HELD_OUT_MASKINGS = ("uniform", "span")
+# How `mlm` hides tokens (HELD_OUT_MASKINGS), every hidden one by [MASK]: `uniform`, int(p T)
+# isolated tokens per segment; `span`, LTG-BERT's spans of mean length 3, where a hidden token's
+# neighbours are often hidden too. One masking alone favours the arms that trained on it, and a
+# model that reads its prediction at t - 1 (gpt-bert) sees the real previous token under
+# `uniform` far more often than under `span` (docs/evaluation.md): hence two, each named beside
+# its figures.
 
 
 class CountFloors:

@@ -10,9 +10,10 @@ resumes where it stopped.
 A study file (TOML; studies/*.toml, each key explained in studies/README.md) names its arms
 (an objective and its flags, optionally a source corpus to pretrain on first and transfer
 from), the baseline arm, and per scale (cpu, gpu) the corpus, size, seeds, budget and
-evaluations: `evaluate.py mlm` (masked-token loss and accuracy on held-out text, the same hidden
-tokens for every model), `evaluate.py blimp` (BLiMP folders, temperature chosen on one half of
-the pairs and reported on the other) and `evaluate.py finetune` (tasks, fine-tuning seeds).
+evaluations: `evaluate.py blimp` (BLiMP folders, temperature chosen on one half of the pairs and
+reported on the other) and `evaluate.py finetune` (tasks, fine-tuning seeds), the verdicts; and
+`evaluate.py mlm` (masked-token loss and accuracy on held-out text under two maskings, the same
+hidden tokens for every model, beside unigram and bigram counts), a diagnostic.
 
 Every step is a command a user could type (train.py, evaluate.py, synth.py in a subprocess; the
 report lists them), so one run can be re-made by hand. In runs/STUDY/SCALE/:
@@ -109,6 +110,10 @@ def preflight(study, scale_name, jobs, path) -> dict:
         if not raw_path(d).is_dir():
             raise fail(f"scales.{scale_name}.evaluate.blimp[{i}]", f"no BLiMP folder at "
                        f"{raw_path(d)}")
+    mlm = scale.get("evaluate", {}).get("mlm")
+    if mlm and (line := quiet_exit_line(lambda: evaluate.build_parser().parse_args(
+            ["mlm", "--ckpt", "x", *shlex.split(mlm.get("flags", ""))]))):
+        raise fail(f"scales.{scale_name}.evaluate.mlm.flags", line)
     ft = scale.get("evaluate", {}).get("finetune")
     if ft:
         key = f"scales.{scale_name}.evaluate.finetune"

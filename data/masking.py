@@ -84,6 +84,11 @@ def predicted_slots(labels, capacity):
 # (LTG-BERT's spans; BERT's tokens, spans of one; uniform_mask)
 MASKINGS = {"span": 3.0, "token": 1.0, "uniform": None}
 
+# The held-out questions `evaluate.py mlm` asks, every hidden token [MASK] (none kept or
+# replaced): `uniform`, uniform_mask's isolated tokens (the question the MLSM code's arms train
+# on); `span`, span_mask's spans of mean 3 (the question mlm and boot train on).
+HELD_OUT_MASKINGS = ("uniform", "span")
+
 
 def mask_p_at(step: int, args) -> float:
     """The fraction to predict at `step`: --mask-p, or with --mask-p-end a line from one to the

@@ -54,9 +54,9 @@ def read_partial(path: Path, fingerprint: dict, key: str, value: str) -> dict:
     return done
 
 
-# Result files made before `evaluate.py mlm` scored two maskings (2026-12-01) hold its one
-# masking, the draw it still makes as `uniform`, under other names: study.py's as val_loss and
-# val_acc, evaluate.py's own as examples_loss and examples. Read, they take today's names.
+# Result files made before `evaluate.py mlm` scored two maskings hold its one masking, the
+# draw it still makes as `uniform`, under other names: study.py's as val_loss and val_acc,
+# evaluate.py's own as examples_loss and examples. Read, they take today's names.
 OLD_NAMES = {"study-run": {"val_loss": "loss_uniform", "val_acc": "acc_uniform"},
              "mlm": {"examples_loss": "loss_uniform", "examples": "acc_uniform"}}
 

@@ -1,4 +1,4 @@
-"""The figures a page quotes, made from the records they come from: on README.md and docs/, each
+r"""The figures a page quotes, made from the records they come from: on README.md and docs/, each
 figure taken from a result file sits in a span that names where it comes from,
 
     <!-- fig KIND ARGS... -->TEXT<!-- /fig -->

@@ -11,7 +11,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import evaluate
+from data.masking import HELD_OUT_MASKINGS
 from data.prepare import raw_root
 from machinery.run_folder import REPO
 
@@ -243,9 +243,10 @@ def diagnostic_metrics(scale) -> list[str]:
     ev = scale.get("evaluate", {})
     if "mlm" not in ev:
         return []
-    args = evaluate.build_parser().parse_args(["mlm", "--ckpt", "x", *shlex.split(
-        ev["mlm"].get("flags", ""))])
-    return [f"{m}_{masking}" for m in ("loss", "acc") for masking in args.maskings]
+    argv = shlex.split(ev["mlm"].get("flags", "").replace("--maskings=", "--maskings "))
+    maskings = (argv[argv.index("--maskings") + 1].split(",") if "--maskings" in argv else
+                HELD_OUT_MASKINGS)
+    return [f"{m}_{masking}" for m in ("loss", "acc") for masking in maskings]
 
 
 def metric_names(scale) -> list[str]:

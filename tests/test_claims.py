@@ -71,6 +71,7 @@ def spans_problems(name: str, text: str, rebuilt: dict) -> list[str]:
     out, last, let, led = [], 0, P.names(text), []
     for m in P.SPAN.finditer(text):
         key, said = m["key"], P.said(m)
+        raw, last = text[last:m.start()], m.end()
         try:
             want = P.figure(key, rebuilt, let)
         except (KeyError, ValueError, IndexError, TypeError, OSError, StopIteration,
@@ -81,13 +82,12 @@ def spans_problems(name: str, text: str, rebuilt: dict) -> list[str]:
             out.append(f"{name}: <!-- fig {key} --> says {said!r}; its record gives {want!r}")
         kind, *args = key.split()
         args = [P.let_in(a, let) for a in args]
-        lead = text[last:m.start()]
-        last = m.end()
+        lead = " ".join(raw.split())  # prose may wrap anywhere
         # the comparison the prose names nearest before the span, since the span before it; or,
         # in the same paragraph, the one that led that span ("`b` against `a`, n = 10: ...;
         # n = 160: ...")
-        named = re.findall(r"`([^`]+)` against\s+`([^`]+)`", lead) or (
-            led if "\n\n" not in lead else [])
+        named = re.findall(r"`([^`]+)` against `([^`]+)`", lead) or (
+            led if "\n\n" not in raw else [])
         led = named
         if kind == "verdict":
             d, metric, arm = args
@@ -181,25 +181,35 @@ def edited(text: str, how: str, other: str) -> str:
         sentence = next(m["text"] for m in P.SPAN.finditer(other) if m["key"].startswith(
             "verdict"))
         return text.replace("\n## A result\n", f"\n## A result\n\n{sentence}.\n", 1)
-    # a figure a span holds (in the GPU section's tables, for bench.md), its first digit moved
-    start = text.index("\n## GPU\n") if how == "gpu table" else 0
-    m = next(m for m in spans if m.start() > start and m["key"].split()[0] in (
-        "value", "report", "results", "table") and re.search(r"\d", m["text"]) and (
-        how != "gpu table" or text.rfind("\n", 0, m.start()) + 1 == text.find("|", text.rfind(
-            "\n", 0, m.start()))))
-    at = m.start("text") + re.search(r"\d", m["text"]).start()
+    # a figure a span holds (a row of one of the GPU section's tables, for bench.md), its first
+    # digit moved
+    if how == "gpu table":
+        start = text.index("\n## GPU\n")
+        m = next(m for m in spans if m.start() > start and m["key"].split()[0] in (
+            "table", "headline"))
+        row = re.search(r"^\|[^\n]*?(\d)", m["text"], re.M)
+        at = m.start("text") + row.start(1)
+    else:
+        m = next(m for m in spans if m["key"].split()[0] in ("value", "report", "results") and
+                 re.search(r"\d", m["text"]))
+        at = m.start("text") + re.search(r"\d", m["text"]).start()
     return text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:]
 
 
 def test_pages_that_hold_no_typed_figure_claim():
-    """The pages whose every figure comes from a record: no paragraph of theirs says typed (so
-    any figure changed there is one of a span, and found), and bench.md's GPU tables none."""
+    """The pages whose every figure comes from a record: no paragraph of theirs says typed, so
+    any figure changed there is one of a span, and found; and bench.md's GPU measurements, each
+    saved bench.json and each `headline` folder, stand there as spans of their records."""
     for page in ("docs/studies/gpt_bert_cpu.md", "docs/status.md"):
         assert not P.TYPED.search((REPO / page).read_text()), page
-    gpu = (REPO / "docs/bench.md").read_text().split("\n## GPU\n")[1]
-    for block in blocks(gpu):
-        if block.lstrip().startswith("|") or "\n|" in block:
-            assert not P.TYPED.search(block), block[:200]
+    bench = (REPO / "docs/bench.md").read_text()
+    gpu = bench[bench.index("\n## GPU\n"):]
+    keys = {m["key"] for m in P.SPAN.finditer(gpu)}
+    for f in sorted((REPO / "docs/bench").glob("gpu_*.json")):
+        assert f"table {rel(f)}" in keys, f.name
+    headlines = [k.split()[1:] for k in keys if k.startswith("headline")]
+    assert sorted(sum(headlines, [])) == sorted(
+        rel(d) for d in (REPO / "docs/bench").glob("gpu_*headline*") if d.is_dir())
 
 
 @pytest.mark.parametrize("what", EDITS)

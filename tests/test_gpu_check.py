@@ -288,10 +288,10 @@ def test_study_runs_every_job_side_by_side_and_stops_the_one_that_cannot_end(ran
     assert set(results) == {"results/mlm/s0.json.gz", "results/long/partial-s0.json.gz"}
     done = json.loads(gzip.decompress(results["results/mlm/s0.json.gz"]))
     assert done["arm"] == "mlm" and done["compute"]["steps"] == 6 and "stopped" not in done
-    assert "blimp_filtered" in done and done["val_loss"]
+    assert "blimp_filtered" in done and done["loss_uniform"] and done["loss_span"]
     cut = json.loads(gzip.decompress(results["results/long/partial-s0.json.gz"]))
     assert 0 < cut["stopped"]["step"] == cut["compute"]["steps"] < 100000
-    assert cut["stopped"]["max_steps"] == 100000 and cut["val_loss"] and "blimp_filtered" in cut
+    assert cut["stopped"]["max_steps"] == 100000 and cut["loss_uniform"] and "blimp_filtered" in cut
     said = (tmp_path / "study.log").read_text()
     assert "long s0: training stopped by --train-until" in said, said
     assert "partial results: long s0" in said

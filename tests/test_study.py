@@ -88,7 +88,7 @@ def test_report_equals_compare_on_the_result_files(whole, tmp_path):
     assert "wrote" in out and (folder / "REPORT.md").exists()
     report = json.loads((folder / "report.json").read_text())
     assert report["runs"] == report["planned"] == 4 and not report["failed"]
-    for metric in ("val_loss", "val_acc", "blimp_mini"):
+    for metric in ("loss_uniform", "acc_span", "blimp_mini"):
         E.main(["compare", str(folder / "results" / "mlm"), str(folder / "results" / "kd"),
                 "--examples", metric, "--nboot", "300", "--out", str(tmp_path / "c.json")])
         direct = json.loads((tmp_path / "c.json").read_text())
@@ -107,7 +107,26 @@ def test_report_equals_compare_on_the_result_files(whole, tmp_path):
                 f"{study_report.signed(t['ci95'][0], better)} .. "
                 f"{study_report.signed(t['ci95'][1], better)} | {t['p']:.3f} |") in md
         said = multibootstrap.verdict(t, better, 2, 2)  # the sentence a page quotes, made here
-        assert f"- `kd` against `mlm`: {said}." in md and report["verdicts"][metric]["kd"] == said
+        label = "" if metric == "blimp_mini" else " (a diagnostic)"
+        assert f"- `kd` against `mlm`{label}: {said}." in md
+        assert report["verdicts"][metric]["kd"] == said
+
+
+def test_the_report_gives_the_held_out_loss_under_each_masking_beside_its_floors(whole):
+    """BLiMP's verdicts come first; the held-out loss is a diagnostics section: each arm's loss
+    under both maskings, how it trained and where it is read, and the unigram and bigram counts
+    on the same tokens, as evaluate.py mlm wrote them into each run's result."""
+    path, folder, out = whole
+    md = (folder / "REPORT.md").read_text()
+    assert md.index("## blimp_mini") < md.index("## Diagnostics") < md.index("### loss_uniform")
+    assert "| arm | trained on | read at | loss uniform | acc. uniform | loss span | acc. span |" \
+        in md
+    r = results.read_result(folder / "results" / "kd" / "s0.json.gz")
+    assert r["mlm"]["read_at"] == "t" and r["trained"]["masking"] == "uniform"
+    for floor in ("unigram", "bigram"):
+        cells = [f"{r['mlm']['maskings'][m]['floors'][floor]:.4f}" for m in ("uniform", "span")]
+        assert f"| {floor} count | | | {cells[0]} |  | {cells[1]} |  |" in md
+    assert "| kd | uniform, 0.15 | t |" in md and "| mlm | span, 0.15 | t |" in md
     # a result file is small and holds what compare needs and what the report shows
     r = results.read_result(folder / "results" / "kd" / "s1.json.gz")
     assert (folder / "results" / "kd" / "s1.json.gz").stat().st_size < 100_000
@@ -181,6 +200,10 @@ BAD = [  # (change to the study file, what the one line must say)
      "scales.cpu.evaluate.finetune.tasks[1]: unknown task 'rtee'"),
     (lambda s: s + FINETUNE.replace('flags = "--epochs 1"', 'flags = "--epocs 1"'),
      "scales.cpu.evaluate.finetune.flags: unrecognized arguments: --epocs 1"),
+    (lambda s: s.replace("mlm = { segments = 8 }", 'mlm = { segments = 8, flags = "--maskings '
+                         'spans" }'),
+     "scales.cpu.evaluate.mlm.flags: argument --maskings: spans: give distinct names among "
+     "uniform, span"),
     (lambda s: re.sub(r'data = ".*babylm_small"', 'data = "/nowhere/absent"', s),
      "arms.mlm: no corpus"),
     (lambda s: s.replace('[arms.kd]', '[arms.kd]\nobjectiv = "mlm"'),
