@@ -463,13 +463,15 @@ def masked_lm(args):
               "pretrain_seed": model.train_args.get("seed"), "data": str(data), "segments": n,
               "seq_len": seq_len, "mask_p": args.mask_p, "bf16": args.bf16, "read_at": read,
               "maskings": {}}
-    for which, masking in enumerate(args.maskings):
+    for masking in args.maskings:
         got = {k: [] for k in ("segment", "nll", "hit", "shown", "unigram", "bigram")}
         for i in bar(range(0, n, args.batch_size), desc=f"mlm {masking}", unit="batch",
                      disable=None):
             ids = val.batch(i, min(args.batch_size, n - i)).to(device)     # (b, T)
-            # the uniform draw is the one this command made before it had two maskings
-            seed = seed_of(args.seed, i) if masking == "uniform" else seed_of(args.seed, i, which)
+            # each masking's draw is its own, whichever others are asked for; the uniform one
+            # is the draw this command made before it had two
+            seed = (seed_of(args.seed, i) if masking == "uniform" else
+                    seed_of(args.seed, i, HELD_OUT_MASKINGS.index(masking)))
             gen = torch.Generator(device).manual_seed(seed)
             inputs, labels = hide(ids, masking, args.mask_p, vocab, gen)
             hidden = labels != -100                                        # (b, T)
