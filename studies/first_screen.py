@@ -114,6 +114,8 @@ def quote(record: dict) -> str:
     total = sum(c["seconds"] for c in block) / 60  # the first block's, not the evaluations'
     first, last = record["val"][0], record["val"][-1]
     wrap = lambda text: textwrap.fill(text, 100)
+    m = record["mlm"]["maskings"]
+    floor = lambda masking, name: f"{m[masking]['floors'][name]:.2f}"
     return (wrap(f"On a {record['machine']} ({record['date']}, torch {record['torch']}, commit "
                  f"{record['commit']}) these commands took {total:.1f} minutes in all, the `pip "
                  f"install` lines aside. The training line took "
@@ -125,21 +127,13 @@ def quote(record: dict) -> str:
                  f"{seconds(record, 'evaluate.py', 'fill'):.0f} s:")
             + f"\n\n```\n{fill.rstrip()}\n```\n\n"
             + wrap(f"`evaluate.py mlm` took {seconds(record, 'evaluate.py', 'mlm'):.0f} s: "
-                   f"held-out masked-token loss {held_out(record, 'uniform')} with isolated "
-                   f"tokens hidden (`uniform`) and {held_out(record, 'span')} with spans "
-                   f"hidden (`span`), beside what counts of the training split score on the "
-                   f"same tokens. `plot.py` {seconds(record, 'plot.py'):.0f} s, `export.py` "
+                   f"held-out masked-token loss {m['uniform']['loss']:.2f} with isolated tokens "
+                   f"hidden and {m['span']['loss']:.2f} with spans hidden, where counts of the "
+                   f"training split score {floor('uniform', 'unigram')} and "
+                   f"{floor('span', 'unigram')} (unigram), {floor('uniform', 'bigram')} and "
+                   f"{floor('span', 'bigram')} (bigram) on the same tokens. `plot.py` "
+                   f"{seconds(record, 'plot.py'):.0f} s, `export.py` "
                    f"{seconds(record, 'export.py'):.0f} s."))
-
-
-def held_out(record: dict, masking: str) -> str:
-    """One masking's loss as the README quotes it, its floors beside it and where it stands."""
-    m = record["mlm"]["maskings"][masking]
-    uni, bi = m["floors"]["unigram"], m["floors"]["bigram"]
-    where = ("below the bigram's" if m["loss"] < bi else "above the bigram's, not yet what "
-             "counting pairs gives") if m["loss"] < uni else "above even the unigram's"
-    return (f"{m['loss']:.2f} (accuracy {100 * m['accuracy']:.1f}%; unigram {uni:.2f}, bigram "
-            f"{bi:.2f}: {where})")
 
 
 def quote_evaluation(record: dict) -> str:

@@ -364,7 +364,7 @@ def held_out_figure(folder, study, results, comp) -> list[str]:
     if len(maskings) < 2 or floors is None:
         return []
     arms = [a for a in study["arms"] if all(a in comp["metrics"][f"loss_{m}"] for m in maskings)]
-    fig, axes = plt.subplots(1, len(maskings), figsize=(3.4 * len(maskings) + 0.6, 3.8),
+    fig, axes = plt.subplots(1, len(maskings), figsize=(4.2 * len(maskings) + 0.6, 4.0),
                              sharey=True)
     for ax, m in zip(axes, maskings):
         for i, a in enumerate(arms):
@@ -376,7 +376,10 @@ def held_out_figure(folder, study, results, comp) -> list[str]:
                        label=f"{name} count")
         read = {a: next((r["mlm"]["read_at"] for r in results[a] if "mlm" in r), "?")
                 for a in arms}
-        ax.set_xticks(range(len(arms)), [f"{a}\n(at {read[a]})" for a in arms], fontsize=7)
+        trained = {a: next((r["trained"]["masking"] for r in results[a] if "trained" in r), "?")
+                   for a in arms}
+        ax.set_xticks(range(len(arms)), [f"{a}\ntrained: {trained[a]}\nread at {read[a]}"
+                                         for a in arms], fontsize=7)
         ax.set_title(f"{m} masking", fontsize=9)
     axes[0].set_ylabel("held-out masked-token loss (nats)")
     lo = min(min(r["values_b"]) for m in maskings for r in comp["metrics"][f"loss_{m}"].values())
@@ -389,8 +392,8 @@ def held_out_figure(folder, study, results, comp) -> list[str]:
     plt.close(fig)
     return ["![held-out loss under each masking](held_out.png)", "", "Each arm's held-out "
             "masked-token loss under each masking, every seed a dot, beside what the unigram "
-            "and bigram counts of the training split score on the same tokens; the label says "
-            "where each arm is read.", ""]
+            "and bigram counts of the training split score on the same tokens; the labels say "
+            "how each arm trained and where it is read.", ""]
 
 
 def draw_figures(folder, study, results, comp) -> list[str]:
