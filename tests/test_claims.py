@@ -161,9 +161,13 @@ def test_each_committed_report_is_its_rebuild_claim(rebuilt):
 
 
 EDITS = {  # the edits a page must not survive, each on a copy of its text
-    "two verdicts of one page swapped": ("docs/studies/gpt_bert_cpu.md", "swap"),
+    "two verdict sentences of one page swapped": ("docs/studies/gpt_bert_cpu.md", "swap"),
+    "two verdicts swapped with their comments": ("docs/studies/gpt_bert_cpu.md", "swap spans"),
     "a verdict of one study pasted into the README": ("README.md", "paste"),
-    "a typed figure changed on a study page": ("docs/studies/gpt_bert_cpu.md", "figure"),
+    "the same, with its comment": ("README.md", "paste span"),
+    "a verdict of one study pasted into another's page": ("docs/studies/gpt_bert_cpu.md",
+                                                          "paste"),
+    "a figure changed on a study page": ("docs/studies/gpt_bert_cpu.md", "figure"),
     "a figure of bench.md's GPU table changed": ("docs/bench.md", "gpu table"),
     "a figure of docs/status.md changed": ("docs/status.md", "figure"),
 }
@@ -171,16 +175,20 @@ EDITS = {  # the edits a page must not survive, each on a copy of its text
 
 def edited(text: str, how: str, other: str) -> str:
     spans = list(P.SPAN.finditer(text))
-    if how == "swap":  # the texts of two verdict spans of different comparisons exchanged
-        v = [m for m in spans if m["key"].startswith("verdict")]
-        a, b = next((x, y) for x in v for y in v if x["text"] != y["text"])
+    if how.startswith("swap"):  # two verdicts of different comparisons exchanged: the
+        v = [m for m in spans if m["key"].startswith("verdict")]  # sentences, or the spans
+        a, b = next((x, y) for x in v for y in v if P.said(x) != P.said(y))
         first, second = sorted((a, b), key=lambda m: m.start())
-        return (text[:first.start()] + second.group(0) + text[first.end():second.start()] +
-                first.group(0) + text[second.end():])
-    if how == "paste":  # another page's verdict sentence, pasted as plain text
-        sentence = next(m["text"] for m in P.SPAN.finditer(other) if m["key"].startswith(
-            "verdict"))
-        return text.replace("\n## A result\n", f"\n## A result\n\n{sentence}.\n", 1)
+        put = (lambda m, n: m.group(0).replace(m["text"], n["text"])) if how == "swap" else (
+            lambda m, n: n.group(0))
+        return (text[:first.start()] + put(first, second) + text[first.end():second.start()] +
+                put(second, first) + text[second.end():])
+    if how.startswith("paste"):  # another page's verdict, as plain text or with its comment,
+        m = next(m for m in P.SPAN.finditer(other) if m["key"].startswith("verdict"))
+        pasted = m.group(0) if how == "paste span" else P.said(m)  # under the README's result
+        head = "\n## A result\n"                                    # or into the page's list
+        at = text.index(head) + len(head) if head in text else text.index("\n- ")
+        return text[:at] + f"\n- The result: {pasted}.\n" + text[at:]
     # a figure a span holds (a row of one of the GPU section's tables, for bench.md), its first
     # digit moved
     if how == "gpu table":
@@ -214,9 +222,11 @@ def test_pages_that_hold_no_typed_figure_claim():
 
 @pytest.mark.parametrize("what", EDITS)
 def test_each_edit_a_page_must_not_survive_fails_the_claim_checks(rebuilt, what):
-    """The check itself, on copies: each edit is found, and the problem names the page."""
+    """The check itself, on copies: the page as committed passes, and each edit of it is found,
+    the problem naming the page."""
     page, how = EDITS[what]
     text = (REPO / page).read_text()
+    assert not page_problems(REPO / page, text, rebuilt)
     other = (REPO / "docs/studies/better_together_cpu.md").read_text()
     changed = edited(text, how, other)
     assert changed != text
