@@ -9,7 +9,6 @@ it, and a decimal figure outside a span must stand in a paragraph that says it w
 figure left behind when results change fails here, naming the page.
 
 The tests that check claims have `claim` in their names: `pytest -k claim` runs them alone."""
-import json
 import re
 import shlex
 import shutil

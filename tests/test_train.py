@@ -316,7 +316,8 @@ def test_every_objective_is_scored_filled_and_exported(prepared, small_raw, tmp_
             "--seq-len", "32", "--batch-size", "4", "--device", "cpu",
             "--out", str(tmp_path / "mlm.json")])
     scored = json.loads((tmp_path / "mlm.json").read_text())
-    assert scored["step"] == 6 and 0 < scored["loss"] < 20 and 0 <= scored["accuracy"] <= 1
+    assert scored["step"] == 6 and set(scored["maskings"]) == {"uniform", "span"}
+    assert all(0 < m["loss"] < 20 and 0 <= m["accuracy"] <= 1 for m in scored["maskings"].values())
     E.main(["fill", "--ckpt", str(run / "ckpt.pt"), "the cat [MASK] on the mat .",
             "--device", "cpu"])
     assert "[MASK] 1:" in capsys.readouterr().out
