@@ -29,7 +29,8 @@ def test_a_file_named_to_parallel_sh_runs_once():
     shard only; the other shard finds no test (pytest's status 5), which is not a failure. Here
     the file is this one, its other test selected by -k."""
     r = subprocess.run(["bash", "tests/parallel.sh", "tests/test_parallel.py", "-k", "balanced"],
-                       cwd=REPO, env={**os.environ, "SHARDS": "2", "PYTHON": sys.executable},
+                       cwd=REPO, env={**{k: v for k, v in os.environ.items() if k != "RECORD"},
+                                      "SHARDS": "2", "PYTHON": sys.executable},  # not the suite's
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     shards, total = r.stdout.split("== all shards: ")
