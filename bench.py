@@ -71,12 +71,11 @@ from benchmarks.timing import (PROFILES, alternate, failed_row, fmt, print_profi
 from data.masking import mask_capacity
 from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
 from machinery import flags
-from machinery.device import add_device_flag, pick_device, use_compile, use_tf32
-from machinery.run_folder import REPO, RunFolder
-from machinery.storage import file_to_write
+from machinery.plumbing import (REPO, RunFolder, add_device_flag, file_to_write, pick_device,
+                                use_compile, use_tf32)
 from model import PRESETS, TRAINING_ATTENTION, Encoder, ModelConfig, use_attention
 from objectives import BASELINE, OBJECTIVES
-from training.run import COMPILE_SCOPES
+from train import COMPILE_SCOPES
 
 
 V = VOCAB_SIZE

@@ -42,10 +42,9 @@ from evaluation.finetune import RECIPES, finetune
 from evaluation.multibootstrap import compare
 from evaluation.results import read_partial, result_path, write_lines, write_result
 from machinery import flags
-from machinery.device import add_device_flag, autocast, pick_device
-from machinery.progress import bar, duration, line_buffered
-from machinery.stopping import exit_on_stop_signals
-from machinery.storage import checkpoint_identity, file_to_write, hold_lock, one_line_os_errors
+from machinery.plumbing import (add_device_flag, autocast, bar, checkpoint_identity, duration,
+                      exit_on_stop_signals, file_to_write, hold_lock, line_buffered,
+                      one_line_os_errors, pick_device)
 from model import Encoder, load_checkpoint
 
 

@@ -32,8 +32,7 @@ import torch
 
 from data.prepare import CLS, MASK, PAD, SEP, SPECIALS, UNK
 from machinery import flags
-from machinery.run_folder import REPO
-from machinery.storage import one_line_os_errors, read_checkpoint
+from machinery.plumbing import REPO, one_line_os_errors, read_checkpoint
 from model import boot_shape
 
 

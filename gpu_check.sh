@@ -306,7 +306,7 @@ EOF
         "$py" - "$W/headline" "$O/progress.txt" > "$O/summary.json" <<'EOF'
 import json, re, statistics, sys, traceback
 from pathlib import Path
-from machinery.run_folder import RunFolder
+from machinery.plumbing import RunFolder
 run, progress = Path(sys.argv[1]), Path(sys.argv[2]).read_text()
 wall = lambda part: float(re.findall(rf"^\[\d+s\] {part}: exit \d+ in (\d+)s", progress,
                                      flags=re.M)[-1]) if f"] {part}: exit" in progress else None

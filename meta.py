@@ -66,16 +66,13 @@ from tqdm import tqdm
 from data.meta_examples import task_batch
 from data.prepare import PAD, VOCAB_SIZE, raw_root
 from machinery import flags
-from machinery.device import add_device_flag, autocast, pick_device
-from machinery.progress import bar, line_buffered
-from machinery.run_folder import REPO, RunFolder, repo_sources
-from machinery.stopping import exit_on_stop_signals, stop_after_the_step
-from machinery.storage import load_state
+from machinery.plumbing import (REPO, RunFolder, add_device_flag, autocast, bar,
+                                exit_on_stop_signals, line_buffered, load_state, pick_device,
+                                repo_sources, stop_after_the_step)
 from metalearning.glue import glue_task
 from metalearning.moons import (MOONS_TOKENS, PROTOCOLS, Labeled, ft_batch, labeled_sets,
                                 moons_batches, moons_text, predict_labels, print_table, two_moons)
-from model import PRESETS, Encoder, ModelConfig, init_linears, small_init
-from training import run as training_run
+from model import PRESETS, Encoder, ModelConfig, init_linears, model_config, small_init
 from training.optim import inverse_sqrt
 
 
@@ -374,12 +371,12 @@ MOONS_MODEL = dict(n_layer=2, n_head=2, d_model=8, d_ff=32)  # Shen's Two Moons 
 GLUE_POSITIONS = 512  # the text student's positions, as train.py's default --max-position
 
 
-def model_config(args, vocab: int) -> ModelConfig:
+def student_config(args, vocab: int) -> ModelConfig:
     """Shen's Two Moons model or the --size preset, under the model flags given (as train.py)."""
     preset = MOONS_MODEL if args.task == "two_moons" else PRESETS[args.size]
     # glue: as train.py, so that evaluate.py's --max-len fits
     longest = 64 if args.task == "two_moons" else GLUE_POSITIONS
-    return training_run.model_config(args, vocab, {**preset, "max_position": longest})
+    return model_config(args, vocab, {**preset, "max_position": longest})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +421,7 @@ def moons_cell(args, data, size, seed, device):
     """One entry of the table: pretrain with --labels (its labelled task: the first `size`
     points), fine-tune on the same points, -> (test predictions, what the teacher wrote last)."""
     tok = data["tokens"]
-    cfg = model_config(args, tok["vocab"])
+    cfg = student_config(args, tok["vocab"])
     torch.manual_seed(seed)
     student, teacher = Encoder(cfg).to(device).train(), Teacher(cfg).to(device).train()
     train, valid = (Labeled(*(torch.as_tensor(a, device=device) for a in part))
@@ -478,7 +475,7 @@ def run_two_moons(args, device, folder: RunFolder):
         pool = contextlib.nullcontext()
         done = ((f"{l}/{n}/{s}", *moons_cell(replace_args(a, labels=l), data, n, s, device),
                  time.time() - t0) for a, l, n, s in jobs for t0 in [time.time()])
-    folder.write("config", asdict(model_config(args, MOONS_TOKENS["vocab"])))
+    folder.write("config", asdict(student_config(args, MOONS_TOKENS["vocab"])))
     test_y = data["test"].y.tolist()
     (folder.path / "cells").mkdir(exist_ok=True)
     with pool, open(folder.path / "samples.txt", "a") as samples:
@@ -512,7 +509,7 @@ def run_glue(args, device, folder: RunFolder, go_on: str):
 
 def glue_loop(args, device, folder: RunFolder, go_on: str, task):
     data_dir, V, words = task.data_dir, task.text_vocab, task.words
-    cfg = model_config(args, task.ids["vocab"])
+    cfg = student_config(args, task.ids["vocab"])
     folder.write("config", asdict(cfg))
     samples = open(folder.path / "samples.txt", "a")
 

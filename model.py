@@ -26,7 +26,7 @@ how relative attention is computed, the same function each way (docs/bench.md ti
 init_weights documents the initialisation of every tensor.
 """
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import sentencepiece as spm
 import torch
@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from machinery.kernels import flex_relative, fused_relative, toeplitz_plan
-from machinery.storage import read_checkpoint
+from machinery.plumbing import read_checkpoint
 
 
 @dataclass
@@ -487,6 +487,22 @@ class BootPredictor(nn.Module):
     def logits(self, input_ids, attention_mask=None):
         """(B, T, V) logits at every position."""
         return self.encoder.head(self(input_ids, attention_mask))
+
+
+def model_config(args, vocab_size, preset: dict | None = None) -> ModelConfig:
+    """The model the flags ask for: `preset` (default: --size's), every ModelConfig field a flag
+    of the same name sets (not None), the data's vocabulary; one line if it cannot run."""
+    overrides = {f.name: getattr(args, f.name) for f in fields(ModelConfig)
+                 if getattr(args, f.name, None) is not None}
+    preset = PRESETS[args.size] if preset is None else preset
+    config = ModelConfig(**{**preset, **overrides, "vocab_size": vocab_size})
+    if config.d_model % config.n_head:
+        raise SystemExit(f"error: --d-model {config.d_model} is not a multiple of "
+                         f"--n-head {config.n_head}")
+    if args.seq_len > config.max_position:
+        raise SystemExit(f"error: --seq-len {args.seq_len} exceeds --max-position "
+                         f"{config.max_position}")
+    return config
 
 
 def check_config(saved: dict, config: ModelConfig, path, ignore=()) -> None:

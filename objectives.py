@@ -1,7 +1,7 @@
 """The pretraining objectives, each one loss function and one OBJECTIVES entry, read by
 train.py's loop (which names no objective):
 
-    loss, stats = OBJECTIVES[name].loss(model, batch, parts)
+    loss, stats = OBJECTIVES[name].loss(model, batch, parts, **settings)
 
   mlm       masked language modelling, LTG-BERT's recipe (docs/objectives/mlm.md)
   gpt-bert  GPT-BERT's hybrid: masked next-token prediction and causal LM (gpt-bert.md)
@@ -14,9 +14,7 @@ them, and refuses them for another objective), and what the loop, the scorers an
 need to know of it (a phase of plain MLM first, how its checkpoints predict): fields, never its
 name.
 """
-import argparse
 import copy
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -26,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sparse
-from machinery.device import use_compile
+from machinery.plumbing import use_compile
 from machinery.flags import Flag, Range, above, at_least, field_flags, flag
 from model import (BootHeads, BootPredictor, boot_states, init_linears, load_checkpoint,
                    small_init)
@@ -38,8 +36,10 @@ from model import (BootHeads, BootPredictor, boot_states, init_linears, load_che
 #   batch:   input_ids (B, T) clean, attention_mask (B, T), inputs (B, T) masked, labels (B, T)
 #            (-100 where nothing is predicted); slots (C,) the flat positions b * T + t of the
 #            predicted tokens, then padding slots; targets (C,) their labels, -100 in padding
-#   parts:   ObjectiveParts: the run's flags and what the loss reads besides the batch that the
-#            optimizer does not train (frozen teachers, a dictionary...), in named fields
+#   parts:   ObjectiveParts: what the loss reads besides the batch that the optimizer does not
+#            train (frozen teachers, a dictionary...), in named fields
+#   settings: the flags its entry's `settings` names, by name (train.py binds them once a
+#            phase starts: functools.partial(entry.loss, **settings))
 #   stats:   {name: 0-dim tensor}, averaged over the log interval and written to log.jsonl
 # Losses are means over the predicted slots, padding weighed out: a batch with nothing to
 # predict gives 0 and no gradient, not 0/0. No tensor becomes a Python number in a loss.
@@ -51,7 +51,6 @@ class ObjectiveParts:
     encoder, and what the loss reads besides the batch. A module here other than `heads` is not
     trained by the optimizer."""
     heads: nn.Module = field(default_factory=nn.ModuleDict)
-    args: argparse.Namespace | None = None  # the run's flags (set as the phase starts)
     ema: nn.Module | None = None       # boot: the mean teacher, which the loop updates after
     #                                    every optimizer step; kept in checkpoints
     compact: bool = False              # boot: the student encodes only the kept tokens (eager)
@@ -131,7 +130,7 @@ CAUSAL_FRACTION = flag("--causal-fraction", type=causal_fraction, default=1 / 16
                        "masked-focus (1/16), mixed or causal-focus (default 1/16)")
 
 
-def gpt_bert(model, batch, parts):
+def gpt_bert(model, batch, parts, causal_fraction):
     """GPT-BERT's hybrid (Charpentier & Samuel 2024, "GPT or BERT: why not both?", sec. 2): the
     first rows of the batch are masked next-token prediction (MNTP), the last B_c causal LM
     (B_c = causal_rows), in the same encoder and its relative attention.
@@ -145,7 +144,7 @@ def gpt_bert(model, batch, parts):
     gives each GPU one objective and averages the GPUs' means: the same weighting), plus
     gpt-bert's z-loss 1e-4 mean(logsumexp(logits)^2) on every scored position."""
     B, T = batch["input_ids"].shape
-    n = B - causal_rows(B, parts.args.causal_fraction)                    # MNTP rows: [0, n)
+    n = B - causal_rows(B, causal_fraction)                               # MNTP rows: [0, n)
     scored = {}                                # name: (its share, logits (N, V), targets (N,))
     if n > 0:
         slots, targets = batch["slots"], batch["targets"]                  # (C,)
@@ -173,7 +172,7 @@ def gpt_bert(model, batch, parts):
     return loss + 1e-4 * z, {**stats, "z_loss": z.detach()}
 
 
-def boot(model, batch, parts):
+def boot(model, batch, parts, lb_weight, mlm_weight):
     """Latent bootstrapping (Samuel 2023, "Mean BERTs make erratic language teachers", sec. 3).
 
     The student encoder sees only the kept tokens, each at its original position (a masked
@@ -185,7 +184,7 @@ def boot(model, batch, parts):
     loss = lb_weight * LB + mlm_weight * MLM. Student, teacher and decoder each end in an affine
     LayerNorm (--final-norm, on for boot).
     """
-    args, enc, heads = parts.args, model.encoder, model.heads
+    enc, heads = model.encoder, model.heads
     ids, mask, slots, targets = (batch[k] for k in ("input_ids", "attention_mask", "slots",
                                                     "targets"))
     hide = batch["labels"] != -100                                         # (B, T)
@@ -206,7 +205,7 @@ def boot(model, batch, parts):
     centred = target - (target * w).sum(0) / n.clamp(min=1)
     spread = ((centred ** 2 * w).sum(0) / (n - 1).clamp(min=1)).sqrt().mean()
     stats = {"lb": lb, "mlm": ce, "acc": slot_accuracy(logits, targets), "target_std": spread}
-    return args.lb_weight * lb + args.mlm_weight * ce, stats
+    return lb_weight * lb + mlm_weight * ce, stats
 
 
 def setup_boot(encoder, args, run_dir, device) -> ObjectiveParts:
@@ -235,27 +234,27 @@ BOOT_FLAGS = (
          help="the encoder reads the kept tokens (mae) or all (bert)"))
 
 
-def kd(model, batch, parts, with_mlm=False):
+def kd(model, batch, parts, kd_temperature, kd_teacher_input, mlm_weight=None):
     """Knowledge distillation (Hinton et al. 2015) from the frozen phase-1 model (Berend 2023,
     "Better Together", sec. 2.2): KL(teacher || student) over the vocabulary at the masked
     positions, mean over positions, at temperature T and times T^2 (so gradients keep their
     size as T changes); kd+mlm adds --mlm-weight x the MLM cross-entropy."""
-    args, slots, targets = parts.args, batch["slots"], batch["targets"]
+    slots, targets = batch["slots"], batch["targets"]
     _, logits = model.encoder(batch["inputs"], batch["attention_mask"], predict=slots)  # (C, V)
     with torch.no_grad():
-        seen = batch["input_ids"] if args.kd_teacher_input == "clean" else batch["inputs"]
+        seen = batch["input_ids"] if kd_teacher_input == "clean" else batch["inputs"]
         # a boot teacher hides what it predicts from its encoder, as it was trained to
         hidden = ({"hide": batch["labels"] != -100} if isinstance(parts.teacher, BootPredictor)
                   else {})
         _, teacher = parts.teacher(seen, batch["attention_mask"], predict=slots, **hidden)
-    T = args.kd_temperature
+    T = kd_temperature
     per_slot = F.kl_div(F.log_softmax(logits.float() / T, -1),
                         F.log_softmax(teacher.float() / T, -1),
                         log_target=True, reduction="none").sum(-1)              # (C,)
     kl = slot_mean(per_slot, targets != -100) * T * T
     ce = cross_entropy(logits, targets)
     stats = {"kd": kl, "mlm": ce, "acc": slot_accuracy(logits, targets)}
-    return kl + (args.mlm_weight * ce if with_mlm else 0.0), stats
+    return kl + (0.0 if mlm_weight is None else mlm_weight * ce), stats
 
 
 def load_teacher(encoder, args, run_dir, device, encoder_only=False):
@@ -295,7 +294,7 @@ KD_FLAGS = (flag("--kd-temperature", type=float, default=1.0, range=above(0),
 MLSM_FISTA_STEPS = 100
 
 
-def mlsm(model, batch, parts, with_mlm=False):
+def mlsm(model, batch, parts, mlsm_coder, mlsm_lam, mlsm_iters, mlsm_tol, mlm_weight=None):
     """Masked latent semantic modeling (Berend 2023, "Masked Latent Semantic Modeling", sec. 3;
     "Better Together", sec. 2.3). At every masked position the frozen phase-1 model, reading the
     unmasked sequence, gives its layer-L state h; the target is the l1-normalised non-negative
@@ -304,20 +303,19 @@ def mlsm(model, batch, parts, with_mlm=False):
     Loss: KL(target || prediction), mean over the positions whose code is not all zero (those
     have no distribution to predict and are left out, counted in zero_rate); mlsm+mlm adds
     --mlm-weight x the MLM cross-entropy at the same positions."""
-    args, enc, slots, targets = parts.args, model.encoder, batch["slots"], batch["targets"]
+    enc, slots, targets = model.encoder, batch["slots"], batch["targets"]
     predicted = targets != -100                                           # (C,)
     with torch.no_grad():
         states = parts.teacher(batch["input_ids"], batch["attention_mask"], all_layers=True)
         h = states[parts.layer].flatten(0, 1)[slots]                         # (C, d)
         with torch.autocast(h.device.type, enabled=False):
             h = F.normalize(h.float(), dim=-1)
-            if args.mlsm_coder == "fista100":  # the MLSM code's targets
-                codes = sparse.fista_fixed(h, parts.dictionary, args.mlsm_lam,
+            if mlsm_coder == "fista100":  # the MLSM code's targets
+                codes = sparse.fista_fixed(h, parts.dictionary, mlsm_lam,
                                            MLSM_FISTA_STEPS, parts.lipschitz,
                                            parts.momentum)                    # (C, k)
             else:  # its working set is sized by the data: run eagerly (setup_mlsm)
-                codes = parts.exact_coder(h, parts.dictionary, args.mlsm_lam, args.mlsm_iters,
-                                          args.mlsm_tol)
+                codes = parts.exact_coder(h, parts.dictionary, mlsm_lam, mlsm_iters, mlsm_tol)
         mass = codes.sum(1, keepdim=True)                                 # (C, 1)
         coded = (mass.squeeze(1) > 0) & predicted                         # (C,)
         # rows sum to 1; all-zero codes and padding slots stay 0
@@ -330,11 +328,11 @@ def mlsm(model, batch, parts, with_mlm=False):
     kl = F.kl_div(logp, target, reduction="sum") / n_coded
     stats = {"kl": kl, "nnz": ((codes > 0) & coded[:, None]).sum() / n_coded,
             "zero_rate": 1 - coded.sum() / predicted.sum().clamp(min=1)}
-    if not with_mlm:
+    if mlm_weight is None:
         return kl, stats
     logits = F.linear(feats, enc.word.weight, enc.head_bias)              # (C, V)
     ce = cross_entropy(logits, targets)
-    return kl + args.mlm_weight * ce, {**stats, "mlm": ce, "acc": slot_accuracy(logits, targets)}
+    return kl + mlm_weight * ce, {**stats, "mlm": ce, "acc": slot_accuracy(logits, targets)}
 
 
 # train.py's mlsm flags -> the sparse.DictConfig fields they set (their defaults come from there)
@@ -386,7 +384,8 @@ def setup_mlsm(encoder, args, run_dir, device) -> ObjectiveParts:
 
 
 class Objective(NamedTuple):
-    loss: Callable                  # (model, batch, parts) -> (loss, stats)
+    loss: Callable                  # (model, batch, parts, **settings) -> (loss, stats)
+    settings: tuple[str, ...] = ()  # the flags (dests) its loss reads, passed to it by name
     setup: Callable | None = None   # (encoder, args, run_dir, device) -> ObjectiveParts
     two_phase: bool = False         # plain MLM first; then this, taught by the phase-1 model
     defaults: dict | None = None    # shared flags whose default differs, as its paper trained it
@@ -406,13 +405,16 @@ UNIFORM = dict(masking="uniform")  # Berend 2023's masking, in both phases (szeg
 # at tiny the recipe's dictionary (3,000 atoms from 100,000 states, 4 epochs) would take longer
 # than the run: the cpu studies' smaller one (docs/objectives/mlsm.md)
 TINY_DICT = {"tiny": dict(mlsm_k=500, dict_vectors=20000, dict_epochs=2)}
+KD_SETTINGS = ("kd_temperature", "kd_teacher_input")  # and kd+mlm's --mlm-weight
+MLSM_SETTINGS = ("mlsm_coder", "mlsm_lam", "mlsm_iters", "mlsm_tol")  # and mlsm+mlm's
 BASELINE = "mlm"  # plain MLM: what every objective is compared with, and a two-phase one's phase 1
 PHASED = (*PHASES, TEACHER)  # a two-phase objective's: phase 1 trained here, or a --teacher
 OBJECTIVES = {
     BASELINE: Objective(mlm, flags=(MLM_TWO_PHASE, *PHASES),
                         about="masked language modelling, LTG-BERT's recipe"),
     # the reference's recipe (ltgoslo/gpt-bert, train_10m.py, configs/): docs/objectives/gpt-bert.md
-    "gpt-bert": Objective(gpt_bert, predicts_before=True, flags=(CAUSAL_FRACTION,),
+    "gpt-bert": Objective(gpt_bert, ("causal_fraction",), predicts_before=True,
+                          flags=(CAUSAL_FRACTION,),
                           about="masked next-token and causal LM, Charpentier & Samuel 2024",
                           defaults=dict(schedule="cosine-cooldown", cooldown=0.016, mask_p=0.3,
                                         mask_p_end=0.15, decay_embeddings=True, eps=1e-8),
@@ -421,23 +423,26 @@ OBJECTIVES = {
         f"gpt-bert trains {causal_rows(args.batch_size, args.causal_fraction)} of each "
         f"micro-batch's {args.batch_size} rows causally, the rest masked next-token prediction "
         f"(--causal-fraction {args.causal_fraction:g})")),
-    "boot": Objective(boot, setup_boot, decoder=True, flags=(*BOOT_FLAGS, MLM_WEIGHT),
+    "boot": Objective(boot, ("lb_weight", "mlm_weight"), setup_boot, decoder=True,
+                      flags=(*BOOT_FLAGS, MLM_WEIGHT),
                       about="latent bootstrapping, Samuel 2023",
                       defaults=dict(lr=5e-3, weight_decay=0.02, weight_decay_end=0.2,
                                     mlm_weight=0.1, final_norm=True)),
-    "kd": Objective(kd, setup_kd, two_phase=True, defaults=UNIFORM, flags=(*PHASED, *KD_FLAGS),
+    "kd": Objective(kd, KD_SETTINGS, setup_kd, two_phase=True, defaults=UNIFORM,
+                    flags=(*PHASED, *KD_FLAGS),
                     about="distilling the phase-1 model's predictions, Berend 2023"),
-    "kd+mlm": Objective(functools.partial(kd, with_mlm=True), setup_kd, two_phase=True,
+    "kd+mlm": Objective(kd, (*KD_SETTINGS, "mlm_weight"), setup_kd, two_phase=True,
                         defaults=UNIFORM, flags=(*PHASED, *KD_FLAGS, MLM_WEIGHT)),
     # faithful: Berend 2023 (Table 1a) has MLSM alone below MLSM+MLM on BLiMP
-    "mlsm": Objective(mlsm, setup_mlsm, two_phase=True, defaults=UNIFORM, size_defaults=TINY_DICT,
+    "mlsm": Objective(mlsm, MLSM_SETTINGS, setup_mlsm, two_phase=True, defaults=UNIFORM,
+                      size_defaults=TINY_DICT,
                       flags=(*PHASED, *MLSM_FLAGS),
                       about="sparse codes of the phase-1 model's states, Berend 2023",
                       note=lambda args: (
         "mlsm's phase 2 trains the latent head alone: no loss trains the vocabulary logits after "
         "phase 1 while the encoder under them moves, and BLiMP's pseudo-log-likelihoods read "
         "those logits; mlsm+mlm is the joint objective")),
-    "mlsm+mlm": Objective(functools.partial(mlsm, with_mlm=True), setup_mlsm, two_phase=True,
+    "mlsm+mlm": Objective(mlsm, (*MLSM_SETTINGS, "mlm_weight"), setup_mlsm, two_phase=True,
                           defaults=UNIFORM, size_defaults=TINY_DICT,
                           flags=(*PHASED, *MLSM_FLAGS, MLM_WEIGHT)),
 }

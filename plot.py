@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 
 from machinery import flags
-from machinery.run_folder import RunFolder
-from machinery.storage import one_line_os_errors
+from machinery.plumbing import RunFolder, one_line_os_errors
 
 
 NOT_FIGURES = {"step", "lr", "tok_per_s", "peak_mem_gb", "error"}  # logged, but not curves

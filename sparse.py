@@ -45,11 +45,9 @@ from tqdm import tqdm
 
 from data.prepare import CLS, SEP, check_tokenizer, prepare
 from machinery import flags
-from machinery.device import add_device_flag, pick_device
-from machinery.progress import bar, duration, line_buffered
-from machinery.stopping import exit_on_stop_signals
-from machinery.storage import (checkpoint_identity, file_to_write, load_state, read_checkpoint,
-                               save_checkpoint)
+from machinery.plumbing import (add_device_flag, bar, checkpoint_identity, duration,
+                                exit_on_stop_signals, file_to_write, line_buffered, load_state,
+                                pick_device, read_checkpoint, save_checkpoint)
 from model import load_checkpoint
 
 

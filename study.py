@@ -55,8 +55,7 @@ from data.prepare import prepare, prepared_copies, resolve
 from data.tasks import TASKS
 from evaluation.results import read_result
 from machinery import flags
-from machinery.run_folder import REPO, RunFolder
-from machinery.storage import atomic_write, one_line_os_errors
+from machinery.plumbing import REPO, RunFolder, atomic_write, one_line_os_errors
 from studies.plan import (Job, StudyError, load_study, metric_names, plan, raw_path,
                           scale_arms, shown)
 from studies.report import build_report

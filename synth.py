@@ -39,7 +39,7 @@ import numpy as np
 
 from data.prepare import raw_root
 from machinery import flags
-from machinery.storage import one_line_os_errors
+from machinery.plumbing import one_line_os_errors
 
 
 TREEBANKS = ["UD_French-GSD", "UD_French-Sequoia", "UD_French-ParTUT"]

@@ -15,7 +15,7 @@ from benchmarks.ltg_bert import LtgBert
 from benchmarks.timing import PROFILES, alternate, failed_row, profile_ops, row
 from data.masking import mask_capacity, predicted_slots
 from data.prepare import MASK, SPECIALS, VOCAB_SIZE
-from machinery.device import autocast, use_bf16, use_compile
+from machinery.plumbing import autocast, use_bf16, use_compile
 from machinery.kernels import fused_unavailable
 from model import PRESETS, Encoder, ModelConfig, use_attention
 

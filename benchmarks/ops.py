@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from benchmarks.timing import alternate, rates, row
 from data.prepare import VOCAB_SIZE
-from machinery.device import use_bf16
+from machinery.plumbing import use_bf16
 from machinery.kernels import flex_relative, fused_relative, fused_unavailable
 from model import (PRESETS, Encoder, ModelConfig, fused_plan, relative_buckets,
                    relative_scores)

@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python data/prepare.py`
 from machinery import flags  # noqa: E402
-from machinery.progress import bar, heartbeat  # noqa: E402
+from machinery.plumbing import bar, heartbeat  # noqa: E402
 
 
 HERE = Path(__file__).resolve().parent

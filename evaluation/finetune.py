@@ -19,9 +19,7 @@ from data.tasks import MSGS, TASKS, Examples, pad, read_task
 from evaluation.results import (METRICS, confusion, read_partial, result_path, write_lines,
                                 write_result)
 from machinery import flags
-from machinery.device import autocast, pick_device
-from machinery.progress import bar
-from machinery.storage import checkpoint_identity, one_line_os_errors
+from machinery.plumbing import autocast, bar, checkpoint_identity, one_line_os_errors, pick_device
 from model import load_checkpoint
 from training.optim import cosine_with_warmup, linear_warmup_decay
 

@@ -19,7 +19,7 @@ import numpy as np
 from scipy import stats
 
 from evaluation.results import METRICS, read_result
-from machinery.progress import bar
+from machinery.plumbing import bar
 
 
 def examples_of(result: dict, key: str, path="the result") -> dict:

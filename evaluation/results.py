@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from machinery.storage import atomic_write, one_line_os_errors
+from machinery.plumbing import atomic_write, one_line_os_errors
 
 
 def result_path(out, ckpt, name: str) -> Path:

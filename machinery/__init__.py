@@ -1,3 +1,4 @@
-"""The run machinery, the ground floor under the data, the model and every stage: safe saves and
-the run folder, the device, flags, progress, what stops a run, the optimiser pieces, the kernels,
-bench timing, result files and the Multi-Bootstrap. Nothing here imports the model or data/."""
+"""The ground floor under the data, the model and every stage: the run plumbing (plumbing.py:
+safe saves and the run folder, the device, stop signals, progress), the command line every
+script builds (flags.py) and the alternative attention kernels (kernels.py). Nothing here
+imports the model or data/."""

@@ -1,7 +1,7 @@
 """The command line as every script builds it: errors in one line, help that shows each flag's
 default, flags made from a config dataclass's fields (their help is the field's comment, so the
 two never drift apart), the range of every numeric flag declared with the flag and checked as
-the command line is parsed, comma-separated integer lists, and which flags a user typed.
+the command line is parsed, and comma-separated integer lists.
 
     p = flags.Parser(description=__doc__)
     p.add_argument("--lr", type=float, default=1e-3, range=flags.above(0))
@@ -13,7 +13,6 @@ the command line is parsed, comma-separated integer lists, and which flags a use
 import argparse
 import inspect
 import re
-import sys
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -167,21 +166,23 @@ def actions(parser) -> list[argparse.Action]:
 
 
 def check_ranges(parser, args) -> None:
-    """Refuse a value outside its flag's range (None passes: not given; a flag of another
-    subcommand passes too), in one line that names the flag, its range and the value. A list
-    (a comma-separated flag, of type integers) is checked value by value."""
+    """Refuse a value outside its flag's range, in one line that names the flag, its range and
+    the value. What is not a number passes: None (not given), train.py's mark of a flag not typed,
+    a flag of another subcommand. A list (a comma-separated flag, of type integers) is checked
+    value by value."""
     for action in actions(parser):
         allowed, given = getattr(action, "range", None), getattr(args, action.dest, None)
         for value in given if isinstance(given, list) else [given]:
-            if allowed is not None and value is not None and value not in allowed:
+            number = isinstance(value, (int, float))
+            if allowed is not None and number and value not in allowed:
                 parser.error(allowed.refusal(f"--{action.dest.replace('_', '-')}", value))
 
 
-def fill_unset(args, values: dict, typed: list[str] | None = None) -> None:
-    """Each flag named in `values` (a preset's, a protocol's, a recipe's) takes its value there
-    where the user left it unset: None, or, given `typed` (typed()'s list), not typed at all."""
+def fill_unset(args, values: dict) -> None:
+    """Each flag named in `values` (a preset's, a protocol's) takes its value there where the
+    user left it unset (None)."""
     for k, v in values.items():
-        if (k not in typed) if typed is not None else getattr(args, k, None) is None:
+        if getattr(args, k, None) is None:
             setattr(args, k, v)
 
 
@@ -191,12 +192,3 @@ def integers(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text}: give comma-separated integers") from None
-
-
-def typed(parser, argv) -> list[str]:
-    """The destinations of the flags typed on the command line (argv, or sys.argv's): a resumed
-    run keeps its saved settings and refuses new ones. argparse has no public map from option
-    string to destination, hence the private one."""
-    words = [t.split("=")[0] for t in (sys.argv[1:] if argv is None else argv)]
-    options = parser._option_string_actions
-    return sorted({options[t].dest for t in words if t in options})

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from data.masking import HELD_OUT_MASKINGS
 from data.prepare import raw_root
-from machinery.run_folder import REPO
+from machinery.plumbing import REPO
 
 
 # ---------------------------------------------------------------------------------------------

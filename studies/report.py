@@ -14,7 +14,7 @@ import numpy as np
 
 from evaluation.multibootstrap import examples_of, in_units, multibootstrap, signed, verdict
 from evaluation.results import read_result
-from machinery.run_folder import REPO
+from machinery.plumbing import REPO
 from studies.plan import diagnostic_metrics, metric_names, plan, scale_arms, shown
 
 

@@ -9,6 +9,7 @@ it, and a decimal figure outside a span must stand in a paragraph that says it w
 figure left behind when results change fails here, naming the page.
 
 The tests that check claims have `claim` in their names: `pytest -k claim` runs them alone."""
+import argparse
 import re
 import shlex
 import shutil
@@ -17,7 +18,6 @@ import pytest
 
 import study
 from conftest import REPO
-from machinery import flags
 from studies import pages as P
 from studies.plan import load_study
 
@@ -254,12 +254,15 @@ def test_each_report_shows_commands_that_train_its_arms_claim():
             argv = shlex.split(line)[2:]
             arm_flags = shlex.split(conf.get("flags", "") + " " + scale.get(
                 "arm_flags", {}).get(arm, ""))
-            parser = train.build_parser()
+            unset = argparse.Namespace(**dict.fromkeys(vars(train.parser.parse_args([])),
+                                                       train.UNSET))
+            typed = [k for k, v in vars(train.parser.parse_args(arm_flags, unset)).items()
+                     if v is not train.UNSET]  # the dests the arm's flags set
             # the arm's flags given again after the command's own: argparse keeps the last, so
             # a setting the command lacks or gives otherwise shows as a difference
-            got, want = train.get_args(argv, parser), train.get_args(argv + arm_flags, parser)
+            got, want = train.get_args(argv), train.get_args(argv + arm_flags)
             assert got.objective == conf["objective"], (report.name, arm)
-            for dest in flags.typed(parser, arm_flags):
+            for dest in typed:
                 assert getattr(got, dest) == getattr(want, dest), (report.name, arm, dest)
             checked += 1
     assert checked >= 10

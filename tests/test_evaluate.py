@@ -21,10 +21,10 @@ from data.masking import span_mask, uniform_mask
 from data.prepare import CLS, MASK, SEP, load_tokenizer
 from data.tasks import read_task
 from evaluation import finetune
-from machinery import device as device_module
+from machinery import plumbing
 from evaluation import multibootstrap, results
 from training import optim
-from machinery.storage import read_checkpoint, save_checkpoint
+from machinery.plumbing import read_checkpoint, save_checkpoint
 from model import PRESETS, BootHeads, BootPredictor, Encoder, ModelConfig
 
 
@@ -959,7 +959,7 @@ def test_scores_are_float32_unless_bf16_is_asked(ckpt, monkeypatch):
                               progress=False, **k)
     with torch.autocast("cpu", enabled=False):
         want = score(bf16=False)
-    monkeypatch.setattr(device_module, "use_bf16", bf16_by_default)  # as on CUDA
+    monkeypatch.setattr(plumbing, "use_bf16", bf16_by_default)  # as on CUDA
     assert not np.allclose(score(bf16=None), want, atol=1e-4)  # the stand-in takes effect
     assert np.array_equal(score(), want)  # the default is float32 even there
     assert not np.allclose(score(bf16=True), want, atol=1e-4)  # bf16 differs: the flag reaches it
@@ -976,7 +976,7 @@ def test_masked_lm_scores_in_float32_unless_bf16_is_asked(ckpt, small_raw, prepa
         return json.loads(out.read_text())["loss_span"]["pred"][0]
 
     want = losses()  # on the CPU: float32 whatever the default
-    monkeypatch.setattr(device_module, "use_bf16", bf16_by_default)  # as on CUDA
+    monkeypatch.setattr(plumbing, "use_bf16", bf16_by_default)  # as on CUDA
     assert losses() == want
     assert not np.allclose(losses("--bf16"), want, atol=1e-4)
 
@@ -1056,7 +1056,7 @@ def test_fill_shows_the_models_own_top_guesses(ckpt, tmp_path, objective, capsys
 def test_a_second_blimp_on_the_same_result_is_refused(ckpt, tmp_path):
     """Two `evaluate.py blimp` writing one result would write one partial file at once: the
     second is refused in one line, naming the first; once it has ended, the next one runs."""
-    from machinery.storage import hold_lock
+    from machinery.plumbing import hold_lock
     folder = tmp_path / "mini"
     folder.mkdir()
     src = (shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"

@@ -26,7 +26,7 @@ import objectives as O  # noqa: E402
 from conftest import run_script, run_train, shared_data  # noqa: E402
 from data.prepare import MASK  # noqa: E402
 from evaluation import results  # noqa: E402
-from machinery.storage import read_checkpoint, save_checkpoint  # noqa: E402
+from machinery.plumbing import read_checkpoint, save_checkpoint  # noqa: E402
 from model import PRESETS, BootHeads, Encoder, ModelConfig, load_checkpoint  # noqa: E402
 
 

@@ -19,8 +19,7 @@ import torch
 
 import evaluate as E
 from conftest import REPO, TINY, run_train, run_trains, shared_data
-from machinery.run_folder import RunFolder
-from machinery.storage import read_checkpoint, save_checkpoint
+from machinery.plumbing import RunFolder, read_checkpoint, save_checkpoint
 from model import PRESETS, Encoder, ModelConfig, load_checkpoint
 
 
@@ -116,7 +115,7 @@ def test_sigterm_saves_and_resumes_bit_identically_and_one_run_per_folder(prepar
 
 def test_a_killed_process_lock_is_taken_over(tmp_path):
     code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); "
-            f"from machinery.run_folder import RunFolder; f = RunFolder({str(tmp_path)!r}); "
+            f"from machinery.plumbing import RunFolder; f = RunFolder({str(tmp_path)!r}); "
             f"f.lock(); print('held', flush=True); time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

@@ -18,11 +18,12 @@ from conftest import REPO
 # (metalearning/); what evaluation reads (evaluation/: fine-tuning, result files, intervals,
 # which fine-tunes with training's optimizer) and bench.py's rows (benchmarks/); study.py's plan
 # and report (studies/); the libraries with a command line; the objectives (train.py's, one file
-# below its loop); the scripts. hf/: the modeling file export.py ships, transformers' code only.
+# below its loop); the stages; the tools that drive or measure them (bench.py reads train.py's
+# flags). hf/: the modeling file export.py ships, transformers' code only.
 FLOOR = {"machinery": 0, "hf": 0, "data": 1, "model": 2, "training": 3, "metalearning": 3,
          "evaluation": 4, "benchmarks": 4, "studies": 5, "sparse": 5, "evaluate": 5,
-         "objectives": 6, "train": 7, "meta": 7, "synth": 7, "study": 7, "bench": 7, "export": 7,
-         "plot": 7}
+         "objectives": 6, "train": 7, "meta": 7, "synth": 7, "study": 8, "bench": 8, "export": 8,
+         "plot": 8}
 CARD = {"model", "train", "objectives", "sparse", "synth", "meta", "evaluate"}  # the card's
 TOOLS = {"export", "study", "bench", "plot"}                       # the few a user types
 
@@ -76,12 +77,12 @@ def test_no_stage_launches_another_for_internal_work():
     """bench.py times train.py's and synth.py's commands as users run them, on purpose; study.py
     runs each step of a study as the command a user would type (and its report lists);
     studies/first_screen.py runs the README's first block as a newcomer types it, and asks git
-    for the commit it measured; machinery/run_folder.py asks git for the code's version and for
+    for the commit it measured; machinery/plumbing.py asks git for the code's version and for
     the repository's files. Nothing else starts a process."""
     users = {str(p.relative_to(REPO)) for p in sources() if "subprocess" in imported(p)}
-    assert users == {"bench.py", "machinery/run_folder.py", "study.py", "studies/first_screen.py"}
+    assert users == {"bench.py", "machinery/plumbing.py", "study.py", "studies/first_screen.py"}
     calls = re.findall(r"subprocess\.run\(\[([^,\]]+)",
-                       (REPO / "machinery" / "run_folder.py").read_text())
+                       (REPO / "machinery" / "plumbing.py").read_text())
     assert calls and set(calls) == {'"git"'}
 
 
@@ -143,32 +144,39 @@ def test_lines_are_at_most_100_characters(path):
     assert not long, f"{path.name}: lines {long}"
 
 
-@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(REPO)))
-def test_files_are_at_most_600_lines_and_a_stage_800(path):
-    """A file a reader can hold in mind; a stage or tool at the root may run to 800 lines where
-    that keeps its method in one file (hf/'s modeling file ships to users and is left out)."""
-    if unit(path) != "hf":
-        limit = 800 if path.parent == REPO else 600
-        assert len(path.read_text().splitlines()) <= limit
-
-
-def test_the_model_file_is_the_model_and_the_loop_fits_a_screen_or_two():
+def test_the_model_file_is_the_model_and_trains_help_fits_a_screen_or_two():
     """model.py holds the model alone (no run machinery: no files, devices or processes): the
     encoder, and BootBERT's decoder parts, which every scorer and the export read from a boot
-    checkpoint without its objective, in at most 550 lines. train.py, a nanoGPT reader's first
-    file, in at most 300 (its loop, `main`, in 90); its --help in under 150."""
+    checkpoint without its objective. train.py's --help in under 150 lines. (No file has a cap on
+    its length: caps pushed bodies into helper modules; the reading path is the measure.)"""
     source = (REPO / "model.py").read_text()
-    assert len(source.splitlines()) <= 550
     nodes = list(ast.walk(ast.parse(source)))
     modules = {a.name for node in nodes if isinstance(node, ast.Import) for a in node.names}
     modules |= {node.module for node in nodes if isinstance(node, ast.ImportFrom)}
     assert {m.split(".")[0] for m in modules} <= {"dataclasses", "math", "sentencepiece",
                                                   "torch", "machinery"}
     assert {m for m in modules if m.startswith("machinery")} <= {"machinery.kernels",
-                                                                 "machinery.storage"}
-    assert len((REPO / "train.py").read_text().splitlines()) <= 300
-    assert len(inspect.getsource(train.main).splitlines()) <= 90
-    assert len(train.build_parser().format_help().splitlines()) < 150
+                                                                 "machinery.plumbing"}
+    assert len(train.parser.format_help().splitlines()) < 150
+
+
+def test_the_core_never_imports_a_tool():
+    """What the stages import to train or evaluate (train.py, evaluate.py, sparse.py, synth.py,
+    meta.py and every module they import, directly or not) is the core; the tools that drive or
+    measure it (the study runner, bench and its reference models, the export, the plot) import
+    the core and are never imported by it."""
+    tools = {"study", "studies", "bench", "benchmarks", "export", "plot"}
+    seen, todo = set(), ["train", "evaluate", "sparse", "synth", "meta"]
+    while todo:
+        name = todo.pop()
+        file = REPO / f"{name}.py" if (REPO / f"{name}.py").is_file() else None
+        files = [file] if file else sorted((REPO / name).glob("*.py"))
+        for f in files:
+            if f not in seen:
+                seen.add(f)
+                todo += [m for m in imported(f) if m in FLOOR and m != name]
+    reached = {unit(f) for f in seen}
+    assert "train" in reached and "machinery" in reached and not reached & tools, reached & tools
 
 
 # What a dated anecdote looks like: a calendar date, or a figure "on an H200"
@@ -203,7 +211,8 @@ def test_every_numeric_flag_declares_its_range(script):
     from machinery import flags
     module = __import__(script)
     exempt = {"layer", "mlsm_layer"}
-    unranged = {a.dest for a in flags.actions(module.build_parser())
+    parser = module.parser if script == "train" else module.build_parser()
+    unranged = {a.dest for a in flags.actions(parser)
                 if a.type in (int, float) and getattr(a, "range", None) is None} - exempt
     assert not unranged
 

@@ -22,7 +22,7 @@ from data import meta_examples as EX
 from data.prepare import MASK, PAD, SEP
 from metalearning import moons as MM
 from evaluation.multibootstrap import load_examples, multibootstrap
-from machinery.storage import read_checkpoint
+from machinery.plumbing import read_checkpoint
 from model import Encoder, ModelConfig, load_checkpoint
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from benchmarks.ltg_bert import LtgBert, ltg_buckets
 from training.optim import Lamb, ema_update
-from machinery.storage import read_checkpoint, save_checkpoint
+from machinery.plumbing import read_checkpoint, save_checkpoint
 from model import (PRESETS, BootHeads, Decoder, Encoder, ModelConfig, boot_states, check_config,
                    dropout, load_checkpoint, relative_buckets, relative_scores, use_attention)
 

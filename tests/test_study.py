@@ -19,7 +19,7 @@ import study
 from conftest import REPO, TINY, run_script, run_train, shared_data
 from studies import plan as study_plan, report as study_report
 from evaluation import multibootstrap, results
-from machinery.storage import read_checkpoint
+from machinery.plumbing import read_checkpoint
 
 
 ARMS = """

@@ -2,6 +2,8 @@
 (run folder, exact resume, DDP, and a clear one-line error for every bad input)."""
 import argparse
 import copy
+import functools
+import inspect
 import json
 import math
 import os
@@ -23,14 +25,11 @@ import warm_python
 from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
-from machinery import progress
+from machinery import plumbing
 from training import guard as loop_guard, optim
-from machinery import run_folder
-from machinery.run_folder import RunFolder, is_repository_file
-from machinery.storage import save_checkpoint
+from machinery.plumbing import RunFolder, is_repository_file, save_checkpoint
 from model import PRESETS, BootPredictor, Encoder, ModelConfig, boot_states, load_checkpoint
 from objectives import ObjectiveParts, Trainee
-from training import run as training_run
 
 
 # --- optimizer and schedule ----------------------------------------------------------------------
@@ -197,7 +196,7 @@ def test_the_code_a_run_keeps_is_the_repositorys_alone(tmp_path, monkeypatch, gi
     import subprocess
     import types
     root = tmp_path / "checkout"
-    files = {"train.py": "tracked", "training/run.py": "tracked", "mine.py": "new, not ignored",
+    files = {"train.py": "tracked", "training/guard.py": "tracked", "mine.py": "new, not ignored",
              ".venv/lib/python3.11/site-packages/torch/nn.py": "README's venv",
              "env/lib/python3.11/site-packages/numpy/core.py": "another venv",
              "site-packages/x.py": "a bare site-packages", "runs/old/code/model.py": "ignored",
@@ -211,19 +210,19 @@ def test_the_code_a_run_keeps_is_the_repositorys_alone(tmp_path, monkeypatch, gi
     if git:
         run = lambda *a: subprocess.run(["git", *a], cwd=root, check=True, capture_output=True)
         run("init", "-q")
-        run("add", "train.py", "training/run.py", ".gitignore")
-    monkeypatch.setattr(run_folder, "REPO", root)
-    run_folder.git_files.cache_clear()
+        run("add", "train.py", "training/guard.py", ".gitignore")
+    monkeypatch.setattr(plumbing, "REPO", root)
+    plumbing.git_files.cache_clear()
     modules = {f"fake{i}": types.SimpleNamespace(__file__=str(root / name))
                for i, name in enumerate(files)}
     monkeypatch.setattr(sys, "modules", {**sys.modules, **modules})
     try:
-        got = [f for f in run_folder.repo_sources() if f in files]
+        got = [f for f in plumbing.repo_sources() if f in files]
     finally:
-        run_folder.git_files.cache_clear()
+        plumbing.git_files.cache_clear()
     # outside git, what .gitignore ignores cannot be told: only the environments are left out
-    assert got == (["mine.py", "train.py", "training/run.py"] if git else
-                   ["mine.py", "runs/old/code/model.py", "train.py", "training/run.py"]), got
+    assert got == (["mine.py", "train.py", "training/guard.py"] if git else
+                   ["mine.py", "runs/old/code/model.py", "train.py", "training/guard.py"]), got
 
 
 def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
@@ -233,7 +232,7 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     kept = {"args.json", "config.json", "data.json", "log.jsonl", "ckpt.pt", "code"}
     assert kept <= {p.name for p in out.iterdir()}
     code = {p.relative_to(out / "code").as_posix() for p in (out / "code").rglob("*.py")}
-    assert {"train.py", "model.py", "training/run.py", "data/masking.py"} <= code
+    assert {"train.py", "model.py", "machinery/plumbing.py", "data/masking.py"} <= code
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert {"model", "optimizer", "config", "args", "step", "rng", "data_pos", "extras_state",
             "code_version", "tokenizer"} <= ckpt.keys()
@@ -532,7 +531,7 @@ def test_a_long_run_of_a_large_model_on_a_cpu_says_it_wants_a_gpu(prepared, tmp_
     out = capsys.readouterr().out.splitlines()
     note = [line for line in out if "wants a GPU" in line]
     assert len(note) == 1 and note[0].startswith("note: small on a CPU, 13M tokens: hours")
-    assert note[0].endswith(training_run.CPU_DEMO)
+    assert note[0].endswith(T.CPU_DEMO)
     assert out.index(note[0]) < min(i for i, line in enumerate(out) if line.startswith("model:"))
 
 
@@ -542,14 +541,14 @@ def test_a_gpu_line_on_a_cpu_says_so_before_the_tokenizer_is_made(tmp_path, caps
     tokenizer for minutes before the note; the note now comes first, its tokens from the raw
     text's size (gzip trailers read, nothing decompressed). Stopped at the preparation here:
     nothing is prepared."""
-    monkeypatch.setattr(training_run, "prepare", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(T, "prepare", lambda *a, **k: (_ for _ in ()).throw(
         SystemExit("stopped before the preparation")))
     with pytest.raises(SystemExit, match="stopped before the preparation"):
         T.main(["--data", "babylm_10m", "--device", "cpu", "--out-dir", str(tmp_path / "run")])
     note = capsys.readouterr().out.splitlines()
     assert len(note) == 1 and note[0].startswith("note: small on a CPU, about ") and \
         "M tokens: hours or days" in note[0]
-    size = training_run.text_bytes("babylm_10m")  # BabyLM's 10M words, about 50 MB of text
+    size = T.text_bytes("babylm_10m")  # BabyLM's 10M words, about 50 MB of text
     assert 3e7 < size < 1e8 and f"about {10 * size / 4 / 1e6:,.0f}M tokens" in note[0]
 
 
@@ -569,9 +568,9 @@ def test_error_nan_loss_keeps_last_good_checkpoint(prepared, tmp_path):
 
 
 def test_durations_read_apart_half_a_minute_apart():
-    """Heartbeats and ETAs (machinery/progress.duration), hand-computed: to the second below ten
+    """Heartbeats and ETAs (machinery/plumbing.duration), hand-computed: to the second below ten
     minutes, so that lines 30 s apart never read the same (they read "2m" three times before)."""
-    from machinery.progress import duration
+    from machinery.plumbing import duration
     assert [duration(x) for x in (45, 90, 150, 599, 600, 5400, 11100)] == [
         "45s", "1m30s", "2m30s", "9m59s", "10m", "1h30m", "3h05m"]
     beats = [duration(30 * k) for k in range(1, 20)]
@@ -717,6 +716,13 @@ def test_divergence_stops_the_run_and_a_healthy_run_trains_on(prepared, tmp_path
 
 # --- objectives, in process ----------------------------------------------------------------------
 
+def bound(objective, args):
+    """An objective's loss with the settings its entry names taken from `args`, as train.py's
+    start_phase binds them."""
+    entry = O.OBJECTIVES[objective]
+    return functools.partial(entry.loss, **{k: getattr(args, k) for k in entry.settings})
+
+
 def objective_setup(objective, **flags):
     """A tiny encoder, the Trainee and parts an objective trains with, and a masked batch."""
     args = T.get_args(["--objective", objective])  # with the objective's own defaults
@@ -731,9 +737,7 @@ def objective_setup(objective, **flags):
     ids = torch.randint(5, 300, (4, 24))
     ids[:, 0], ids[:, -1] = CLS, SEP
     batch = make_batch(ids, args, 300, torch.Generator().manual_seed(1))
-    loss = O.OBJECTIVES[objective].loss
-    parts.args = args
-    return Trainee(encoder, parts.heads, loss), parts, batch
+    return Trainee(encoder, parts.heads, bound(objective, args)), parts, batch
 
 
 def test_boot_teacher_starts_as_the_student_and_gets_no_gradient():
@@ -822,10 +826,10 @@ def test_kd_loss(temperature):
     trainee, _, batch = objective_setup("mlm")
     trainee.eval()  # no dropout: the same weights give the same distribution
     teacher = copy.deepcopy(trainee.encoder)
-    args = T.build_parser().parse_args(["--objective", "kd", "--kd-temperature", str(temperature),
-                                        "--kd-teacher-input", "masked"])
-    parts = ObjectiveParts(teacher=teacher, args=args)
-    kd = Trainee(trainee.encoder, trainee.heads, O.OBJECTIVES["kd"].loss)
+    args = T.get_args(["--objective", "kd", "--kd-temperature", str(temperature),
+                       "--kd-teacher-input", "masked"])
+    parts = ObjectiveParts(teacher=teacher)
+    kd = Trainee(trainee.encoder, trainee.heads, bound("kd", args))
     # student = teacher (up to float noise)
     assert kd(batch, parts)[0].item() == pytest.approx(0.0, abs=1e-5)
     with torch.no_grad():
@@ -840,7 +844,7 @@ def test_kd_loss(temperature):
     log_ratio = torch.log_softmax(t / temperature, -1) - torch.log_softmax(s / temperature, -1)
     want = (p_t * log_ratio).sum(-1).mean() * temperature ** 2
     assert loss.item() == pytest.approx(want.item(), rel=1e-5) and loss.item() > 1e-3
-    kd_mlm = Trainee(trainee.encoder, trainee.heads, O.OBJECTIVES["kd+mlm"].loss)
+    kd_mlm = Trainee(trainee.encoder, trainee.heads, bound("kd+mlm", args))
     mixed, mfigs = kd_mlm(batch, parts)
     assert mixed.item() == pytest.approx(mfigs["kd"].item() + mfigs["mlm"].item())
 
@@ -928,13 +932,13 @@ def test_kd_from_a_boot_teacher_hides_what_it_predicts():
     it predicts: its logits are those of the [MASK]-filled input, its trained path."""
     trainee, parts, batch = objective_setup("boot")
     teacher = BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
-    kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), O.OBJECTIVES["kd"].loss)
     args = T.get_args(["--objective", "kd"])
+    kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), bound("kd", args))
     predict = batch["labels"] != -100
     _, want = teacher(batch["input_ids"].masked_fill(predict, MASK), predict=predict)
     _, clean = teacher(batch["input_ids"], predict=predict, hide=torch.zeros_like(predict))
     assert not torch.allclose(want, clean)  # showing the tokens would change the teacher
-    loss, _ = kd(batch, ObjectiveParts(teacher=teacher, args=args))
+    loss, _ = kd(batch, ObjectiveParts(teacher=teacher))
     _, s = kd.encoder(batch["inputs"], predict=predict)
     p_t = torch.softmax(want.double(), -1)
     ref = (p_t * (torch.log(p_t) - torch.log_softmax(s.double(), -1))).sum(-1).mean()
@@ -1129,12 +1133,12 @@ def mlsm_setup(lam=0.05, with_mlm=False, coder="exact"):
     args = T.get_args(["--objective", "mlsm+mlm" if with_mlm else "mlsm", "--mlsm-lam", str(lam),
                        "--mlsm-tol", "1e-5", "--mlsm-coder", coder])
     head = torch.nn.Linear(32, 40)
-    parts = ObjectiveParts(teacher=teacher, dictionary=D, layer=1, args=args,
+    parts = ObjectiveParts(teacher=teacher, dictionary=D, layer=1,
                             lipschitz=torch.linalg.matrix_norm(D, ord=2) ** 2,
                             momentum=sparse.fista_momentum(O.MLSM_FISTA_STEPS),
                             exact_coder=sparse.sparse_code)
     heads = torch.nn.ModuleDict({"latent": head})
-    return Trainee(trainee.encoder, heads, O.OBJECTIVES[args.objective].loss), parts, batch
+    return Trainee(trainee.encoder, heads, bound(args.objective, args)), parts, batch
 
 
 def test_mlsm_loss_against_a_per_position_loop():
@@ -1166,7 +1170,10 @@ def test_mlsm_loss_against_a_per_position_loop():
     assert trainee.heads.latent.weight.grad is not None
     assert trainee.encoder.word.weight.grad is not None
     assert all(p.grad is None for p in parts.teacher.parameters())
-    mlsm_mlm = Trainee(trainee.encoder, trainee.heads, O.OBJECTIVES["mlsm+mlm"].loss)
+    mlsm_mlm = Trainee(trainee.encoder, trainee.heads,
+                       bound("mlsm+mlm", T.get_args(["--objective", "mlsm+mlm", "--mlsm-lam",
+                                                    "0.05", "--mlsm-tol", "1e-5",
+                                                    "--mlsm-coder", "exact"])))
     mixed, mfigs = mlsm_mlm(batch, parts)
     assert mixed.item() == pytest.approx(mfigs["kl"].item() + mfigs["mlm"].item(), rel=1e-6)
 
@@ -1216,7 +1223,7 @@ def test_mlsm_skips_all_zero_codes_without_nan():
     low, high = best.sort().values[len(best) // 2 - 1:len(best) // 2 + 1].tolist()
     assert high - low > 1e-4
     lam = (low + high) / 2
-    parts.args.mlsm_lam = lam
+    trainee.loss = functools.partial(trainee.loss, mlsm_lam=lam)  # the settings' lam replaced
     loss, stats = trainee(batch, parts)
     zero = best <= lam
     assert 0 < zero.sum() < len(zero)
@@ -1321,13 +1328,13 @@ def compiled_trainee(objective, monkeypatch=None):
         trainee, parts, _ = mlsm_setup(with_mlm=objective == "mlsm+mlm", coder="fista100")
     elif objective.startswith("kd"):
         trainee, parts, _ = objective_setup("mlm")
-        args = T.get_args(["--objective", objective])
-        parts = ObjectiveParts(teacher=copy.deepcopy(trainee.encoder).eval(), args=args)
-        trainee = Trainee(trainee.encoder, trainee.heads, O.OBJECTIVES[objective].loss)
+        parts = ObjectiveParts(teacher=copy.deepcopy(trainee.encoder).eval())
+        trainee = Trainee(trainee.encoder, trainee.heads,
+                          bound(objective, T.get_args(["--objective", objective])))
     else:
         trainee, parts, _ = objective_setup(objective)
     parts.compact = False  # what setup_boot picks for a compiled run
-    return trainee, parts, parts.args
+    return trainee, parts, T.get_args(["--objective", objective])
 
 
 def fresh_batch(args, i):
@@ -1430,9 +1437,9 @@ def test_kd_from_a_boot_teacher_compiles_whole():
     graph with no size read from the data (the compact layout reads its longest kept row)."""
     trainee, _, _ = objective_setup("boot")
     teacher = BootPredictor(trainee.encoder, trainee.heads, MASK).eval()
-    kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), O.OBJECTIVES["kd"].loss)
     args = T.get_args(["--objective", "kd"])
-    parts = ObjectiveParts(teacher=teacher, args=args)
+    kd = Trainee(copy.deepcopy(trainee.encoder), torch.nn.ModuleDict(), bound("kd", args))
+    parts = ObjectiveParts(teacher=teacher)
     batch = fresh_batch(args, 0)
     want = kd(batch, parts)[0]
     teacher.compact = False
@@ -1517,7 +1524,7 @@ def test_the_eta_leaves_out_the_first_step_that_compiles(prepared, tmp_path, mon
     now, train_batch = [0.0], T.train_batch
     clock = type("Clock", (), {"time": staticmethod(lambda: now[0])})
     monkeypatch.setattr(T, "time", clock)
-    monkeypatch.setattr(progress, "time", clock)
+    monkeypatch.setattr(plumbing, "time", clock)
 
     def first_slow(*a, **k):  # the run's first batch is its first step's (grad_accum 1)
         now[0] += 1000.0 if now[0] == 0 else 1.0
@@ -1536,8 +1543,8 @@ def test_step_progress_times_each_phase_from_the_end_of_its_first_step_here(monk
     is the steps left x 2 s, and None at a first step."""
     for first in (0, 3):
         now = [0.0]
-        monkeypatch.setattr(progress, "time", type("Clock", (), {"time": lambda: now[0]}))
-        bar = progress.StepProgress(first, 12, shown=False)
+        monkeypatch.setattr(plumbing, "time", type("Clock", (), {"time": lambda: now[0]}))
+        bar = plumbing.StepProgress(first, 12, shown=False)
         for step in range(first + 1, 13):
             phase_start = 0 if step <= 6 else 6
             now[0] += 100.0 if step == max(first, phase_start) + 1 else 2.0
@@ -1576,7 +1583,7 @@ def test_save_words_babylm_gives_the_19_revisions_of_the_strict_small_collation(
     args = SimpleNamespace(save_words="babylm", seq_len=128, max_steps=10 ** 6)
     meta = {"train_words": 7_900_000, "train_tokens": 11_687_464}
     run = SimpleNamespace(args=args, meta=meta, global_batch=128, say=print)
-    marks = training_run.word_marks(run)
+    marks = T.word_marks(run)
     want = [f"chck_{m}M" for m in [*range(1, 11), *range(20, 101, 10)]]
     assert [name for name, _ in marks.values()] == want and len(want) == 19
     per_step = 128 * 126 * meta["train_words"] / meta["train_tokens"]
@@ -1620,8 +1627,8 @@ def test_a_runs_code_hash_covers_every_file_train_py_imports(trained):
                     repo_imports(file, seen)
         return seen
     imported = {f.relative_to(REPO).as_posix() for f in repo_imports(REPO / "train.py", set())}
-    assert {"training/run.py", "model.py", "data/masking.py",
-            "machinery/storage.py"} <= imported
+    assert {"machinery/plumbing.py", "model.py", "data/masking.py",
+            "machinery/plumbing.py"} <= imported
     code = trained.parent / "code"
     copied = {p.relative_to(code).as_posix() for p in code.rglob("*.py")}
     assert imported | {"train.py"} <= copied, sorted(imported - copied)
@@ -1643,7 +1650,7 @@ def test_an_objectives_flag_typed_with_another_is_refused_in_one_line_naming_its
     here against the entries' flags by a loop of its own); a resume passes (its saved objective
     decides); the objective's own flags parse. A flag declared by several entries is one
     declaration, so its help and default cannot drift."""
-    parser = T.build_parser()
+    parser = T.parser
     actions = {a.dest: a for a in parser._actions}
     declared = {}
     for name, entry in O.OBJECTIVES.items():
@@ -1680,10 +1687,17 @@ def test_an_objectives_flag_typed_with_another_is_refused_in_one_line_naming_its
 
 def test_each_entry_has_what_a_new_one_needs():
     """What the registry asks of an entry, each lack named: a loss; a setup where it trains
-    heads or reads a teacher (heads: a module); its flags each with help, none another
+    heads or reads a teacher (heads: a module); the settings its loss reads, each one of its own
+    flags (and every setting the loss has no default for named); its flags each with help, none another
     entry's option declared twice; a recipe card in docs/objectives/ (kd+mlm shares kd's)."""
     for name, entry in O.OBJECTIVES.items():
         assert callable(entry.loss), f"{name}: no loss"
+        params = inspect.signature(entry.loss).parameters
+        wants = {k for k, v in params.items() if k not in ("model", "batch", "parts")
+                 and (v.default is inspect.Parameter.empty or entry.declares(k))}
+        assert wants <= set(entry.settings), f"{name}: its loss wants {wants}"  # kd+mlm's weight
+        for k in entry.settings:  # each a flag of its own, bound as its phase starts
+            assert entry.declares(k), f"{name}: its loss reads --{k}, not one of its flags"
         assert entry.setup is None or callable(entry.setup), f"{name}: its setup is not callable"
         for f in entry.flags:
             assert f.option.startswith("--") and f.spec.get("help"), f"{name}: {f.option}: no help"

@@ -1,2 +1,2 @@
-"""What train.py's run keeps outside its loop (run.py): a run opened or resumed, a phase made
-ready, its checkpoints and its report lines. meta.py reads the model its flags ask for here."""
+"""What train.py's loop calls besides the model, the objectives and the data: the optimizer and
+its schedules (optim.py) and the guard that stops a diverging run (guard.py)."""

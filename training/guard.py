@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from machinery.stopping import catch_stop_signals
+from machinery.plumbing import catch_stop_signals
 
 # The divergence rule (docs/robustness.md). The loss and gradient norm are judged as averages over
 # about WINDOW steps (exponential, so at any --log-every alike), from WINDOW steps into a phase.

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn as nn
 
-from machinery.device import use_compile
+from machinery.plumbing import use_compile
 
 
 @torch.no_grad()

@@ -1,0 +1,576 @@
+"""The run plumbing every stage shares, in one place: files written safely (atomic replacement,
+checkpoints with a checksum verified when read, an OS error as one line naming the file, a lock
+that keeps a second process out), the device (--device, bf16 autocast, torch.compile, TF32,
+deterministic kernels, peak memory), the stop signals (exit at once, or finish the step and save
+it), progress (a tqdm bar in a terminal, a line every QUIET_SECONDS without one; durations in
+words; heartbeats) and the run folder:
+
+    runs/NAME/  args.json config.json data.json  the settings, the model, the corpus' meta.json
+                log.jsonl    every logged figure, one JSON record a line
+                ckpt.pt ...  checkpoints (train.py: phase1.pt, dict.pt, chck_*.pt too)
+                code/        every source file of the repository the run imported, at its path
+                lock         held by the one process writing there
+                eval/        evaluate.py's results, next to the checkpoint
+
+    from machinery.plumbing import save_checkpoint, read_checkpoint
+    save_checkpoint({"model": model.state_dict(), ...}, "runs/x/ckpt.pt")
+    ckpt = read_checkpoint("runs/x/ckpt.pt")        # or one line saying what is wrong with it
+"""
+import contextlib
+import errno
+import fcntl
+import functools
+import hashlib
+import io
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]  # the repository's root
+
+
+class one_line_os_errors:
+    """`with one_line_os_errors(path):` turns an OS error (a full disk, a quota, no
+    permission...) into one line naming the path and, for a full disk, the space needed (`need`
+    bytes, if known) and free. It also sees an OSError that another error was raised while
+    handling (torch.save reports a failed write as a RuntimeError whose context is the OSError)."""
+
+    def __init__(self, path, need: int | None = None):
+        self.path, self.need = Path(path), need
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        while isinstance(e, Exception) and not isinstance(e, OSError):  # not SystemExit
+            e = e.__context__
+        if not isinstance(e, OSError):
+            return False
+        space = ""
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            there = next(p for p in [self.path, *self.path.parents] if p.exists())
+            need = f"about {self.need / 2**20:,.0f} MiB needed, " if self.need else ""
+            space = f" ({need}{shutil.disk_usage(there).free / 2**20:,.0f} MiB free)"
+        raise SystemExit(f"error: cannot write {self.path}: "
+                         f"{e.strerror or type(e).__name__}{space}") from None
+
+
+def file_to_write(path, error, what: str) -> Path:
+    """An --out that names a file to write, checked before the work: a folder is refused by
+    `error` (the parser's, one line: give `what`), and the file's folder is made now, so that one
+    that cannot be made stops in one line too, not after hours of work."""
+    out = Path(path)
+    if out.is_dir():
+        error(f"--out {out} is a folder; give {what}")
+    with one_line_os_errors(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def hold_lock(path, what: str, advice: str):
+    """Take the lock file `path` (flock) for as long as the returned file stays open (the
+    caller keeps it): a second process is refused in one line, "`what` is in use by HOLDER;
+    `advice`". The kernel drops the lock of a process that dies however it dies, so a stale
+    lock file is simply taken over."""
+    path = Path(path)
+    with one_line_os_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise SystemExit(f"error: {what} is in use by {holder}; {advice}") from None
+    except OSError as e:  # a filesystem without flock (some Lustre, NFS or FUSE mounts)
+        print(f"warning: cannot lock {path} ({e.strerror}); nothing stops a second process "
+              f"from writing {what} at the same time")
+    with one_line_os_errors(path):
+        f.truncate(0)
+        f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+    return f
+
+
+def checksum(state) -> str:
+    """sha256 of a checkpoint's content, in order: every tensor's dtype, shape and bytes, every
+    other value's type and repr. The zip file torch.save writes carries CRCs, but torch.load
+    never checks them: bytes flipped inside a tensor would load as silently wrong weights."""
+    h = hashlib.sha256()
+
+    def feed(x):
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous().reshape(-1)
+            h.update(f"T{t.dtype}{tuple(x.shape)}:".encode())
+            h.update(t.view(torch.uint8).numpy())
+        elif isinstance(x, dict):
+            h.update(f"{{{len(x)}:".encode())
+            for k, v in x.items():
+                feed(k)
+                feed(v)
+        elif isinstance(x, (list, tuple, set, frozenset)):  # a set in an order of its own
+            h.update(f"[{len(x)}:".encode())
+            for v in sorted(x, key=repr) if isinstance(x, (set, frozenset)) else x:
+                feed(v)
+        else:
+            b = x if isinstance(x, bytes) else repr(x).encode()
+            h.update(f"{type(x).__name__}{len(b)}:".encode())
+            h.update(b)
+    feed(state)
+    return h.hexdigest()
+
+
+def tensors(x):
+    """Every tensor in a nest of dicts, lists and tuples."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from tensors(v)
+
+
+@contextlib.contextmanager
+def atomic_write(path, need: int | None = None):
+    """`with atomic_write(path) as tmp:` the block writes tmp, a temp file of this process beside
+    `path`, which then replaces `path` in one rename: a kill at any moment leaves the old file or
+    the new one, never a torn one. A failure removes tmp; an OS error is one line
+    (`one_line_os_errors`, with `need` bytes)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with one_line_os_errors(path, need):
+            yield tmp
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_checkpoint(state: dict, path) -> None:
+    """`state` and its checksum, fsynced to a temp file and renamed (`atomic_write`)."""
+    state = {k: v for k, v in state.items() if k != "checksum"}
+    state["checksum"] = checksum(state)  # of the rest: the right side runs before the key exists
+    with atomic_write(path, sum(t.nbytes for t in tensors(state))) as tmp, open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_state(path, map_location="cpu") -> dict:
+    """torch.load a file save_checkpoint wrote, its checksum verified, or one line saying what is
+    wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"error: no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated zip, random bytes, a pickle of something else...
+        raise SystemExit(f"error: cannot read checkpoint {path} (corrupt or truncated file: "
+                         f"{type(e).__name__})") from None
+    if not isinstance(state, dict) or "checksum" not in state:
+        raise SystemExit(f"error: {path} has no checksum: it was not written by nanoMLM")
+    saved = state.pop("checksum")
+    if checksum(state) != saved:
+        raise SystemExit(f"error: {path} is corrupt: its content does not match the checksum "
+                         f"it was saved with (damaged on disk or in a copy); use another "
+                         f"checkpoint")
+    return state
+
+
+def checkpoint_identity(path) -> dict:
+    """What stands for a checkpoint's weights in the fingerprint of work kept from them (its
+    resolved path, size and modification time): a retrained file gets a new one."""
+    stat = Path(path).stat()
+    return {"ckpt": str(Path(path).resolve()), "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns}
+
+
+def read_checkpoint(path) -> dict:
+    """The checkpoint dict, on the CPU, or a one-line error naming what is wrong with the file."""
+    ckpt = load_state(path)
+    if not isinstance(ckpt, dict) or not {"model", "config", "tokenizer"} <= ckpt.keys():
+        raise SystemExit(f"error: {path} is not a nanoMLM checkpoint (no model/config/tokenizer)")
+    return ckpt
+
+
+def add_device_flag(add, what: str = "where to compute") -> None:
+    """--device auto|cpu|cuda, declared here for every script (add: a parser's add_argument)."""
+    add("--device", default="auto", choices=("auto", "cpu", "cuda"),
+        help=f"{what}; auto = cuda if available")
+
+
+def pick_device(name: str = "auto", index: int | None = None) -> torch.device:
+    """--device auto|cpu|cuda -> a device; auto is CUDA when a GPU is visible. `index`: the GPU of
+    one DDP process."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA device is visible")
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda" if index is None else f"cuda:{index}")
+
+
+def use_bf16(device: torch.device, bf16: bool | None = None) -> bool:
+    """Whether to autocast to bfloat16: `bf16` if given, else on with CUDA and off on the CPU
+    (where only some CPUs gain from it: see train.py --bf16)."""
+    return device.type == "cuda" if bf16 is None else bf16
+
+
+def use_compile(device: torch.device, compile: bool | None = None) -> bool:
+    """Whether to torch.compile: `compile` if given, else on with CUDA and off on the CPU."""
+    return device.type == "cuda" if compile is None else compile
+
+
+def autocast(device: torch.device, bf16: bool | None = None):
+    """bfloat16 autocast of the forward pass as use_bf16 decides (a disabled one otherwise);
+    weights, optimizer and losses stay float32."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=use_bf16(device, bf16))
+
+
+def use_tf32(device: torch.device) -> None:
+    """On a GPU, float32 matrix products (what runs outside bf16 autocast: mlsm's FISTA coder,
+    float32 losses) on the tensor cores as TF32, for this process: train.py's setting, which
+    bench.py shares where it times what train.py runs."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+
+
+def use_deterministic():
+    """Deterministic kernels only, from here on: a GPU's backward passes that add with atomics
+    (in an order that varies from run to run) take their deterministic versions, at some cost
+    in speed, and an operation that has none raises rather than vary. cuBLAS needs its
+    workspace fixed before its first call (CUDA's reproducibility notes)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+def peak_memory_gb(device) -> float:
+    """Peak allocated GPU memory, or on a CPU the process' peak resident size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+
+
+def on_stop_signals(handler) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def exit_now(signum, frame):
+    """Before the loop (and at a second signal) there is nothing to save: exit at once, through
+    the `finally`s that remove temp files."""
+    raise SystemExit(f"{signal.Signals(signum).name}: stopped; nothing more was saved")
+
+
+@contextlib.contextmanager
+def exit_on_stop_signals(said: str):
+    """Within the block, a stop signal exits at once with "SIGNAL: stopped `said`": for a long
+    set-up between steps (a teacher's load, a dictionary learned), where the loop's handler
+    would wait minutes for a step to finish. The handlers before it are back afterwards."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum, frame):
+        raise SystemExit(f"{signal.Signals(signum).name}: stopped {said}")
+    on_stop_signals(handler)
+    try:
+        yield
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
+
+
+def catch_stop_signals(then) -> dict:
+    """Ctrl-C (SIGINT) and SIGTERM, the signal a cluster preempts a job with (SIGKILL follows
+    after a grace period), set got["signal"] and call `then()`: the loop finishes the step it is
+    in, saves it and exits with the command that resumes it. A second signal exits at once."""
+    got = {}
+
+    def handler(signum, frame):
+        if got:
+            exit_now(signum, frame)
+        got["signal"] = signum
+        then()
+        name = signal.Signals(signum).name  # said at once: a slow step may take minutes
+        print(f"{name}: finishing the step in progress, then saving it (a second {name} stops "
+              f"at once)", file=sys.stderr, flush=True)
+    on_stop_signals(handler)
+    return got
+
+
+@contextlib.contextmanager
+def stop_after_the_step():
+    """catch_stop_signals for a loop that reads the returned `got` after each step (meta.py's):
+    a signal lets the step end, a second exits at once; the handlers before it back afterwards."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield catch_stop_signals(lambda: None)
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
+
+
+QUIET_SECONDS = 30  # with no terminal, a progress line at most this often
+
+
+class _Lines:
+    """tqdm's file when there is no terminal: each refresh, which tqdm writes as '\\r' + the
+    status, becomes one line of its own."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, s):
+        for part in re.split(r"[\r\n]", s):
+            if part.strip():
+                self.f.write(part.rstrip() + "\n")
+                self.f.flush()
+
+    def flush(self):
+        self.f.flush()
+
+
+def bar(iterable=None, **kw) -> tqdm:
+    """A tqdm bar in a terminal. With none (tqdm alone would fall silent), a line with the count,
+    rate and ETA every QUIET_SECONDS once it has run that long. disable=True silences it."""
+    if kw.get("disable") is True or sys.stderr.isatty():
+        return tqdm(iterable, **{"dynamic_ncols": True, **kw})
+    return tqdm(iterable, **{**kw, "disable": False, "file": _Lines(sys.stderr), "ascii": True,
+                             "ncols": 100, "mininterval": QUIET_SECONDS,
+                             "maxinterval": QUIET_SECONDS, "delay": QUIET_SECONDS})
+
+
+class StepProgress:
+    """The training loop's progress: its bar, and the rate its log lines' ETAs read. Both count
+    from the end of each phase's first step in this sitting, the one that compiles the step: a
+    compile can take a large share of a short run, and a rate that held it would promise hours
+    for minutes (docs/bench.md). The rate keeps the evaluations and saves since then: they recur
+    until the end."""
+
+    def __init__(self, step: int, total: int, shown: bool):
+        self.bar = bar(total=total, initial=step, disable=None if shown else True, unit="step",
+                       desc="train")
+        self.update = self.bar.update  # tqdm's own: none of this file runs at every step
+        self.total, self.timed_from, self.t = total, step, time.time()
+
+    def restart(self, step: int) -> None:
+        """At the end of a phase's first step in this sitting (`step`: the steps done then),
+        before the bar counts it (counted first, a bar without a terminal would print its line
+        with that step's rate: "1/7246 [00:54<110:16:28, 54.79s/step]")."""
+        self.timed_from, self.t = step, time.time()
+        self.bar.unpause()  # the bar's elapsed time, rate and ETA leave that step out too
+
+    def eta(self, step: int) -> float | None:
+        """Seconds left at this phase's rate since its first step here; None at that step."""
+        timed = step - self.timed_from
+        return (self.total - step) * (time.time() - self.t) / timed if timed else None
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def duration(seconds: float) -> str:
+    """45s, 2m30s, 12m, 3h05m: an ETA or an elapsed time in a log line; to the second below ten
+    minutes, so that lines half a minute apart never read the same."""
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 10 * 60:
+        return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
+
+
+def line_buffered() -> None:
+    """Print's lines reach stdout at once even when it is a file (a batch job's log), not in
+    blocks of 8 kB; a stream that cannot be reconfigured (a notebook's) is left as it is."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every: float = QUIET_SECONDS):
+    """A line every `every` seconds while the block runs: for one long call that has no progress
+    to count (sentencepiece's trainer)."""
+    done, t0 = threading.Event(), time.time()
+
+    def beat():
+        while not done.wait(every):
+            print(f"{what}: still running, {duration(time.time() - t0)} so far",
+                  file=sys.stderr, flush=True)
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+
+
+def repo_sources() -> list[str]:
+    """The repository's source files this process has imported (the tests' aside), as repository
+    paths: what decides a run's results, so each run copies them into its code/ and hashes them
+    into its checkpoints. Derived, not listed: a module a stage comes to import is never left
+    out (tests/test_train.py holds it to a static reading of train.py's imports)."""
+    loaded = {Path(m.__file__).resolve() for m in list(sys.modules.values())
+              if getattr(m, "__file__", None) and Path(m.__file__).is_absolute()}
+    return sorted(f for f in repository_files(loaded)
+                  if f.endswith(".py") and not f.startswith("tests/"))
+
+
+def is_repository_file(path) -> bool:
+    """Whether `path` is one of the repository's own files (repository_files)."""
+    return bool(repository_files([path]))
+
+
+def repository_files(paths) -> list[str]:
+    """Those of `paths` that are the repository's own files, as repository paths: under its
+    root, not inside a Python environment there (below a folder that holds a pyvenv.cfg,
+    wherever it is and whatever its name: the README's .venv/ holds torch and numpy; or in a
+    site-packages or dist-packages folder), and in a git checkout files git tracks or would
+    (untracked, not ignored). One call for them all, in plain loops: the tests count the calls
+    of the repository's functions a run makes (tests/test_train.py)."""
+    known, out = git_files(), []
+    for path in paths:
+        path = Path(path).resolve()
+        if not path.is_relative_to(REPO):
+            continue
+        rel = path.relative_to(REPO)
+        folders, outside = rel.parts[:-1], True
+        for i in range(len(folders) + 1):
+            if i and (REPO.joinpath(*folders[:i]) / "pyvenv.cfg").is_file() or (
+                    i < len(folders) and folders[i] in ("site-packages", "dist-packages")):
+                outside = False
+                break
+        if outside and (known is None or rel.as_posix() in known):
+            out.append(rel.as_posix())
+    return out
+
+
+@functools.cache
+def git_files() -> frozenset[str] | None:
+    """The files git tracks in the checkout, and those it would (untracked, not ignored), as
+    repository paths; None outside a git checkout (the GPU machine's copy has no .git)."""
+    try:
+        r = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return frozenset(r.stdout.decode().split("\0")) - {""} if r.returncode == 0 else None
+
+
+def code_version(files) -> dict:
+    """The git description of the checkout and a hash of the source `files` (repository paths)."""
+    digest = hashlib.sha256(b"".join((REPO / f).read_bytes() for f in files)).hexdigest()[:16]
+    try:
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        git = ""
+    return {"git": git or "unknown", "sha256": digest}
+
+
+class RunFolder:
+    """What a run leaves behind (the layout above). Only the master process writes: under DDP
+    the other ranks hold one whose writes do nothing."""
+
+    def __init__(self, path, master: bool = True):
+        self.path, self.master = Path(path), master
+        self.log_path = self.path / "log.jsonl"
+        self._log = self._lock = None
+
+    def lock(self) -> None:
+        """Hold the folder's `lock` file (flock) until this process exits: a second process on
+        the same folder is refused, naming the holder. The kernel drops the lock of a process
+        that dies however it dies, so a stale lock file is simply taken over."""
+        if not self.master or self._lock is not None:
+            return
+        f = hold_lock(self.path / "lock", self.path, "wait for it to end or choose another "
+                      "--out-dir")
+        with one_line_os_errors(self.path):
+            for old in self.path.glob(".*.tmp"):  # a save cut off by a kill: whose is dead now
+                old.unlink(missing_ok=True)
+        self._lock = f  # kept open: closing the file would release the lock
+
+    def check_new(self, marker: str | None = None) -> None:
+        """A new run never writes over an old one: refuse a folder that holds `marker`, the file
+        --resume would continue from, or with no marker any folder that holds anything (but the
+        lock a run holds while it starts)."""
+        there = self.path / marker if marker else self.path
+        if there.exists() and (marker or any(p.name != "lock" for p in self.path.iterdir())):
+            raise SystemExit(f"error: {there} exists; pass --resume to continue that run or "
+                             f"choose another --out-dir")
+
+    def start(self, code, keep_log: bool = False, **files) -> None:
+        """Create the folder; write each of `files` ({name: dict}) as NAME.json and a copy of each
+        `code` file (repository paths) into code/; start an empty log unless keep_log."""
+        if not self.master:
+            return
+        with one_line_os_errors(self.path / "code"):
+            (self.path / "code").mkdir(parents=True, exist_ok=True)
+            for f in code:
+                (self.path / "code" / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(REPO / f, self.path / "code" / f)
+            if not keep_log:
+                self.log_path.unlink(missing_ok=True)
+        for name, content in files.items():
+            self.write(name, content)
+
+    def write(self, name: str, content: dict) -> None:
+        """NAME.json in the folder."""
+        if self.master:
+            with one_line_os_errors(self.path / f"{name}.json"):
+                (self.path / f"{name}.json").write_text(json.dumps(content, indent=1))
+
+    def records(self) -> list[dict]:
+        """The records of log.jsonl (none if there is no log), a line torn by a kill or a full
+        disk left out, and counted in self.skipped (what a reader says it left out)."""
+        records, self.skipped = [], 0
+        for line in self.log_path.read_text().splitlines() if self.log_path.exists() else []:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and "step" in record:
+                records.append(record)
+            else:
+                self.skipped += 1
+        return records
+
+    def resume(self, step: int) -> None:
+        """Continuing from a checkpoint at `step`: drop the log lines that the run which was cut
+        off wrote after it, so that the log reads as one uninterrupted run."""
+        if self.master and self.log_path.exists():
+            records = self.records()
+            with one_line_os_errors(self.log_path):
+                self.log_path.write_text("".join(json.dumps(r) + "\n" for r in records
+                                                 if r["step"] <= step))
+
+    def log(self, record: dict) -> None:
+        """One JSON line in log.jsonl, flushed at once (a killed run keeps what it logged)."""
+        if self.master:
+            with one_line_os_errors(self.log_path):
+                self._log = self._log or open(self.log_path, "a")
+                self._log.write(json.dumps(record) + "\n")
+                self._log.flush()
+
+    def save(self, state: dict, name: str = "ckpt.pt") -> Path:
+        """save_checkpoint into the folder (atomic: a kill never leaves a torn file)."""
+        if self.master:
+            save_checkpoint(state, self.path / name)
+        return self.path / name
