@@ -1689,7 +1689,8 @@ def test_each_entry_has_what_a_new_one_needs():
     """What the registry asks of an entry, each lack named: a loss; a setup where it trains
     heads or reads a teacher (heads: a module); the settings its loss reads, each one of its own
     flags, named in its `settings` (every one the loss has no default for, and every one of its
-    flags the loss takes); its flags each with help, none another entry's option declared twice; a recipe card in docs/objectives/ (kd+mlm shares kd's)."""
+    flags the loss takes); its flags each with help, none another entry's option declared twice;
+    a recipe card in docs/objectives/ (kd+mlm shares kd's)."""
     for name, entry in O.OBJECTIVES.items():
         assert callable(entry.loss), f"{name}: no loss"
         params = inspect.signature(entry.loss).parameters
