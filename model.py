@@ -517,8 +517,8 @@ def check_config(saved: dict, config: ModelConfig, path, ignore=()) -> None:
         raise SystemExit(f"error: {path} holds a different model: {'; '.join(diff)}")
 
 
-# the tensors each part of a model holds: train.py --reset / --freeze name these parts
-PARTS = {
+# the tensors each part of a model holds, the parts train.py --reset names (--freeze: embeddings)
+RESET_PARTS = {
     "embeddings": lambda name: name in ("word.weight", "head_bias"),  # the tied output too
     "positions": lambda name: name in ("pos.weight", "rel") or name.startswith("rel_norm."),
 }
@@ -526,14 +526,14 @@ PARTS = {
 
 def load_weights(model: "Encoder", path, reset=()) -> None:
     """Load the weights of the checkpoint at `path` into `model`, except the `reset` parts (names
-    in PARTS), which keep the model's own initialisation: a transfer run's starting point (the
-    vocabulary may then differ, when the embeddings are among them)."""
+    in RESET_PARTS), which keep the model's own initialisation: a transfer run's starting point
+    (the vocabulary may then differ, when the embeddings are among them)."""
     src = read_checkpoint(path)
     check_config(src["config"], model.config, path,
                  ignore=("vocab_size",) if "embeddings" in reset else ())
     if set(src["model"]) != set(model.state_dict()):
         raise SystemExit(f"error: {path} holds other tensors than this model has")
-    fresh = lambda name: any(PARTS[part](name) for part in reset)
+    fresh = lambda name: any(RESET_PARTS[part](name) for part in reset)
     model.load_state_dict({k: (v if fresh(k) else src["model"][k])
                            for k, v in model.state_dict().items()}, strict=True)
 

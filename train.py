@@ -46,8 +46,8 @@ from machinery.plumbing import (REPO, RunFolder, StepProgress, add_device_flag, 
                                 line_buffered, on_stop_signals, peak_memory_gb, pick_device,
                                 read_checkpoint, repo_sources, use_compile, use_deterministic,
                                 use_tf32)
-from model import (PARTS, PRESETS, TRAINING_ATTENTION, Encoder, Layer, ModelConfig, check_config,
-                   load_weights, model_config, use_attention)
+from model import (PRESETS, RESET_PARTS, TRAINING_ATTENTION, Encoder, Layer, ModelConfig,
+                   check_config, load_weights, model_config, use_attention)
 from objectives import BASELINE, DICT_FLAG_NAMES, OBJECTIVES, ObjectiveParts, Trainee, dict_config
 from training.guard import SafetyNet
 from training.optim import (clipped_step, ema_decay_at, ema_update, make_optimizer,
@@ -239,7 +239,7 @@ def get_args(argv=None):
         parser.error("--reset only applies with --init-from")
     if OBJECTIVES[objective].declares("dict"):  # its dictionary's flags: now, not after phase 1
         dict_config(args).check(flags=DICT_FLAG_NAMES)
-    for flag, allowed in (("reset", PARTS), ("freeze", ["embeddings"])):
+    for flag, allowed in (("reset", RESET_PARTS), ("freeze", ["embeddings"])):
         bad = [x for x in getattr(args, flag).split(",") if x and x not in allowed]
         if bad:
             parser.error(f"--{flag}: unknown part {bad[0]!r} (choose from {', '.join(allowed)})")
@@ -569,7 +569,7 @@ def word_marks(run: Run) -> dict[int, tuple[str, int]]:
 
 # the CPU demo: the command a CPU-only user is pointed to when a run would take hours there
 CPU_DEMO = ("python train.py --objective mlm --size tiny --vocab-size 4000 --batch-size 32 "
-            "--max-steps 1100 --device cpu")  # the README's first block: 3.6 min on 2 cores
+            "--max-steps 1100 --device cpu")  # the README's first block (its time: the README)
 
 
 def wants_a_gpu(args, device) -> str:
