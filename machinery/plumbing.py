@@ -440,24 +440,15 @@ def is_repository_file(path) -> bool:
 
 def repository_files(paths) -> list[str]:
     """Those of `paths` that are the repository's own files, as repository paths: under its
-    root, not inside a Python environment there (below a folder that holds a pyvenv.cfg,
-    wherever it is and whatever its name: the README's .venv/ holds torch and numpy; or in a
-    site-packages or dist-packages folder), and in a git checkout files git tracks or would
-    (untracked, not ignored). One call for them all, in plain loops: the tests count the calls
-    of the repository's functions a run makes (tests/test_train.py)."""
+    root, not an installed package (below a site-packages or dist-packages folder: the README's
+    .venv/ holds torch and numpy there, as any virtual environment does), and in a git checkout
+    files git tracks or would (untracked, not ignored). One call for them all."""
     known, out = git_files(), []
     for path in paths:
         path = Path(path).resolve()
-        if not path.is_relative_to(REPO):
-            continue
-        rel = path.relative_to(REPO)
-        folders, outside = rel.parts[:-1], True
-        for i in range(len(folders) + 1):
-            if i and (REPO.joinpath(*folders[:i]) / "pyvenv.cfg").is_file() or (
-                    i < len(folders) and folders[i] in ("site-packages", "dist-packages")):
-                outside = False
-                break
-        if outside and (known is None or rel.as_posix() in known):
+        rel = path.relative_to(REPO) if path.is_relative_to(REPO) else None
+        if rel is not None and not {"site-packages", "dist-packages"} & set(rel.parts) and (
+                known is None or rel.as_posix() in known):
             out.append(rel.as_posix())
     return out
 
