@@ -12,7 +12,7 @@ examples and learns from how much they help the student on a labelled task.
 
 The method is this file: the teacher, the meta steps and the pretraining loop, then how each task
 runs it. The tasks themselves (metalearning/moons.py, metalearning/glue.py) hand it their batches
-and, for Two Moons, the rule that scores a student; the (x, y) format is data/meta_examples.py.
+and, for Two Moons, the rule that scores a student; the (x, y) format is metalearning/examples.py.
 
 Shen (2021), "Meta-learning a Language Modeling Objective" (Stanford CS330 report; code:
 jeffdshen/MetaLMO), which carries Meta Pseudo Labels (Pham et al. 2021) from image labels over to
@@ -63,7 +63,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
-from data.meta_examples import task_batch
+from metalearning.examples import task_batch
 from data.prepare import PAD, VOCAB_SIZE, raw_root
 from machinery import flags
 from machinery.plumbing import (REPO, RunFolder, add_device_flag, autocast, bar,

@@ -1,6 +1,6 @@
 """(Super)GLUE as meta.py's labelled tasks (meta.py --task glue): unlabelled text read under
 [U], the tasks' training sets taking turns step by step, every batch in the (x, y) format of
-data/meta_examples.py, and the words of what the teacher writes.
+metalearning/examples.py, and the words of what the teacher writes.
 
     NANOMLM_RAW=../shared/data python meta.py --task glue --data babylm_10m \\
         --glue-tasks rte,mrpc,cola --labels hard --size tiny --steps 2000
@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from data.meta_examples import (extra_tokens, label_tokens, mask_tokens, support_and_query,
+from metalearning.examples import (extra_tokens, label_tokens, mask_tokens, support_and_query,
                                 task_batch)
 from data.prepare import PAD, SPECIALS, load_tokenizer, prepare
 from data.tasks import MSGS, TASKS, pad, read_task

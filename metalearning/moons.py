@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from data.meta_examples import (extra_tokens, label_tokens, mask_tokens, support_and_query,
+from metalearning.examples import (extra_tokens, label_tokens, mask_tokens, support_and_query,
                                 task_batch)
 from data.prepare import MASK, PAD, SEP, SPECIALS
 

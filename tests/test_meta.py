@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import meta as M
 from conftest import REPO, shared_data
-from data import meta_examples as EX
+from metalearning import examples as EX
 from data.prepare import MASK, PAD, SEP
 from metalearning import moons as MM
 from evaluation.multibootstrap import load_examples, multibootstrap
