@@ -1,5 +1,5 @@
 """Export nanoMLM checkpoints as Hugging Face model folders (the BabyLM evaluation pipeline's
-input): config.json, the weights, hf/modeling_nanomlm.py, and a fast tokenizer.
+input): config.json, the weights, hub/modeling_nanomlm.py, and a fast tokenizer.
 
     pip install -r requirements-export.txt          # transformers, tokenizers, safetensors...
     python export.py --ckpt runs/mlm/ckpt.pt --out hf_models/mlm
@@ -36,7 +36,7 @@ from machinery.plumbing import REPO, one_line_os_errors, read_checkpoint
 from model import boot_shape
 
 
-MODELING = REPO / "hf" / "modeling_nanomlm.py"
+MODELING = REPO / "hub" / "modeling_nanomlm.py"
 NEEDS = "pip install -r requirements-export.txt"
 
 

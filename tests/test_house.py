@@ -21,8 +21,8 @@ from conftest import REPO
 # which fine-tunes with training's optimizer) and bench.py's rows (benchmarks/); study.py's plan
 # and report (studies/); the libraries with a command line; the objectives (train.py's, one file
 # below its loop); the stages; the tools that drive or measure them (bench.py reads train.py's
-# flags). hf/: the modeling file export.py ships, transformers' code only.
-FLOOR = {"machinery": 0, "hf": 0, "data": 1, "model": 2, "training": 3, "metalearning": 3,
+# flags). hub/: the modeling file export.py ships, transformers' code only.
+FLOOR = {"machinery": 0, "hub": 0, "data": 1, "model": 2, "training": 3, "metalearning": 3,
          "evaluation": 4, "benchmarks": 4, "studies": 5, "sparse": 5, "evaluate": 5,
          "objectives": 6, "train": 7, "meta": 7, "synth": 7, "study": 8, "bench": 8, "export": 8,
          "plot": 8}
