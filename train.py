@@ -817,8 +817,7 @@ def main(argv=None):
                       "tok_per_s": since_log * run.global_batch * args.seq_len / seconds,
                       "peak_mem_gb": peak_memory_gb(device)}
             folder.log(record)
-            if guard.judge(step, args.lr):  # a good state, kept to go back to
-                guard.keep(checkpoint_state(run, phase, step), step)
+            guard.judge(step, args.lr, checkpoint_state(run, phase, step))  # kept if good
             run.say(log_line(record, stats, args.max_steps, progress.eta(step)))
             sums, since_log, t_log = {}, 0, time.time()
         paused = time.time()  # throughput counts training time only: evals and saves are not
@@ -828,8 +827,9 @@ def main(argv=None):
             save(run, phase, step, "phase1.pt")
             if ddp:
                 dist.barrier()  # every process loads it as the teacher next
-        if is_save and guard.may_save(must=step in (phase.end, args.stop_at) or stop):
-            guard.last_saved = save(run, phase, step)
+        if is_save:  # held back while the run is suspect, unless it must be saved now
+            guard.save(checkpoint_state(run, phase, step), step,
+                       must=step in (phase.end, args.stop_at) or stop)
         if step in word_saves:
             save(run, phase, step, f"{word_saves[step][0]}.pt", words=word_saves[step][1])
         t_log += time.time() - paused  # (not reset: the steps since the last log line still count)

@@ -629,15 +629,14 @@ def test_a_step_runs_code_from_six_files(prepared, tmp_path, objective):
 
 def feed(guard, losses, norms, log_every):
     """The loop's calls to a SafetyNet for per-step losses and norms: each step's appended to
-    `recent`, read and judged at log steps, a good state kept when judge says so; -> the step it
+    `recent`, read and judged at log steps (which keeps a good state when due); -> the step it
     stopped at, or None."""
     for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
         guard.recent.append((torch.tensor(loss), torch.tensor(norm)))
         if step % log_every == 0:
             try:
                 guard.check_finite(step)
-                if guard.judge(step, 0.01):
-                    guard.keep({"step": step, "weights": torch.full((2,), float(step))}, step)
+                guard.judge(step, 0.01, {"step": step, "weights": torch.full((2,), float(step))})
             except SystemExit:
                 return step
     return None
@@ -1506,7 +1505,7 @@ def test_throughput_counts_the_steps_of_the_interval_and_nothing_else(prepared, 
         return timed
     monkeypatch.setattr(T, "train_batch", ticking(T.train_batch, 1.0))
     monkeypatch.setattr(T, "validate", ticking(T.validate, 100.0))
-    monkeypatch.setattr(T, "save", ticking(T.save, 1000.0))
+    monkeypatch.setattr(T.SafetyNet, "save", ticking(T.SafetyNet.save, 1000.0))  # ckpt.pt's
     out = tmp_path / "run"
     T.main(["--data", str(prepared), "--out-dir", str(out), "--max-steps", "12", *TINY,
             "--log-every", "6", "--eval-every", "3", "--save-every", "4", "--device", "cpu"])

@@ -58,15 +58,16 @@ class SafetyNet:
     steps): the loop appends each step's (loss, gradient norm), left on the device, to `recent`,
     and reads the plain attributes `stopping` and `deferred`; nothing of it runs inside a step.
     At a sync point `check_finite` reads the steps since the last one, stops a run that went
-    non-finite and brings the smoothed loss and gradient norm up to date (judged); `judge` stops
-    one that diverges (judged: suspect, and still so WINDOW // 2 steps later), and `may_save`
-    holds back the save of a suspect state (`deferred`: it is saved at a later log step, once the
-    run is judged well again). A state judged good is kept in memory every SNAPSHOT_EVERY steps
-    (`keep`), and counts once the run is still judged well CONFIRM steps later; a run stopped
-    for a NaN or a divergence writes the last such state as its checkpoint when it is newer
-    than the last one saved. `stopping`: a stop signal has arrived (under DDP: any process's,
-    agreed at a sync point, so that all stop at the same step). `last_saved`: the step of the
-    last good checkpoint, which every message that stops the run names."""
+    non-finite and brings the smoothed loss and gradient norm up to date (judged); at a log step
+    `judge` stops one that diverges (judged: suspect, and still so WINDOW // 2 steps later) and
+    keeps the state it is handed in memory every SNAPSHOT_EVERY steps while the run is judged
+    well (it counts once the run is still judged well CONFIRM steps later); `save` writes the
+    checkpoint, or holds back that of a suspect state (`deferred`: saved at a later log step,
+    once the run is judged well again). A run stopped for a NaN or a divergence writes the last
+    good state kept as its checkpoint when it is newer than the last one saved. `stopping`: a
+    stop signal has arrived (under DDP: any process's, agreed at a sync point, so that all stop
+    at the same step). `last_saved`: the step of the last good checkpoint, which every message
+    that stops the run names."""
 
     def __init__(self, folder, device, ddp: bool, spike: float, log_every: int,
                  last_saved: int | None):
@@ -146,12 +147,14 @@ class SafetyNet:
                              f"or --clip: python train.py --out-dir {self.folder.path} --resume "
                              f"--lr LOWER")
 
-    def judge(self, step: int, lr: float) -> bool:
-        """Stop a diverging run (suspect at a log step, and still WINDOW // 2 steps later);
-        note whether it is suspect. Returns whether the state now is good and due to be kept
-        (keep). Under DDP the processes judge the same numbers (their sums' mean)."""
+    def judge(self, step: int, lr: float, state: dict) -> None:
+        """At a log step: stop a diverging run (suspect here, and still WINDOW // 2 steps
+        later); note whether it is suspect; keep `state` (references to the live tensors: the
+        checkpoint's) when it is good and due, every SNAPSHOT_EVERY steps, copied off the device
+        (it counts as good once the run is still judged well CONFIRM steps later). Under DDP the
+        processes judge the same numbers (their sums' mean)."""
         if self.steps < WINDOW:  # the averages have not filled yet
-            return False
+            return
         trace = [*self.trace.tolist(), self.best]
         if self.ddp:
             trace = torch.tensor(trace, dtype=torch.float64, device=self.device)
@@ -163,7 +166,12 @@ class SafetyNet:
             if self.pending is not None and step - self.pending[0] >= CONFIRM:
                 self.kept, self.pending = self.pending, None
             last = max(x[0] for x in (self.kept, self.pending, (-SNAPSHOT_EVERY, None)) if x)
-            return self.pending is None and step - last >= SNAPSHOT_EVERY and self.folder.master
+            if self.pending is None and step - last >= SNAPSHOT_EVERY and self.folder.master:
+                copy = lambda x: (x.detach().to("cpu", copy=True) if torch.is_tensor(x) else
+                                  {k: copy(v) for k, v in x.items()} if isinstance(x, dict) else
+                                  [copy(v) for v in x] if isinstance(x, list) else x)
+                self.pending = (step, copy(state))
+            return
         self.pending = None  # taken while the run was going bad, maybe
         self.suspect_since = step if self.suspect_since is None else self.suspect_since
         if step - self.suspect_since >= WINDOW // 2:
@@ -173,22 +181,16 @@ class SafetyNet:
                 f"{self.last_good()}. {self.go_on()} with a lower --lr (this run: {lr:g}): "
                 f"python train.py --out-dir {self.folder.path} --resume --lr {lr / 2:g}; or "
                 f"--resume --spike 0 to train on as it was.")
-        return False
 
-    def keep(self, state: dict | None, step: int) -> None:
-        """A state judged good, to go back to once CONFIRM steps later the run is still judged
-        well: every tensor copied (off the device)."""
-        copy = lambda x: (x.detach().to("cpu", copy=True) if torch.is_tensor(x) else
-                          {k: copy(v) for k, v in x.items()} if isinstance(x, dict) else
-                          [copy(v) for v in x] if isinstance(x, list) else x)
-        if state is not None:
-            self.pending = (step, copy(state))
-
-    def may_save(self, must: bool) -> bool:
-        """Whether the state may be saved now; a suspect one waits until the run is judged well
-        again, unless it `must` be saved now (a phase's end, --stop-at, a stop signal)."""
+    def save(self, state: dict, step: int, must: bool) -> None:
+        """The checkpoint `state` of `step`, written as ckpt.pt (by the master process) unless
+        the run is suspect: then it waits (`deferred`: the loop asks again at its next log
+        steps) until the run is judged well again, or it `must` be saved now (a phase's end,
+        --stop-at, a stop signal)."""
         self.deferred = self.suspect_since is not None and not must
-        return not self.deferred
+        if not self.deferred:
+            self.folder.save(state)
+            self.last_saved = step
 
     def stop(self, step: int, rank: int, out_dir) -> None:
         """Exit after a stop signal, with the command that resumes the run."""
