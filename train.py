@@ -206,6 +206,7 @@ add("--reset", default="", help="with --init-from, these fresh: embeddings, posi
 add("--freeze", default="", help="parts not trained: embeddings (and so the tied output)")
 objectives.add_flags(parser)
 objectives.note_defaults(parser)
+DEFAULTS = vars(parser.parse_args([]))  # every flag's own default, read once
 
 
 def recipe(objective: str, size: str) -> dict:
@@ -225,11 +226,10 @@ def get_args(argv=None):
     """The flags as the run reads them: each typed one as typed, the others the recipe's value
     or else their default; checked, so that a bad one stops here in one line. args.given: the
     typed ones (a resumed run refuses those that would change it)."""
-    defaults = vars(parser.parse_args([]))
     typed = {k: v for k, v in vars(parser.parse_args(
-        argv, argparse.Namespace(**dict.fromkeys(defaults, UNSET)))).items() if v is not UNSET}
-    objective, size = (typed.get(k, defaults[k]) for k in ("objective", "size"))
-    args = argparse.Namespace(**{**defaults, **recipe(objective, size), **typed},
+        argv, argparse.Namespace(**dict.fromkeys(DEFAULTS, UNSET)))).items() if v is not UNSET}
+    objective, size = (typed.get(k, DEFAULTS[k]) for k in ("objective", "size"))
+    args = argparse.Namespace(**{**DEFAULTS, **recipe(objective, size), **typed},
                               given=sorted(typed))
     objectives.refuse_others(args, args.given, parser.error)
     if "phase1_steps" in args.given and not has_phase1(args) and not args.resume:
@@ -533,10 +533,10 @@ def checkpoint_state(run: Run, phase: Phase, step: int, words: int | None = None
 
 
 def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | None = None):
-    """checkpoint_state, written atomically by rank 0."""
+    """checkpoint_state, written atomically by rank 0 (phase1.pt, a --save-words checkpoint;
+    ckpt.pt goes through the guard, SafetyNet.save)."""
     if run.rank == 0:
         run.folder.save(checkpoint_state(run, phase, step, words), name)
-    return step
 
 
 def words_per_step(run: Run) -> float:
@@ -700,10 +700,9 @@ def log_line(record: dict, stats: dict, max_steps: int, eta: float | None) -> st
 def main(argv=None):
     line_buffered()
     on_stop_signals(exit_now)
-    # the flags as given, and their defaults (for flags newer than a resumed run)
-    args, defaults = get_args(argv), vars(parser.parse_args([]))
+    args = get_args(argv)
     if args.check:
-        print(json.dumps(checked_settings(args, defaults)))
+        print(json.dumps(checked_settings(args, DEFAULTS)))
         return
 
     # the processes: torchrun's (NCCL on GPUs, gloo on CPUs) when launched by it; this one's
@@ -725,7 +724,7 @@ def main(argv=None):
     if args.resume:
         if folder.path.is_dir():
             folder.lock()  # one process per run folder (rank 0 holds it for all)
-        args, ckpt = resumed_args(args, folder.path / "ckpt.pt", defaults)
+        args, ckpt = resumed_args(args, folder.path / "ckpt.pt", DEFAULTS)  # newer flags: theirs
     else:
         folder.check_new("ckpt.pt")
     if args.deterministic:  # before any kernel runs (the run's saved setting, when resumed)
@@ -817,7 +816,8 @@ def main(argv=None):
                       "tok_per_s": since_log * run.global_batch * args.seq_len / seconds,
                       "peak_mem_gb": peak_memory_gb(device)}
             folder.log(record)
-            guard.judge(step, args.lr, checkpoint_state(run, phase, step))  # kept if good
+            if guard.judge(step, args.lr):  # a good state, kept to go back to
+                guard.keep(checkpoint_state(run, phase, step), step)
             run.say(log_line(record, stats, args.max_steps, progress.eta(step)))
             sums, since_log, t_log = {}, 0, time.time()
         paused = time.time()  # throughput counts training time only: evals and saves are not

@@ -254,8 +254,7 @@ def test_each_report_shows_commands_that_train_its_arms_claim():
             argv = shlex.split(line)[2:]
             arm_flags = shlex.split(conf.get("flags", "") + " " + scale.get(
                 "arm_flags", {}).get(arm, ""))
-            unset = argparse.Namespace(**dict.fromkeys(vars(train.parser.parse_args([])),
-                                                       train.UNSET))
+            unset = argparse.Namespace(**dict.fromkeys(train.DEFAULTS, train.UNSET))
             typed = [k for k, v in vars(train.parser.parse_args(arm_flags, unset)).items()
                      if v is not train.UNSET]  # the dests the arm's flags set
             # the arm's flags given again after the command's own: argparse keeps the last, so

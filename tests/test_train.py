@@ -629,14 +629,15 @@ def test_a_step_runs_code_from_six_files(prepared, tmp_path, objective):
 
 def feed(guard, losses, norms, log_every):
     """The loop's calls to a SafetyNet for per-step losses and norms: each step's appended to
-    `recent`, read and judged at log steps (which keeps a good state when due); -> the step it
+    `recent`, read and judged at log steps, a good state kept when judge says so; -> the step it
     stopped at, or None."""
     for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
         guard.recent.append((torch.tensor(loss), torch.tensor(norm)))
         if step % log_every == 0:
             try:
                 guard.check_finite(step)
-                guard.judge(step, 0.01, {"step": step, "weights": torch.full((2,), float(step))})
+                if guard.judge(step, 0.01):
+                    guard.keep({"step": step, "weights": torch.full((2,), float(step))}, step)
             except SystemExit:
                 return step
     return None

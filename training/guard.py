@@ -60,8 +60,9 @@ class SafetyNet:
     At a sync point `check_finite` reads the steps since the last one, stops a run that went
     non-finite and brings the smoothed loss and gradient norm up to date (judged); at a log step
     `judge` stops one that diverges (judged: suspect, and still so WINDOW // 2 steps later) and
-    keeps the state it is handed in memory every SNAPSHOT_EVERY steps while the run is judged
-    well (it counts once the run is still judged well CONFIRM steps later); `save` writes the
+    says when a good state is due to be kept in memory (`keep`, every SNAPSHOT_EVERY steps while
+    the run is judged well; it counts once the run is still judged well CONFIRM steps later, and
+    is built only then: the loop's log steps stay cheap); `save` writes the
     checkpoint, or holds back that of a suspect state (`deferred`: saved at a later log step,
     once the run is judged well again). A run stopped for a NaN or a divergence writes the last
     good state kept as its checkpoint when it is newer than the last one saved. `stopping`: a
@@ -147,14 +148,13 @@ class SafetyNet:
                              f"or --clip: python train.py --out-dir {self.folder.path} --resume "
                              f"--lr LOWER")
 
-    def judge(self, step: int, lr: float, state: dict) -> None:
+    def judge(self, step: int, lr: float) -> bool:
         """At a log step: stop a diverging run (suspect here, and still WINDOW // 2 steps
-        later); note whether it is suspect; keep `state` (references to the live tensors: the
-        checkpoint's) when it is good and due, every SNAPSHOT_EVERY steps, copied off the device
-        (it counts as good once the run is still judged well CONFIRM steps later). Under DDP the
-        processes judge the same numbers (their sums' mean)."""
+        later); note whether it is suspect. Returns whether the state now is good and due to be
+        kept (keep), so that the loop builds it only then. Under DDP the processes judge the
+        same numbers (their sums' mean)."""
         if self.steps < WINDOW:  # the averages have not filled yet
-            return
+            return False
         trace = [*self.trace.tolist(), self.best]
         if self.ddp:
             trace = torch.tensor(trace, dtype=torch.float64, device=self.device)
@@ -166,12 +166,7 @@ class SafetyNet:
             if self.pending is not None and step - self.pending[0] >= CONFIRM:
                 self.kept, self.pending = self.pending, None
             last = max(x[0] for x in (self.kept, self.pending, (-SNAPSHOT_EVERY, None)) if x)
-            if self.pending is None and step - last >= SNAPSHOT_EVERY and self.folder.master:
-                copy = lambda x: (x.detach().to("cpu", copy=True) if torch.is_tensor(x) else
-                                  {k: copy(v) for k, v in x.items()} if isinstance(x, dict) else
-                                  [copy(v) for v in x] if isinstance(x, list) else x)
-                self.pending = (step, copy(state))
-            return
+            return self.pending is None and step - last >= SNAPSHOT_EVERY and self.folder.master
         self.pending = None  # taken while the run was going bad, maybe
         self.suspect_since = step if self.suspect_since is None else self.suspect_since
         if step - self.suspect_since >= WINDOW // 2:
@@ -181,6 +176,16 @@ class SafetyNet:
                 f"{self.last_good()}. {self.go_on()} with a lower --lr (this run: {lr:g}): "
                 f"python train.py --out-dir {self.folder.path} --resume --lr {lr / 2:g}; or "
                 f"--resume --spike 0 to train on as it was.")
+        return False
+
+    def keep(self, state: dict, step: int) -> None:
+        """A state judged good (references to the live tensors: the checkpoint's), to go back to
+        once CONFIRM steps later the run is still judged well: every tensor copied off the
+        device."""
+        copy = lambda x: (x.detach().to("cpu", copy=True) if torch.is_tensor(x) else
+                          {k: copy(v) for k, v in x.items()} if isinstance(x, dict) else
+                          [copy(v) for v in x] if isinstance(x, list) else x)
+        self.pending = (step, copy(state))
 
     def save(self, state: dict, step: int, must: bool) -> None:
         """The checkpoint `state` of `step`, written as ckpt.pt (by the master process) unless
