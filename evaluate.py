@@ -594,8 +594,6 @@ def fill(args):
 def build_parser() -> argparse.ArgumentParser:
     ap = flags.Parser(prog="evaluate.py", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
-    floats = lambda s: [float(x) for x in s.split(",")]
-    ints = lambda s: [int(x) for x in s.split(",")]
 
     def maskings(text: str) -> list[str]:
         names = text.split(",")
@@ -615,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint written by train.py, or its run folder (its ckpt.pt)")
     f.add_argument("text", nargs="+", help='sentences with [MASK] in them, each quoted: '
                    '"the cat sat on the [MASK] ."')
-    f.add_argument("--top-k", type=int, default=5, range=flags.at_least(1),
+    f.add_argument("--top-k", type=flags.at_least(int, 1), default=5,
         help="guesses shown per [MASK]")
     device(f)
     f.set_defaults(func=fill)
@@ -633,13 +631,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--any-scorer", action="store_true",
         help="score by --scorer even where the model was not trained to predict as it reads "
         "(pll or word-l2r on gpt-bert, mntp or causal on the others)")
-    add("--temperatures", type=floats, default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0],
-        range=flags.above(0),
+    add("--temperatures", type=flags.numbers(flags.above(float, 0)),
+        default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0],
         help="comma-separated grid; 1 is always added (default 0.5,0.75,1,1.5,2,3)")
     add("--bf16", action="store_true", help="score under bfloat16 autocast (faster on a GPU; "
         "near-ties then differ between GPU kinds). Default: float32")
-    add("--batch-tokens", type=int, default=None, help="tokens per scoring batch (default 4096 "
-        "on CPU, the fastest of 2k/4k/16k measured; 32768 on CUDA)", range=flags.at_least(1))
+    add("--batch-tokens", type=flags.at_least(int, 1), default=None,
+        help="tokens per scoring batch (default 4096 "
+        "on CPU, the fastest of 2k/4k/16k measured; 32768 on CUDA)")
     device(b)
     b.set_defaults(func=blimp)
 
@@ -649,19 +648,19 @@ def build_parser() -> argparse.ArgumentParser:
     common(m, "mlm")
     add = m.add_argument
     add("--data", default=None, help="corpus (default: the one the checkpoint trained on)")
-    add("--segments", type=int, default=1024,
-        help="validation segments scored, from the first", range=flags.at_least(1))
-    add("--seq-len", type=int, default=None, range=flags.at_least(3),
+    add("--segments", type=flags.at_least(int, 1), default=1024,
+        help="validation segments scored, from the first")
+    add("--seq-len", type=flags.at_least(int, 3), default=None,
         help="segment length (default: the checkpoint's)")
     add("--maskings", type=maskings, default=list(HELD_OUT_MASKINGS),
         help="comma-separated: uniform (isolated tokens, int(p T) a segment), span (LTG-BERT's "
         "spans of mean 3); every hidden token [MASK] (default uniform,span)")
-    add("--mask-p", type=float, default=0.15, help="fraction of each segment hidden",
-        range=flags.Range(0, 1, low_open=True, high_open=True))
+    add("--mask-p", type=flags.Range(float, 0, 1, low_open=True, high_open=True), default=0.15,
+        help="fraction of each segment hidden")
     add("--bf16", action="store_true", help="score under bfloat16 autocast (faster on a GPU). "
         "Default: float32")
-    add("--batch-size", type=int, default=64, help="segments per batch", range=flags.at_least(1))
-    add("--seed", type=int, default=0, range=flags.at_least(0),
+    add("--batch-size", type=flags.at_least(int, 1), default=64, help="segments per batch")
+    add("--seed", type=flags.at_least(int, 0), default=0,
         help="seed of the hidden positions (default 0)")
     device(m)
     m.set_defaults(func=masked_lm)
@@ -673,7 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--task", required=True,
         help=f"{', '.join(TASKS)}, or any name with MSGS-style files (sentence, label; MCC)")
     add("--data-dir", required=True, help="folder with TASK.train.jsonl and TASK.valid.jsonl")
-    add("--seeds", range=flags.at_least(0), type=ints, default=[1],
+    add("--seeds", type=flags.numbers(flags.at_least(int, 0)), default=[1],
         help="comma-separated fine-tuning seeds; mean ± std over them (default 1)")
     add("--recipe", default="nanomlm", choices=list(RECIPES),
         help="defaults for the flags below: nanomlm (ours: lr 5e-5, batch 32, 10 epochs, "
@@ -681,26 +680,28 @@ def build_parser() -> argparse.ArgumentParser:
         "2025 pipeline's: lr 3e-5, batch 32 (16 for boolq, multirc), 10 epochs (30 for wsc), no "
         "early stopping, 512 tokens, cosine to 0.1 after 6%% warm-up, no clipping, its head) "
         "(default nanomlm)")
-    add("--lr", type=float, default=None, range=flags.at_least(0),
+    add("--lr", type=flags.at_least(float, 0), default=None,
         help="AdamW learning rate (default: the recipe's)")
-    add("--weight-decay", type=float, default=0.01, range=flags.at_least(0),
+    add("--weight-decay", type=flags.at_least(float, 0), default=0.01,
         help="AdamW weight decay")
-    add("--batch-size", type=int, default=None, range=flags.at_least(1),
+    add("--batch-size", type=flags.at_least(int, 1), default=None,
         help="examples per batch (default: the recipe's)")
-    add("--epochs", type=int, default=None, help="at most this many epochs (default: the "
-        "recipe's)", range=flags.at_least(1))
-    add("--patience", type=int, default=None,
+    add("--epochs", type=flags.at_least(int, 1), default=None,
+        help="at most this many epochs (default: the "
+        "recipe's)")
+    add("--patience", type=flags.at_least(int, 0), default=None,
         help="stop after this many epochs without a better validation score (default: the "
-        "recipe's; babylm2025 has none)", range=flags.at_least(0))
-    add("--holdout", type=float, default=0.0, help="choose the epoch on this fraction of the "
+        "recipe's; babylm2025 has none)")
+    add("--holdout", type=flags.Range(float, 0, 1, high_open=True), default=0.0,
+        help="choose the epoch on this fraction of the "
         "training set instead of on the validation set it reports (default 0: as the BabyLM "
-        "pipeline)", range=flags.Range(0, 1, high_open=True))
+        "pipeline)")
     add("--group-by-length", action=argparse.BooleanOptionalAction, default=None,
         help="training batches of similar lengths, so less of each is padding (default: on for "
         "nanomlm; --no-group-by-length: plain shuffled batches)")
-    add("--max-len", type=int, default=None,
+    add("--max-len", type=flags.at_least(int, 3), default=None,
         help="tokens per example, longer pairs truncated longest-first (default: the recipe's, "
-        "128 or 512)", range=flags.at_least(3))
+        "128 or 512)")
     device(f)
     f.set_defaults(func=finetune)
 
@@ -709,8 +710,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = c.add_argument
     add("results", nargs="+", help="two groups of result JSONs: two folders or quoted globs, "
         "e.g. 'A/*.json' 'B/*.json'")
-    add("--nboot", type=int, default=1000, help="bootstrap resamples", range=flags.at_least(1))
-    add("--seed", type=int, default=0, help="seed of the resampling", range=flags.at_least(0))
+    add("--nboot", type=flags.at_least(int, 1), default=1000, help="bootstrap resamples")
+    add("--seed", type=flags.at_least(int, 0), default=0, help="seed of the resampling")
     add("--examples", default="examples", help="which per-example section to use; BLiMP also "
         "has examples_best_t")
     add("--out", default=None, help="also write the result to this JSON")

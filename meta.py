@@ -587,74 +587,78 @@ def build_parser() -> flags.Parser:
         "fine-tuned full-batch for 200 steps) or shen (his report's Appendix A: 40k steps of 16, "
         "dropout 0.1, lr/sqrt(n), fine-tuned 100 epochs, best epoch on validation) "
         "(default nanomlm)")
-    add("--steps", type=int, default=None,
-        help="pretraining steps (default: the protocol's; glue 1000)", range=flags.at_least(1))
-    add("--batch-size", type=int, default=None, help="unlabelled sequences per step (default: "
-        "the protocol's, 32 or 16)", range=flags.at_least(1))
-    add("--task-batch", type=int, default=None, range=flags.at_least(1),
+    add("--steps", type=flags.at_least(int, 1), default=None,
+        help="pretraining steps (default: the protocol's; glue 1000)")
+    add("--batch-size", type=flags.at_least(int, 1), default=None,
+        help="unlabelled sequences per step (default: "
+        "the protocol's, 32 or 16)")
+    add("--task-batch", type=flags.at_least(int, 1), default=None,
         help="labelled examples in each of the support and query batches (default 8; shen 4)")
-    add("--lr", type=float, default=None, help="the student's AdamW learning rate, the MLM "
-        "baseline's too (default 3e-3; shen 0.08 x n^-1/2)", range=flags.at_least(0))
-    add("--teacher-lr", type=float, default=None,
-        help="the teacher's AdamW learning rate (default: as --lr)", range=flags.at_least(0))
-    add("--inner-lr", type=float, default=0.1, range=flags.at_least(0),
+    add("--lr", type=flags.at_least(float, 0), default=None,
+        help="the student's AdamW learning rate, the MLM "
+        "baseline's too (default 3e-3; shen 0.08 x n^-1/2)")
+    add("--teacher-lr", type=flags.at_least(float, 0), default=None,
+        help="the teacher's AdamW learning rate (default: as --lr)")
+    add("--inner-lr", type=flags.at_least(float, 0), default=0.1,
         help="SGD learning rate eta of the unrolled steps")
     add("--unroll", choices=("adamw", "sgd"), default="adamw",
         help="soft labels: step (1) unrolled as the student's own AdamW step (MetaLMO's) or as "
         "an SGD step at --inner-lr")
-    add("--mlm-task-p", type=float, default=None,
+    add("--mlm-task-p", type=flags.Range(float, 0, 1), default=None,
         help="probability that a step's labelled task is MLM on other unlabelled text (default: "
-        "0.5 for soft, as MetaLMO's soft runs; 0 otherwise)", range=flags.Range(0, 1))
-    add("--meta-weight", type=float, default=None,
+        "0.5 for soft, as MetaLMO's soft runs; 0 otherwise)")
+    add("--meta-weight", type=flags.at_least(float, 0), default=None,
         help="weight of the meta term against the teacher's two MLM losses (default 100 for "
-        "soft and denoise labels, as MetaLMO's soft runs; 1 otherwise)", range=flags.at_least(0))
-    add("--weight-decay", type=float, default=0.01, range=flags.at_least(0),
+        "soft and denoise labels, as MetaLMO's soft runs; 1 otherwise)")
+    add("--weight-decay", type=flags.at_least(float, 0), default=0.01,
         help="AdamW weight decay, all optimisers")
-    add("--clip", type=float, default=None,  # 0 would zero every gradient: no "off" here
-        help="gradient-norm clip of every outer step (default 1; shen 5)", range=flags.above(0))
-    add("--seed", type=int, default=0, range=flags.at_least(0),
+    # 0 would zero every gradient: no "off" here
+    add("--clip", type=flags.above(float, 0), default=None,
+        help="gradient-norm clip of every outer step (default 1; shen 5)")
+    add("--seed", type=flags.at_least(int, 0), default=0,
         help="model init and batches (--task glue)")
-    add("--seeds", type=flags.integers, range=flags.at_least(0),
+    add("--seeds", type=flags.numbers(flags.at_least(int, 0)),
         default="0,1,2", help="two_moons: one pretraining + fine-tuning per seed")
-    add("--sizes", type=flags.integers, default="10,20,40,80,160",
+    add("--sizes", type=flags.numbers(flags.Range(int)), default="10,20,40,80,160",
         help="two_moons: labelled-set sizes (even, at most 160)")
-    add("--data-seed", type=int, default=0, range=flags.at_least(0),
+    add("--data-seed", type=flags.at_least(int, 0), default=0,
         help="two_moons: seed of the generated data")
     add("--labeled-points", choices=("random", "even"), default=None,
         help="two_moons: the labelled and validation points: random (drawn as the rest; the "
         "first n of one draw) or even (MetaLMO's make_moons(n): evenly spaced along each moon, "
         "then noise; one draw per size) (default random; shen even)")
-    add("--workers", type=int, default=2, range=flags.at_least(1),
+    add("--workers", type=flags.at_least(int, 1), default=2,
         help="two_moons on CPU: table entries computed in parallel processes")
-    add("--ft-steps", type=int, default=None, range=flags.at_least(0),
+    add("--ft-steps", type=flags.at_least(int, 0), default=None,
         help="two_moons, nanomlm: full-batch fine-tuning steps (default 200)")
-    add("--ft-epochs", type=int, default=None,
+    add("--ft-epochs", type=flags.at_least(int, 0), default=None,
         help="two_moons, shen: fine-tuning epochs, the best on validation kept; 0: full-batch "
-        "--ft-steps instead (default 100)", range=flags.at_least(0))
-    add("--ft-lr", type=float, default=None, range=flags.at_least(0),
+        "--ft-steps instead (default 100)")
+    add("--ft-lr", type=flags.at_least(float, 0), default=None,
         help="two_moons: fine-tuning AdamW learning rate (default 1e-2; shen 0.04 x n^-1/2)")
     add("--data", default="babylm_10m",
         help="glue: unlabelled corpus (a name under $NANOMLM_RAW or a folder)")
-    add("--vocab-size", type=int, default=VOCAB_SIZE,
-        help="glue: tokenizer size when the corpus is prepared first", range=flags.at_least(262))
+    add("--vocab-size", type=flags.at_least(int, 262), default=VOCAB_SIZE,
+        help="glue: tokenizer size when the corpus is prepared first")
     add("--glue-dir", default=None, help="glue: folder of TASK.train.jsonl files (default "
         "$NANOMLM_RAW/babylm_eval/full_eval/glue_filtered)")
     add("--glue-tasks", default="rte,mrpc,cola",
         help="glue: labelled tasks (TASK.train.jsonl), taking turns step by step")
-    add("--seq-len", type=int, default=128, range=flags.Range(3, GLUE_POSITIONS),
+    add("--seq-len", type=flags.Range(int, 3, GLUE_POSITIONS), default=128,
         help="glue: sequence length (two_moons: 34, fixed)")
     add("--size", choices=tuple(PRESETS), default="tiny",
         help="glue: model preset (two_moons: 2 layers, d_model 8)")
-    helps = flags.field_help(ModelConfig)
-    for f in ("n_layer", "n_head", "d_model", "d_ff"):
-        add(f"--{f.replace('_', '-')}", type=int, default=None,
-            help=f"{helps[f]} (overrides the preset)", range=flags.at_least(1))
-    add("--position", choices=("relative", "absolute"), default=None, help=helps["position"])
-    add("--dropout", type=float, default=None, range=flags.Range(0, 1, high_open=True),
+    for f, about in (("n_layer", "transformer layers"), ("n_head", "attention heads"),
+                     ("d_model", "hidden size"), ("d_ff", "feed-forward inner size")):
+        add(f"--{f.replace('_', '-')}", type=flags.at_least(int, 1), default=None,
+            help=f"{about} (overrides the preset)")
+    add("--position", choices=("relative", "absolute"), default=None,
+        help="relative (log-bucketed, LTG-BERT) or absolute (a learned table)")
+    add("--dropout", type=flags.Range(float, 0, 1, high_open=True), default=None,
         help="dropout (default 0: small data, and exact unrolls; shen 0.1)")
-    add("--log-every", type=int, default=50,
-        help="glue: steps between log lines and teacher samples", range=flags.at_least(1))
-    add("--save-every", type=int, default=500, range=flags.at_least(1),
+    add("--log-every", type=flags.at_least(int, 1), default=50,
+        help="glue: steps between log lines and teacher samples")
+    add("--save-every", type=flags.at_least(int, 1), default=500,
         help="glue: steps between checkpoints")
     add("--out-dir", default=None, help="run folder (default runs/meta_<task>_<labels>)")
     add("--resume", action="store_true",

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import sparse
 from machinery.plumbing import use_compile
-from machinery.flags import Flag, Range, above, at_least, field_flags, flag
+from machinery.flags import Range, above, at_least
 from model import (BootHeads, BootPredictor, boot_states, init_linears, load_checkpoint,
                    small_init)
 
@@ -96,13 +96,28 @@ def mlm(model, batch, parts):
     return cross_entropy(logits, batch["targets"]), {"acc": slot_accuracy(logits, batch["targets"])}
 
 
+class Flag(NamedTuple):
+    """An objective's flag, declared beside its loss: its option and add_argument's keywords;
+    train.py adds it (add_flags)."""
+    option: str
+    spec: dict
+
+    @property
+    def dest(self) -> str:
+        return self.option[2:].replace("-", "_")
+
+
+def flag(option: str, **spec) -> Flag:
+    return Flag(option, spec)
+
+
 # the flags of an objective (OBJECTIVES[...].flags) sit beside its loss; a flag several declare
 # is declared once
-MLM_WEIGHT = flag("--mlm-weight", type=float, default=1.0, range=at_least(0),
+MLM_WEIGHT = flag("--mlm-weight", type=at_least(float, 0), default=1.0,
                   help="weight of the MLM loss beside the objective's own")
 MLM_TWO_PHASE = flag("--two-phase", action="store_true",
                      help="kd's two phases, MLM in both (Better Together's baseline)")
-PHASES = (flag("--phase1-steps", type=float, default=0.2, range=above(0),
+PHASES = (flag("--phase1-steps", type=above(float, 0), default=0.2,
                help="phase 1's MLM steps: a fraction of --max-steps if < 1"),
           flag("--student-init", default="continued", choices=["continued", "scratch"],
                help="phase 2 from the phase-1 weights, or fresh"))
@@ -121,12 +136,12 @@ MIXES = {"masked-focus": 1 / 16, "mixed": 1 / 2, "causal-focus": 15 / 16}
 
 
 def causal_fraction(text: str) -> float:
-    """--causal-fraction: a named mix, or a number."""
-    return MIXES[text] if text in MIXES else float(text)
+    """--causal-fraction: a named mix, or a number in [0, 1]."""
+    return MIXES[text] if text in MIXES else Range(float, 0, 1)(text)
 
 
 CAUSAL_FRACTION = flag("--causal-fraction", type=causal_fraction, default=1 / 16, metavar="F",
-                       range=Range(0, 1), help="each batch's causal share: a fraction, "
+                       help="each batch's causal share: a fraction, "
                        "masked-focus (1/16), mixed or causal-focus (default 1/16)")
 
 
@@ -222,13 +237,13 @@ def setup_boot(encoder, args, run_dir, device) -> ObjectiveParts:
 
 
 BOOT_FLAGS = (
-    flag("--lb-weight", type=float, default=1.0, range=at_least(0),
+    flag("--lb-weight", type=at_least(float, 0), default=1.0,
          help="weight of the latent-bootstrapping loss; 0 removes it"),
-    flag("--ema-start", type=float, default=0.996, range=Range(0, 1),
+    flag("--ema-start", type=Range(float, 0, 1), default=0.996,
          help="mean-teacher EMA decay at the first step"),
-    flag("--ema-end", type=float, default=1.0, range=Range(0, 1),
+    flag("--ema-end", type=Range(float, 0, 1), default=1.0,
          help="EMA decay at the last step, reached linearly"),
-    flag("--decoder-layers", type=int, default=None, range=at_least(1),
+    flag("--decoder-layers", type=at_least(int, 1), default=None,
          help="the student's decoder (default: n_layer / 3, the paper's 4 of 12)"),
     flag("--boot-student", default="mae", choices=["mae", "bert"], metavar="NAME",
          help="the encoder reads the kept tokens (mae) or all (bert)"))
@@ -283,7 +298,7 @@ def setup_kd(encoder, args, run_dir, device) -> ObjectiveParts:
 
 TEACHER = flag("--teacher", default=None,
                help="distil from this checkpoint instead of training a phase 1")
-KD_FLAGS = (flag("--kd-temperature", type=float, default=1.0, range=above(0),
+KD_FLAGS = (flag("--kd-temperature", type=above(float, 0), default=1.0,
                  help="softmax temperature T; the KL is scaled by T^2"),
             flag("--kd-teacher-input", default="clean", choices=["clean", "masked"],
                  metavar="NAME", help="what the teacher reads: clean or masked"))
@@ -342,12 +357,14 @@ DICT_FLAG_NAMES = {f: "--" + a.replace("_", "-") for a, f in DICT_FLAGS.items()}
 MLSM_FLAGS = (
     flag("--dict", default=None,
          help="a sparse.py dictionary (default: learned into RUN/dict.pt)"),
-    *field_flags(sparse.DictConfig, DICT_FLAGS, ranges=sparse.DICT_RANGES),
+    *(flag("--" + dest.replace("_", "-"), type=sparse.DICT_FIELDS[field][0],
+           default=getattr(sparse.DictConfig, field), help=sparse.DICT_FIELDS[field][1])
+      for dest, field in DICT_FLAGS.items()),
     flag("--mlsm-coder", default="fista100", choices=["fista100", "exact"], metavar="NAME",
          help="fista100: the MLSM code's 100 steps; exact: to --mlsm-tol"),
-    flag("--mlsm-iters", type=int, default=200, range=at_least(1),
+    flag("--mlsm-iters", type=at_least(int, 1), default=200,
          help="exact: FISTA's iteration cap"),
-    flag("--mlsm-tol", type=float, default=1e-2, range=above(0),
+    flag("--mlsm-tol", type=above(float, 0), default=1e-2,
          help="exact: stop at a gradient mapping below tol*lam"))
 
 

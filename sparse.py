@@ -467,26 +467,27 @@ def collect(model, tokens: np.ndarray, layer: int, n: int, seq_len: int, max_fre
 
 @dataclass
 class DictConfig:
-    layer: int = -1           # hidden layer: 0 = embeddings, 1..n_layer, negative from the end
-    k: int = 3000             # dictionary atoms: the size of the distribution MLSM predicts
-    lam: float = 0.05         # l1 penalty lambda of the codes, eq. (1) of sparse.py
-    vectors: int = 100000     # hidden states the dictionary is learned from
-    epochs: int = 4           # passes of dictionary learning over them
-    batch_size: int = 1024    # vectors per mini-batch
-    max_freq: float = 1.0     # leave out tokens at least this frequent (1: keep every token)
-    seq_len: int = 128        # window length the model reads
-    forget: float = 50.0      # past mini-batches weigh (1-1/t)^forget at mini-batch t; 0: equally
-    iters: int = 1000         # FISTA iteration cap per mini-batch
-    tol: float = 1e-2         # FISTA stops when its gradient mapping is below tol*lam everywhere
-    seed: int = 0             # seed of the windows, the initial atoms and the batch order
+    """How a dictionary is learned; each field's meaning, range and flag: DICT_FIELDS."""
+    layer: int = -1
+    k: int = 3000
+    lam: float = 0.05
+    vectors: int = 100000
+    epochs: int = 4
+    batch_size: int = 1024
+    max_freq: float = 1.0
+    seq_len: int = 128
+    forget: float = 50.0
+    iters: int = 1000
+    tol: float = 1e-2
+    seed: int = 0
 
-    def check(self, n_layer: int | None = None, flags: dict | None = None, where="the model"):
-        """One line for the first setting that cannot work, named by the caller's flags (`flags`
-        maps a field to its flag; default --field-name): a field outside DICT_RANGES, fewer
+    def check(self, n_layer: int | None = None, names: dict | None = None, where="the model"):
+        """One line for the first setting that cannot work, named by the caller's flags (`names`
+        maps a field to its flag; default --field-name): a field outside its range, fewer
         vectors than atoms, and, given the model's n_layer, a layer it does not have."""
-        flag = lambda f: (flags or {}).get(f, "--" + f.replace("_", "-"))
-        for name, allowed in DICT_RANGES.items():
-            if getattr(self, name) not in allowed:
+        flag = lambda f: (names or {}).get(f, "--" + f.replace("_", "-"))
+        for name, (allowed, _) in DICT_FIELDS.items():
+            if isinstance(allowed, flags.Range) and getattr(self, name) not in allowed:
                 raise SystemExit(f"error: {allowed.refusal(flag(name), getattr(self, name))}")
         for broken, why in (
                 (self.vectors < self.k, f"{flag('vectors')} {self.vectors}: fewer vectors than "
@@ -497,13 +498,26 @@ class DictConfig:
                 raise SystemExit(f"error: {why}")
 
 
-# What each field accepts (the flags of sparse.py and train.py's mlsm flags declare these); the
-# layer is checked against the model, whose depth the flags do not know.
-DICT_RANGES = {"k": flags.at_least(1), "lam": flags.above(0), "vectors": flags.at_least(1),
-               "epochs": flags.at_least(0), "batch_size": flags.at_least(1),
-               "max_freq": flags.Range(0, 1, low_open=True), "seq_len": flags.at_least(3),
-               "forget": flags.at_least(0), "iters": flags.at_least(1), "tol": flags.at_least(0),
-               "seed": flags.at_least(0)}
+# Each DictConfig field's flag: its type (with its range) and its help. sparse.py has a flag for
+# each, train.py's mlsm flags six (objectives.DICT_FLAGS); the layer is checked against the
+# model, whose depth the flags do not know (DictConfig.check).
+DICT_FIELDS = {
+    "layer": (int, "hidden layer: 0 = embeddings, 1..n_layer, negative from the end"),
+    "k": (flags.at_least(int, 1), "dictionary atoms: the size of the distribution MLSM predicts"),
+    "lam": (flags.above(float, 0), "l1 penalty lambda of the codes, eq. (1) of sparse.py"),
+    "vectors": (flags.at_least(int, 1), "hidden states the dictionary is learned from"),
+    "epochs": (flags.at_least(int, 0), "passes of dictionary learning over them"),
+    "batch_size": (flags.at_least(int, 1), "vectors per mini-batch"),
+    "max_freq": (flags.Range(float, 0, 1, low_open=True),
+                 "leave out tokens at least this frequent (1: keep every token)"),
+    "seq_len": (flags.at_least(int, 3), "window length the model reads"),
+    "forget": (flags.at_least(float, 0),
+               "past mini-batches weigh (1-1/t)^forget at mini-batch t; 0: equally"),
+    "iters": (flags.at_least(int, 1), "FISTA iteration cap per mini-batch"),
+    "tol": (flags.at_least(float, 0),
+            "FISTA stops when its gradient mapping is below tol*lam everywhere"),
+    "seed": (flags.at_least(int, 0), "seed of the windows, the initial atoms and the batch order"),
+}
 
 
 def learn_from_checkpoint(ckpt_path, data, cfg: DictConfig, device, out) -> dict:
@@ -603,7 +617,9 @@ def build_parser() -> flags.Parser:
                    "train.py ckpt.pt or phase1.pt)")
     p.add_argument("--data", default=None,
                    help="corpus it was trained on (default: the checkpoint's --data)")
-    flags.add_fields(p.add_argument, DictConfig, ranges=DICT_RANGES)
+    for name, (kind, about) in DICT_FIELDS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(DictConfig, name),
+                       help=about)
     add_device_flag(p.add_argument)
     p.add_argument("--out", required=True, help="where to write the dictionary (a torch file: "
                    "D (d, k) and how it was made)")

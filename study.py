@@ -446,19 +446,19 @@ def build_parser() -> flags.Parser:
     add("study", help="the study file, e.g. studies/better_together.toml")
     add("--scale", default="cpu", help="which of the file's scales")
     add("--only", default=None, help="comma-separated arms to run (default all)")
-    add("--seeds", type=flags.integers, default=None, range=flags.at_least(0),
+    add("--seeds", type=flags.numbers(flags.at_least(int, 0)), default=None,
         help="comma-separated seeds to run (default the scale's)")
     add("--dry-run", action="store_true", help="print the plan and its estimated cost, run nothing")
     add("--report", action="store_true", help="only rebuild REPORT.md from results/")
-    add("--parallel", type=int, default=1, range=flags.at_least(1),
+    add("--parallel", type=flags.at_least(int, 1), default=1,
         help="runs at once: on several GPUs spread over them; on one GPU side by side, checked "
         "against its free memory first; on a CPU the cores shared")
-    add("--train-until", type=float, default=None, range=flags.above(0),
+    add("--train-until", type=flags.above(float, 0), default=None,
         help="seconds after the start: a run still training then is stopped (it saves), "
         "evaluated as it stands and kept apart as a partial result; runs not started by then "
         "wait for a later call (a GPU window: gpu_check.sh study)")
     add("--out", default=None, help="the study folder (default runs/STUDY/SCALE)")
-    add("--nboot", type=int, default=1000, range=flags.at_least(1),
+    add("--nboot", type=flags.at_least(int, 1), default=1000,
         help="bootstrap resamples per comparison")
     add("--no-figures", action="store_true", help="no PNGs even when matplotlib is installed")
     return ap

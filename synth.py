@@ -306,8 +306,8 @@ def build_parser() -> flags.Parser:
     add = ap.add_argument
     add("--ud", default=None, help="folder holding the UD treebanks (default $NANOMLM_RAW/ud)")
     add("--treebanks", nargs="+", default=TREEBANKS, help=f"(default {' '.join(TREEBANKS)})")
-    add("--n-rels", type=int, default=20,
-        help="relations kept as nonterminals; the rest become `other`", range=flags.at_least(1))
+    add("--n-rels", type=flags.at_least(int, 1), default=20,
+        help="relations kept as nonterminals; the rest become `other`")
     add("--rare", default="other", choices=["other", "drop"],
         help="relations outside the --n-rels most frequent: other (one nonterminal for them all, "
         "their subtrees kept) or drop (removed with their subtrees, most likely the blog's "
@@ -318,13 +318,13 @@ def build_parser() -> flags.Parser:
         "(default on; --no-separate-sentences: joined, as the earliest studies)")
     add("--relex", default="zipf", choices=["zipf", "loglinear"],
         help="word distribution")
-    add("--vocab", type=int, default=5000, help="made-up words in all", range=flags.at_least(1))
-    add("--sentences", type=int, default=1000000, range=flags.at_least(1),
+    add("--vocab", type=flags.at_least(int, 1), default=5000, help="made-up words in all")
+    add("--sentences", type=flags.at_least(int, 1), default=1000000,
         help="sentences to sample")
-    add("--max-depth", type=int, default=30, help="tree depth cap", range=flags.at_least(1))
-    add("--max-len", type=int, default=100, range=flags.at_least(1),
+    add("--max-depth", type=flags.at_least(int, 1), default=30, help="tree depth cap")
+    add("--max-len", type=flags.at_least(int, 1), default=100,
         help="longer sentences are drawn again")
-    add("--seed", type=int, default=0, help="seed of the sampling", range=flags.at_least(0))
+    add("--seed", type=flags.at_least(int, 0), default=0, help="seed of the sampling")
     add("--out", required=True, help="corpus folder to write: synth.train, synth.dev (every 20th "
         "sentence), grammar.json, stats.json")
     return ap

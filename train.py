@@ -27,7 +27,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -46,7 +46,7 @@ from machinery.plumbing import (REPO, RunFolder, StepProgress, add_device_flag, 
                                 line_buffered, on_stop_signals, peak_memory_gb, pick_device,
                                 read_checkpoint, repo_sources, use_compile, use_deterministic,
                                 use_tf32)
-from model import (PRESETS, RESET_PARTS, TRAINING_ATTENTION, Encoder, Layer, ModelConfig,
+from model import (PRESETS, RESET_PARTS, TRAINING_ATTENTION, Encoder, Layer,
                    check_config, load_weights, model_config, use_attention)
 from objectives import BASELINE, DICT_FLAG_NAMES, OBJECTIVES, ObjectiveParts, Trainee, dict_config
 from training.guard import SafetyNet
@@ -99,31 +99,31 @@ parser = flags.Parser(prog="train.py", description=__doc__, allow_abbrev=False,
 add = parser.add_argument
 add("--objective", default=BASELINE, choices=sorted(OBJECTIVES), metavar="NAME",
     help="pretraining objective: " + ", ".join(OBJECTIVES))
-add("--max-steps", type=int, default=None, range=flags.at_least(1),
+add("--max-steps", type=flags.at_least(int, 1), default=None,
     help="optimizer steps (default: --epochs of the data)")
-add("--grad-accum", type=int, default=1, range=flags.at_least(1),
+add("--grad-accum", type=flags.at_least(int, 1), default=1,
     help="micro-batches per optimizer step")
-add("--clip", type=float, default=2.0, range=flags.at_least(0),
+add("--clip", type=flags.at_least(float, 0), default=2.0,
     help="gradient-norm clipping, 0 = off")
-add("--spike", type=float, default=10.0, range=flags.at_least(0), help="stop a diverging "
+add("--spike", type=flags.at_least(float, 0), default=10.0, help="stop a diverging "
     "run at its last good state (docs/robustness.md); 0 = off")
-add("--seed", type=int, default=0, range=flags.at_least(0),
+add("--seed", type=flags.at_least(int, 0), default=0,
     help="seed for init, data order, masks and dropout")
 add("--out-dir", default=None, metavar="DIR",
     help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
 add("--resume", action="store_true", help="continue the run in --out-dir (--lr, device, "
     "logging, saving may change)")
-add("--log-every", type=int, default=50, range=flags.at_least(1),
+add("--log-every", type=flags.at_least(int, 1), default=50,
     help="steps between log lines")
-add("--eval-every", type=int, default=500, range=flags.at_least(1),
+add("--eval-every", type=flags.at_least(int, 1), default=500,
     help="steps between validations")
-add("--eval-batches", type=int, default=20, range=flags.at_least(1),
+add("--eval-batches", type=flags.at_least(int, 1), default=20,
     help="validation batches, always the same ones")
-add("--save-every", type=int, default=1000, range=flags.at_least(1),
+add("--save-every", type=flags.at_least(int, 1), default=1000,
     help="steps between checkpoints")
 add("--save-words", default="", type=save_words_flag,
     help="also keep weights at these words seen: 1M,2M or babylm (for export.py)")
-add("--stop-at", type=int, default=None, range=flags.at_least(1),
+add("--stop-at", type=flags.at_least(int, 1), default=None,
     help="save and exit after this step; the schedule stays --max-steps'")
 add("--check", action="store_true", help="print the settings the flags resolve to, exit")
 
@@ -131,55 +131,64 @@ add = parser.add_argument_group("data and model").add_argument
 add("--data", default="babylm_10m", help="a corpus in $NANOMLM_RAW, or a text or "
     "prepared folder")
 # the 5 specials and 256 byte pieces at least (sentencepiece may need more for a corpus)
-add("--vocab-size", type=int, default=VOCAB_SIZE, range=flags.at_least(262),
+add("--vocab-size", type=flags.at_least(int, 262), default=VOCAB_SIZE,
     help="sentencepiece vocabulary when the data is prepared")
-add("--seq-len", type=int, default=128, range=flags.at_least(3),
+add("--seq-len", type=flags.at_least(int, 3), default=128,
     help="tokens per sequence, [CLS] and [SEP] included")
-add("--batch-size", type=int, default=128, range=flags.at_least(1),
+add("--batch-size", type=flags.at_least(int, 1), default=128,
     help="sequences per micro-batch per process")
 add("--size", default="small", choices=PRESETS, metavar="SIZE",
     help=f"model preset: {', '.join(PRESETS)} (flags below override)")
-flags.add_fields(add, ModelConfig, {f.name: f.name for f in fields(ModelConfig)
-                                    if f.name != "vocab_size"},  # the tokenizer's
-                 preset=True, choices={"position": ("relative", "absolute")},
-                 ranges={**dict.fromkeys(("n_layer", "n_head", "d_model", "d_ff"),
-                                         flags.at_least(1)),
-                         "dropout": flags.Range(0, 1, high_open=True),
-                         "position_buckets": flags.at_least(2),
-                         "max_position": flags.at_least(3),
-                         "layer_norm_eps": flags.above(0)})
+# ModelConfig's fields (but vocab_size, the tokenizer's): unset, the --size preset decides
+add("--n-layer", type=flags.at_least(int, 1), help="transformer layers")
+add("--n-head", type=flags.at_least(int, 1), help="attention heads (d_model must divide evenly)")
+add("--d-model", type=flags.at_least(int, 1), help="hidden size")
+add("--d-ff", type=flags.at_least(int, 1),
+    help="feed-forward inner size (GEGLU's first projection: 2*d_ff)")
+add("--dropout", type=flags.Range(float, 0, 1, high_open=True),
+    help="on embeddings, attention probabilities and sublayer outputs")
+add("--position", choices=("relative", "absolute"),
+    help="relative (log-bucketed, LTG-BERT) or absolute (a learned table)")
+add("--position-buckets", type=flags.at_least(int, 2),
+    help="relative: offsets up to buckets/2 exact, log-spaced beyond")
+add("--max-position", type=flags.at_least(int, 3),
+    help="longest sequence the position scheme covers")
+add("--layer-norm-eps", type=flags.above(float, 0), help="LTG-BERT's epsilon")
+add("--final-norm", action=argparse.BooleanOptionalAction,
+    help="an affine LayerNorm after the last layer (boot's, as boot-bert)")
 
 add = parser.add_argument_group("optimizer and schedule").add_argument
 add("--optim", default="lamb", choices=["adamw", "lamb"],
     help="optimizer; betas (0.9, 0.98)")
 sizes = ", ".join(f"{size} {d['lr']:g}" for size, d in SIZE_DEFAULTS.items())  # by --size
-add("--lr", type=float, default=None, range=flags.at_least(0),
+add("--lr", type=flags.at_least(float, 0), default=None,
     help=f"peak learning rate ({sizes})")
-add("--warmup", type=float, default=0.016, range=flags.at_least(0),
+add("--warmup", type=flags.at_least(float, 0), default=0.016,
     help="warmup: a fraction of --max-steps if < 1, else steps")
 add("--schedule", default="cosine", choices=["cosine", "linear", "cosine-cooldown"],
     metavar="NAME", help="decay after warmup: cosine, linear, or cosine-cooldown (to 0 "
     "over --cooldown)")
-add("--cooldown", type=float, default=0.016, range=flags.Range(0, 1, high_open=True),
+add("--cooldown", type=flags.Range(float, 0, 1, high_open=True), default=0.016,
     help="cosine-cooldown: the share of steps falling linearly to 0")
-add("--min-lr", type=float, default=0.1, range=flags.Range(0, 1),
+add("--min-lr", type=flags.Range(float, 0, 1), default=0.1,
     help="final learning rate as a fraction of --lr")
-add("--weight-decay", type=float, default=0.1, range=flags.at_least(0),
+add("--weight-decay", type=flags.at_least(float, 0), default=0.1,
     help="decoupled weight decay on weight matrices")
-add("--weight-decay-end", type=float, default=None, range=flags.at_least(0),
+add("--weight-decay-end", type=flags.at_least(float, 0), default=None,
     help="cosine weight decay to this (default: constant)")
 add("--decay-embeddings", action=argparse.BooleanOptionalAction, default=False,
     help="decay embeddings and positions too")
-add("--eps", type=float, default=1e-6, range=flags.above(0), help="the optimizer's epsilon")
-add("--epochs", type=float, default=10.0, range=flags.above(0),
+add("--eps", type=flags.above(float, 0), default=1e-6, help="the optimizer's epsilon")
+add("--epochs", type=flags.above(float, 0), default=10.0,
     help="without --max-steps: passes over the data (BabyLM's limit)")
 
 add = parser.add_argument_group("masking").add_argument
 add("--masking", default="span", choices=list(MASKINGS), metavar="NAME", help="span "
     "(LTG-BERT's), token (BERT's) or uniform (the MLSM code's)")
-add("--mask-p", type=float, default=0.15, help="fraction of tokens predicted (first "
-    "step)", range=flags.Range(0, 1, True, True))
-add("--mask-p-end", type=float, default=None, range=flags.Range(0, 1, True, True),
+add("--mask-p", type=flags.Range(float, 0, 1, True, True), default=0.15,
+    help="fraction of tokens predicted (first "
+    "step)")
+add("--mask-p-end", type=flags.Range(float, 0, 1, True, True), default=None,
     help="falls linearly from --mask-p to this (default: constant)")
 
 add = parser.add_argument_group("device and speed (docs/bench.md)").add_argument
@@ -238,7 +247,7 @@ def get_args(argv=None):
     if args.reset and not args.init_from:
         parser.error("--reset only applies with --init-from")
     if OBJECTIVES[objective].declares("dict"):  # its dictionary's flags: now, not after phase 1
-        dict_config(args).check(flags=DICT_FLAG_NAMES)
+        dict_config(args).check(names=DICT_FLAG_NAMES)
     for flag, allowed in (("reset", RESET_PARTS), ("freeze", ["embeddings"])):
         bad = [x for x in getattr(args, flag).split(",") if x and x not in allowed]
         if bad:

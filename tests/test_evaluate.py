@@ -983,13 +983,13 @@ def test_masked_lm_scores_in_float32_unless_bf16_is_asked(ckpt, small_raw, prepa
 
 @pytest.mark.parametrize("argv, says", [
     (["finetune", "--ckpt", "x", "--task", "rte", "--data-dir", "y", "--lr", "-1"],
-     "--lr must be >= 0, not -1"),
+     "--lr: must be >= 0, not -1"),
     (["finetune", "--ckpt", "x", "--task", "rte", "--data-dir", "y", "--holdout", "1"],
-     "--holdout must be in [0, 1), not 1"),
+     "--holdout: must be in [0, 1), not 1"),
     (["blimp", "--ckpt", "x", "--blimp-dir", "y", "--temperatures", "1,-2"],
-     "--temperatures must be > 0, not -2"),
-    (["compare", "a", "b", "--nboot", "0"], "--nboot must be >= 1, not 0"),
-    (["mlm", "--ckpt", "x", "--mask-p", "2"], "--mask-p must be in (0, 1), not 2"),
+     "--temperatures: must be > 0, not -2"),
+    (["compare", "a", "b", "--nboot", "0"], "--nboot: must be >= 1, not 0"),
+    (["mlm", "--ckpt", "x", "--mask-p", "2"], "--mask-p: must be in (0, 1), not 2"),
 ])
 def test_bad_numbers_are_one_line_before_anything_is_read(argv, says, capsys):
     """Issue 43: every numeric flag is range-checked before a checkpoint or a file is read."""

@@ -2,6 +2,7 @@
 runs another as a subprocess, a training loop that names no objective and no stage that tells
 one by its name, lines of at most 100
 characters."""
+import argparse
 import ast
 import inspect
 import re
@@ -207,35 +208,37 @@ def test_code_says_why_and_docs_say_what_happened(path):
 @pytest.mark.parametrize("script", ["train", "evaluate", "meta", "synth", "study", "bench",
                                     "sparse"])
 def test_every_numeric_flag_declares_its_range(script):
-    """A numeric flag cannot slip past the range checks: each declares its range where it is
-    declared (but a dictionary's layer, checked against the model by sparse.DictConfig.check).
+    """A numeric flag cannot slip past the range checks: each one's type is its range (a
+    flags.Range), not a bare int or float (but a dictionary's layer, checked against the model
+    by sparse.DictConfig.check).
     (sparse.py's once declared none: it took --batch-size 0 and --tol -1.)"""
-    from machinery import flags
     module = __import__(script)
     exempt = {"layer", "mlsm_layer"}
     parser = module.parser if script == "train" else module.build_parser()
-    unranged = {a.dest for a in flags.actions(parser)
-                if a.type in (int, float) and getattr(a, "range", None) is None} - exempt
+    subs = [p for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+            for p in a.choices.values()]
+    unranged = {a.dest for p in [parser, *subs] for a in p._actions
+                if a.type in (int, float)} - exempt
     assert not unranged
 
 
 @pytest.mark.parametrize("script, argv, says", [
-    ("meta", ["--inner-lr", "-1"], "--inner-lr must be >= 0, not -1"),
-    ("meta", ["--clip", "0"], "--clip must be > 0, not 0"),
-    ("meta", ["--seeds", "0,-1"], "--seeds must be >= 0, not -1"),
+    ("meta", ["--inner-lr", "-1"], "--inner-lr: must be >= 0, not -1"),
+    ("meta", ["--clip", "0"], "--clip: must be > 0, not 0"),
+    ("meta", ["--seeds", "0,-1"], "--seeds: must be >= 0, not -1"),
     ("meta", ["--seeds", "0,x"], "--seeds: 0,x: give comma-separated integers"),
     ("meta", ["--labels", "hardd"], "--labels hardd: each must be hard, soft"),
     ("meta", ["--task", "glue", "--seq-len", "100000"],
-     "--seq-len must be in [3, 512], not 100000"),
-    ("synth", ["--out", "x", "--sentences", "0"], "--sentences must be >= 1, not 0"),
+     "--seq-len: must be in [3, 512], not 100000"),
+    ("synth", ["--out", "x", "--sentences", "0"], "--sentences: must be >= 1, not 0"),
     ("meta", ["--protocol", "shen", "--ft-epochs", "0"], "--ft-epochs 0 fine-tunes full-batch"),
-    ("study", ["x.toml", "--nboot", "0"], "--nboot must be >= 1, not 0"),
-    ("study", ["x.toml", "--seeds", "0,-1"], "--seeds must be >= 0, not -1"),
+    ("study", ["x.toml", "--nboot", "0"], "--nboot: must be >= 1, not 0"),
+    ("study", ["x.toml", "--seeds", "0,-1"], "--seeds: must be >= 0, not -1"),
     ("study", ["x.toml", "--seeds", "x"], "--seeds: x: give comma-separated integers"),
-    ("bench", ["--seq-len", "2"], "--seq-len must be >= 3, not 2"),
+    ("bench", ["--seq-len", "2"], "--seq-len: must be >= 3, not 2"),
     ("sparse", ["--ckpt", "x", "--out", "y", "--batch-size", "0"],
-     "--batch-size must be >= 1, not 0"),
-    ("sparse", ["--ckpt", "x", "--out", "y", "--max-freq", "0"], "--max-freq must be in (0, 1]"),
+     "--batch-size: must be >= 1, not 0"),
+    ("sparse", ["--ckpt", "x", "--out", "y", "--max-freq", "0"], "--max-freq: must be in (0, 1]"),
 ])
 def test_bad_flags_are_one_line_before_anything_runs(script, argv, says, capsys):
     """Issue 43: bad input stops in one line naming the flag, before any data is read

@@ -430,9 +430,9 @@ def test_an_out_that_cannot_be_written_is_one_line_before_the_checkpoint_is_read
 
 
 @pytest.mark.parametrize("cfg, n_layer, says", [
-    (dict(batch_size=0), None, "error: --batch-size must be >= 1, not 0"),
-    (dict(tol=-1.0), None, "error: --tol must be >= 0, not -1"),
-    (dict(lam=0.0), None, "error: --dict-lam must be > 0, not 0"),
+    (dict(batch_size=0), None, "error: --batch-size: must be >= 1, not 0"),
+    (dict(tol=-1.0), None, "error: --tol: must be >= 0, not -1"),
+    (dict(lam=0.0), None, "error: --dict-lam: must be > 0, not 0"),
     (dict(k=10, vectors=5), None, "error: --vectors 5: fewer vectors than the 10 atoms"),
     (dict(layer=3), 2, "error: --layer 3: the model has layers 0..2"),
     (dict(layer=-4), 2, "error: --layer -4: the model has layers 0..2"),
@@ -441,6 +441,6 @@ def test_a_dictionary_setting_that_cannot_work_is_one_line(cfg, n_layer, says):
     """DictConfig.check, which train.py's mlsm and the CLI run before any state is read, names
     the caller's flag; -3 is layer 0 of a 2-layer model, -4 is none."""
     with pytest.raises(SystemExit) as stopped:
-        S.DictConfig(**cfg).check(n_layer, flags={"lam": "--dict-lam"})
+        S.DictConfig(**cfg).check(n_layer, names={"lam": "--dict-lam"})
     assert str(stopped.value).startswith(says), stopped.value
     S.DictConfig(layer=-3).check(2)  # the lowest layer a negative index reaches

@@ -1458,16 +1458,16 @@ def test_kd_from_a_boot_teacher_compiles_whole():
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--lr", "-1"], "--lr must be >= 0, not -1"),
-    (["--lr", "-1e-3"], "--lr must be >= 0, not -0.001"),
-    (["--mask-p", "1.5"], "--mask-p must be in (0, 1), not 1.5"),
-    (["--warmup", "-0.1"], "--warmup must be >= 0, not -0.1"),
-    (["--dropout", "1"], "--dropout must be in [0, 1), not 1"),
-    (["--kd-temperature", "0"], "--kd-temperature must be > 0, not 0"),
-    (["--ema-start", "1.5"], "--ema-start must be in [0, 1], not 1.5"),
-    (["--batch-size", "0"], "--batch-size must be >= 1, not 0"),
-    (["--mlsm-lam", "0"], "--mlsm-lam must be > 0, not 0"),
-    (["--dict-max-freq", "1.5"], "--dict-max-freq must be in (0, 1], not 1.5"),
+    (["--lr", "-1"], "--lr: must be >= 0, not -1"),
+    (["--lr", "-1e-3"], "--lr: must be >= 0, not -0.001"),
+    (["--mask-p", "1.5"], "--mask-p: must be in (0, 1), not 1.5"),
+    (["--warmup", "-0.1"], "--warmup: must be >= 0, not -0.1"),
+    (["--dropout", "1"], "--dropout: must be in [0, 1), not 1"),
+    (["--kd-temperature", "0"], "--kd-temperature: must be > 0, not 0"),
+    (["--ema-start", "1.5"], "--ema-start: must be in [0, 1], not 1.5"),
+    (["--batch-size", "0"], "--batch-size: must be >= 1, not 0"),
+    (["--mlsm-lam", "0"], "--mlsm-lam: must be > 0, not 0"),
+    (["--dict-max-freq", "1.5"], "--dict-max-freq: must be in (0, 1], not 1.5"),
     (["--lrr", "3"], "unrecognized arguments: --lrr 3"),
 ])
 def test_bad_flags_are_one_line_before_anything_runs(argv, says, capsys):
@@ -1640,8 +1640,9 @@ def a_value(action) -> list[str]:
         return []
     if action.choices:
         return [str(list(action.choices)[-1])]
-    return [{int: "20000", float: "0.5"}.get(action.type, "masked-focus" if action.dest ==
-                                                     "causal_fraction" else "x")]
+    kind = getattr(action.type, "kind", action.type)  # a flags.Range: the kind it reads
+    return [{int: "20000", float: "0.5"}.get(kind, "masked-focus" if action.dest ==
+                                             "causal_fraction" else "x")]
 
 
 def test_an_objectives_flag_typed_with_another_is_refused_in_one_line_naming_its_own(capsys):
