@@ -70,9 +70,8 @@ from benchmarks.timing import (PROFILES, alternate, failed_row, fmt, print_profi
                                table)
 from data.masking import mask_capacity
 from data.prepare import CLS, MASK, SEP, SPECIALS, VOCAB_SIZE, raw_root
-from machinery import flags
-from machinery.plumbing import (REPO, RunFolder, add_device_flag, file_to_write, pick_device,
-                                use_compile, use_tf32)
+from machinery.plumbing import (REPO, Parser, RunFolder, above, add_device_flag, at_least,
+                                file_to_write, numbers, pick_device, use_compile, use_tf32)
 from model import PRESETS, TRAINING_ATTENTION, Encoder, ModelConfig, use_attention
 from objectives import BASELINE, OBJECTIVES
 from train import COMPILE_SCOPES
@@ -492,8 +491,8 @@ def attention_forms(text: str) -> list[str]:
     return forms
 
 
-def build_parser() -> flags.Parser:
-    ap = flags.Parser(prog="bench.py", description=__doc__)
+def build_parser() -> Parser:
+    ap = Parser(prog="bench.py", description=__doc__)
     add = ap.add_argument
     add_device_flag(add)
     add("--quick", action="store_true",
@@ -505,27 +504,27 @@ def build_parser() -> flags.Parser:
     add("--objectives", default="mlm,boot,kd+mlm,mlsm+mlm",
         help="step: train.py objectives, mlm first; the two-phase ones run phase 2 alone, "
         "taught by mlm's run")
-    add("--steps", type=flags.at_least(int, 1), default=10,
+    add("--steps", type=at_least(int, 1), default=10,
         help="step: optimizer steps per train.py run, in 5 log intervals (rounded down to a "
         "multiple of 5, at least 5); the first warms up, 4 are timed (default 10; a few hundred "
         "on a GPU, past torch.compile's warm-up)")
-    add("--side", type=flags.numbers(flags.at_least(int, 1)), default=None,
+    add("--side", type=numbers(at_least(int, 1)), default=None,
         help="side: how many runs side by side, a comma list (default 1,2,4,8 on CUDA, 1,2 on "
         "the CPU); the first is the reference")
     add("--data", default="babylm_10m", help="step, side: train.py --data")
-    add("--row-timeout", type=flags.above(float, 0), default=None,
+    add("--row-timeout", type=above(float, 0), default=None,
         help="step: seconds each train.py run may "
         "take; one that takes longer is a failed row and the next objective goes on (default: "
         "no limit)")
-    add("--batch-size", type=flags.at_least(int, 1), default=None,
+    add("--batch-size", type=at_least(int, 1), default=None,
         help="step, bert: sequences per step (default 32 on CPU, 128 on CUDA; --quick 4)")
-    add("--seq-len", type=flags.at_least(int, 3), default=128,
+    add("--seq-len", type=at_least(int, 3), default=128,
         help="step, bert: tokens per sequence (default 128; --quick 32)")
-    add("--mlsm-k", type=flags.at_least(int, 1), default=sparse.DictConfig().k,
+    add("--mlsm-k", type=at_least(int, 1), default=sparse.DictConfig().k,
         help=f"step: mlsm dictionary atoms (default {sparse.DictConfig().k}, train.py's)")
     add("--variants", action="store_true", help="bert: also ours with absolute positions, both "
         "without dropout, and both in bf16")
-    add("--profile", type=flags.at_least(int, 0), nargs="?", const=1, default=0,
+    add("--profile", type=at_least(int, 0), nargs="?", const=1, default=0,
         help="bert, ltg: also profile N steps of each model (N: 1 when not given) and print its "
         "top operators by self time, per step (saved in bench.json)")
     add("--sparse-all", action="store_true",

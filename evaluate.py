@@ -41,10 +41,9 @@ from data.tasks import TASKS, pad, read_jsonl
 from evaluation.finetune import RECIPES, finetune
 from evaluation.multibootstrap import compare
 from evaluation.results import read_partial, result_path, write_lines, write_result
-from machinery import flags
-from machinery.plumbing import (add_device_flag, autocast, bar, checkpoint_identity, duration,
-                      exit_on_stop_signals, file_to_write, hold_lock, line_buffered,
-                      one_line_os_errors, pick_device)
+from machinery.plumbing import (Parser, Range, above, add_device_flag, at_least, autocast, bar,
+                                checkpoint_identity, duration, exit_on_stop_signals, file_to_write,
+                                hold_lock, line_buffered, numbers, one_line_os_errors, pick_device)
 from model import Encoder, load_checkpoint
 
 
@@ -592,7 +591,7 @@ def fill(args):
 # Command line
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = flags.Parser(prog="evaluate.py", description=__doc__)
+    ap = Parser(prog="evaluate.py", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
     def maskings(text: str) -> list[str]:
@@ -613,7 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint written by train.py, or its run folder (its ckpt.pt)")
     f.add_argument("text", nargs="+", help='sentences with [MASK] in them, each quoted: '
                    '"the cat sat on the [MASK] ."')
-    f.add_argument("--top-k", type=flags.at_least(int, 1), default=5,
+    f.add_argument("--top-k", type=at_least(int, 1), default=5,
         help="guesses shown per [MASK]")
     device(f)
     f.set_defaults(func=fill)
@@ -631,12 +630,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--any-scorer", action="store_true",
         help="score by --scorer even where the model was not trained to predict as it reads "
         "(pll or word-l2r on gpt-bert, mntp or causal on the others)")
-    add("--temperatures", type=flags.numbers(flags.above(float, 0)),
+    add("--temperatures", type=numbers(above(float, 0)),
         default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0],
         help="comma-separated grid; 1 is always added (default 0.5,0.75,1,1.5,2,3)")
     add("--bf16", action="store_true", help="score under bfloat16 autocast (faster on a GPU; "
         "near-ties then differ between GPU kinds). Default: float32")
-    add("--batch-tokens", type=flags.at_least(int, 1), default=None,
+    add("--batch-tokens", type=at_least(int, 1), default=None,
         help="tokens per scoring batch (default 4096 "
         "on CPU, the fastest of 2k/4k/16k measured; 32768 on CUDA)")
     device(b)
@@ -648,19 +647,19 @@ def build_parser() -> argparse.ArgumentParser:
     common(m, "mlm")
     add = m.add_argument
     add("--data", default=None, help="corpus (default: the one the checkpoint trained on)")
-    add("--segments", type=flags.at_least(int, 1), default=1024,
+    add("--segments", type=at_least(int, 1), default=1024,
         help="validation segments scored, from the first")
-    add("--seq-len", type=flags.at_least(int, 3), default=None,
+    add("--seq-len", type=at_least(int, 3), default=None,
         help="segment length (default: the checkpoint's)")
     add("--maskings", type=maskings, default=list(HELD_OUT_MASKINGS),
         help="comma-separated: uniform (isolated tokens, int(p T) a segment), span (LTG-BERT's "
         "spans of mean 3); every hidden token [MASK] (default uniform,span)")
-    add("--mask-p", type=flags.Range(float, 0, 1, low_open=True, high_open=True), default=0.15,
+    add("--mask-p", type=Range(float, 0, 1, low_open=True, high_open=True), default=0.15,
         help="fraction of each segment hidden")
     add("--bf16", action="store_true", help="score under bfloat16 autocast (faster on a GPU). "
         "Default: float32")
-    add("--batch-size", type=flags.at_least(int, 1), default=64, help="segments per batch")
-    add("--seed", type=flags.at_least(int, 0), default=0,
+    add("--batch-size", type=at_least(int, 1), default=64, help="segments per batch")
+    add("--seed", type=at_least(int, 0), default=0,
         help="seed of the hidden positions (default 0)")
     device(m)
     m.set_defaults(func=masked_lm)
@@ -672,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--task", required=True,
         help=f"{', '.join(TASKS)}, or any name with MSGS-style files (sentence, label; MCC)")
     add("--data-dir", required=True, help="folder with TASK.train.jsonl and TASK.valid.jsonl")
-    add("--seeds", type=flags.numbers(flags.at_least(int, 0)), default=[1],
+    add("--seeds", type=numbers(at_least(int, 0)), default=[1],
         help="comma-separated fine-tuning seeds; mean ± std over them (default 1)")
     add("--recipe", default="nanomlm", choices=list(RECIPES),
         help="defaults for the flags below: nanomlm (ours: lr 5e-5, batch 32, 10 epochs, "
@@ -680,26 +679,26 @@ def build_parser() -> argparse.ArgumentParser:
         "2025 pipeline's: lr 3e-5, batch 32 (16 for boolq, multirc), 10 epochs (30 for wsc), no "
         "early stopping, 512 tokens, cosine to 0.1 after 6%% warm-up, no clipping, its head) "
         "(default nanomlm)")
-    add("--lr", type=flags.at_least(float, 0), default=None,
+    add("--lr", type=at_least(float, 0), default=None,
         help="AdamW learning rate (default: the recipe's)")
-    add("--weight-decay", type=flags.at_least(float, 0), default=0.01,
+    add("--weight-decay", type=at_least(float, 0), default=0.01,
         help="AdamW weight decay")
-    add("--batch-size", type=flags.at_least(int, 1), default=None,
+    add("--batch-size", type=at_least(int, 1), default=None,
         help="examples per batch (default: the recipe's)")
-    add("--epochs", type=flags.at_least(int, 1), default=None,
+    add("--epochs", type=at_least(int, 1), default=None,
         help="at most this many epochs (default: the "
         "recipe's)")
-    add("--patience", type=flags.at_least(int, 0), default=None,
+    add("--patience", type=at_least(int, 0), default=None,
         help="stop after this many epochs without a better validation score (default: the "
         "recipe's; babylm2025 has none)")
-    add("--holdout", type=flags.Range(float, 0, 1, high_open=True), default=0.0,
+    add("--holdout", type=Range(float, 0, 1, high_open=True), default=0.0,
         help="choose the epoch on this fraction of the "
         "training set instead of on the validation set it reports (default 0: as the BabyLM "
         "pipeline)")
     add("--group-by-length", action=argparse.BooleanOptionalAction, default=None,
         help="training batches of similar lengths, so less of each is padding (default: on for "
         "nanomlm; --no-group-by-length: plain shuffled batches)")
-    add("--max-len", type=flags.at_least(int, 3), default=None,
+    add("--max-len", type=at_least(int, 3), default=None,
         help="tokens per example, longer pairs truncated longest-first (default: the recipe's, "
         "128 or 512)")
     device(f)
@@ -710,8 +709,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = c.add_argument
     add("results", nargs="+", help="two groups of result JSONs: two folders or quoted globs, "
         "e.g. 'A/*.json' 'B/*.json'")
-    add("--nboot", type=flags.at_least(int, 1), default=1000, help="bootstrap resamples")
-    add("--seed", type=flags.at_least(int, 0), default=0, help="seed of the resampling")
+    add("--nboot", type=at_least(int, 1), default=1000, help="bootstrap resamples")
+    add("--seed", type=at_least(int, 0), default=0, help="seed of the resampling")
     add("--examples", default="examples", help="which per-example section to use; BLiMP also "
         "has examples_best_t")
     add("--out", default=None, help="also write the result to this JSON")

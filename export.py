@@ -31,8 +31,7 @@ from pathlib import Path
 import torch
 
 from data.prepare import CLS, MASK, PAD, SEP, SPECIALS, UNK
-from machinery import flags
-from machinery.plumbing import REPO, one_line_os_errors, read_checkpoint
+from machinery.plumbing import REPO, Parser, one_line_os_errors, read_checkpoint
 from model import boot_shape
 
 
@@ -143,7 +142,7 @@ def export(ckpt_path: Path, out: Path) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = flags.Parser(prog="export.py", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="export.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", type=Path, required=True,
                    help="a checkpoint (ckpt.pt, chck_10M.pt...), or a run folder: its ckpt.pt "
                         "into --out and each chck_*.pt into --out/chck_*/NAME, NAME being "

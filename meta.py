@@ -65,10 +65,9 @@ from tqdm import tqdm
 
 from metalearning.examples import task_batch
 from data.prepare import PAD, VOCAB_SIZE, raw_root
-from machinery import flags
-from machinery.plumbing import (REPO, RunFolder, add_device_flag, autocast, bar,
-                                exit_on_stop_signals, line_buffered, load_state, pick_device,
-                                repo_sources, stop_after_the_step)
+from machinery.plumbing import (REPO, Parser, Range, RunFolder, above, add_device_flag, at_least,
+                                autocast, bar, exit_on_stop_signals, fill_unset, line_buffered,
+                                load_state, numbers, pick_device, repo_sources, stop_after_the_step)
 from metalearning.glue import glue_task
 from metalearning.moons import (MOONS_TOKENS, PROTOCOLS, Labeled, ft_batch, labeled_sets,
                                 moons_batches, moons_text, predict_labels, print_table, two_moons)
@@ -311,7 +310,7 @@ def label_defaults(args):
     soft runs (soft_pretrainer.py: meta weight 100; MLM a labelled task half the time); else
     weight 1 and no MLM task."""
     soft, args = args.labels in ("soft", "denoise"), replace_args(args)
-    flags.fill_unset(args, dict(meta_weight=100.0 if soft else 1.0,
+    fill_unset(args, dict(meta_weight=100.0 if soft else 1.0,
                                 mlm_task_p=0.5 if soft else 0.0))
     return args
 
@@ -569,13 +568,13 @@ def glue_loop(args, device, folder: RunFolder, go_on: str, task):
 
 def protocol_defaults(args) -> None:
     """The flags left unset take the --protocol's values (two_moons), or ours (glue)."""
-    flags.fill_unset(args, PROTOCOLS[args.protocol if args.task == "two_moons" else "nanomlm"])
+    fill_unset(args, PROTOCOLS[args.protocol if args.task == "two_moons" else "nanomlm"])
     if args.teacher_lr is None:
         args.teacher_lr = args.lr
 
 
-def build_parser() -> flags.Parser:
-    ap = flags.Parser(prog="meta.py", description=__doc__)
+def build_parser() -> Parser:
+    ap = Parser(prog="meta.py", description=__doc__)
     add = ap.add_argument
     add("--task", choices=("two_moons", "glue"), default="two_moons",
         help="the toy task, or text + (Super)GLUE")
@@ -587,78 +586,78 @@ def build_parser() -> flags.Parser:
         "fine-tuned full-batch for 200 steps) or shen (his report's Appendix A: 40k steps of 16, "
         "dropout 0.1, lr/sqrt(n), fine-tuned 100 epochs, best epoch on validation) "
         "(default nanomlm)")
-    add("--steps", type=flags.at_least(int, 1), default=None,
+    add("--steps", type=at_least(int, 1), default=None,
         help="pretraining steps (default: the protocol's; glue 1000)")
-    add("--batch-size", type=flags.at_least(int, 1), default=None,
+    add("--batch-size", type=at_least(int, 1), default=None,
         help="unlabelled sequences per step (default: "
         "the protocol's, 32 or 16)")
-    add("--task-batch", type=flags.at_least(int, 1), default=None,
+    add("--task-batch", type=at_least(int, 1), default=None,
         help="labelled examples in each of the support and query batches (default 8; shen 4)")
-    add("--lr", type=flags.at_least(float, 0), default=None,
+    add("--lr", type=at_least(float, 0), default=None,
         help="the student's AdamW learning rate, the MLM "
         "baseline's too (default 3e-3; shen 0.08 x n^-1/2)")
-    add("--teacher-lr", type=flags.at_least(float, 0), default=None,
+    add("--teacher-lr", type=at_least(float, 0), default=None,
         help="the teacher's AdamW learning rate (default: as --lr)")
-    add("--inner-lr", type=flags.at_least(float, 0), default=0.1,
+    add("--inner-lr", type=at_least(float, 0), default=0.1,
         help="SGD learning rate eta of the unrolled steps")
     add("--unroll", choices=("adamw", "sgd"), default="adamw",
         help="soft labels: step (1) unrolled as the student's own AdamW step (MetaLMO's) or as "
         "an SGD step at --inner-lr")
-    add("--mlm-task-p", type=flags.Range(float, 0, 1), default=None,
+    add("--mlm-task-p", type=Range(float, 0, 1), default=None,
         help="probability that a step's labelled task is MLM on other unlabelled text (default: "
         "0.5 for soft, as MetaLMO's soft runs; 0 otherwise)")
-    add("--meta-weight", type=flags.at_least(float, 0), default=None,
+    add("--meta-weight", type=at_least(float, 0), default=None,
         help="weight of the meta term against the teacher's two MLM losses (default 100 for "
         "soft and denoise labels, as MetaLMO's soft runs; 1 otherwise)")
-    add("--weight-decay", type=flags.at_least(float, 0), default=0.01,
+    add("--weight-decay", type=at_least(float, 0), default=0.01,
         help="AdamW weight decay, all optimisers")
     # 0 would zero every gradient: no "off" here
-    add("--clip", type=flags.above(float, 0), default=None,
+    add("--clip", type=above(float, 0), default=None,
         help="gradient-norm clip of every outer step (default 1; shen 5)")
-    add("--seed", type=flags.at_least(int, 0), default=0,
+    add("--seed", type=at_least(int, 0), default=0,
         help="model init and batches (--task glue)")
-    add("--seeds", type=flags.numbers(flags.at_least(int, 0)),
+    add("--seeds", type=numbers(at_least(int, 0)),
         default="0,1,2", help="two_moons: one pretraining + fine-tuning per seed")
-    add("--sizes", type=flags.numbers(flags.Range(int)), default="10,20,40,80,160",
+    add("--sizes", type=numbers(Range(int)), default="10,20,40,80,160",
         help="two_moons: labelled-set sizes (even, at most 160)")
-    add("--data-seed", type=flags.at_least(int, 0), default=0,
+    add("--data-seed", type=at_least(int, 0), default=0,
         help="two_moons: seed of the generated data")
     add("--labeled-points", choices=("random", "even"), default=None,
         help="two_moons: the labelled and validation points: random (drawn as the rest; the "
         "first n of one draw) or even (MetaLMO's make_moons(n): evenly spaced along each moon, "
         "then noise; one draw per size) (default random; shen even)")
-    add("--workers", type=flags.at_least(int, 1), default=2,
+    add("--workers", type=at_least(int, 1), default=2,
         help="two_moons on CPU: table entries computed in parallel processes")
-    add("--ft-steps", type=flags.at_least(int, 0), default=None,
+    add("--ft-steps", type=at_least(int, 0), default=None,
         help="two_moons, nanomlm: full-batch fine-tuning steps (default 200)")
-    add("--ft-epochs", type=flags.at_least(int, 0), default=None,
+    add("--ft-epochs", type=at_least(int, 0), default=None,
         help="two_moons, shen: fine-tuning epochs, the best on validation kept; 0: full-batch "
         "--ft-steps instead (default 100)")
-    add("--ft-lr", type=flags.at_least(float, 0), default=None,
+    add("--ft-lr", type=at_least(float, 0), default=None,
         help="two_moons: fine-tuning AdamW learning rate (default 1e-2; shen 0.04 x n^-1/2)")
     add("--data", default="babylm_10m",
         help="glue: unlabelled corpus (a name under $NANOMLM_RAW or a folder)")
-    add("--vocab-size", type=flags.at_least(int, 262), default=VOCAB_SIZE,
+    add("--vocab-size", type=at_least(int, 262), default=VOCAB_SIZE,
         help="glue: tokenizer size when the corpus is prepared first")
     add("--glue-dir", default=None, help="glue: folder of TASK.train.jsonl files (default "
         "$NANOMLM_RAW/babylm_eval/full_eval/glue_filtered)")
     add("--glue-tasks", default="rte,mrpc,cola",
         help="glue: labelled tasks (TASK.train.jsonl), taking turns step by step")
-    add("--seq-len", type=flags.Range(int, 3, GLUE_POSITIONS), default=128,
+    add("--seq-len", type=Range(int, 3, GLUE_POSITIONS), default=128,
         help="glue: sequence length (two_moons: 34, fixed)")
     add("--size", choices=tuple(PRESETS), default="tiny",
         help="glue: model preset (two_moons: 2 layers, d_model 8)")
     for f, about in (("n_layer", "transformer layers"), ("n_head", "attention heads"),
                      ("d_model", "hidden size"), ("d_ff", "feed-forward inner size")):
-        add(f"--{f.replace('_', '-')}", type=flags.at_least(int, 1), default=None,
+        add(f"--{f.replace('_', '-')}", type=at_least(int, 1), default=None,
             help=f"{about} (overrides the preset)")
     add("--position", choices=("relative", "absolute"), default=None,
         help="relative (log-bucketed, LTG-BERT) or absolute (a learned table)")
-    add("--dropout", type=flags.Range(float, 0, 1, high_open=True), default=None,
+    add("--dropout", type=Range(float, 0, 1, high_open=True), default=None,
         help="dropout (default 0: small data, and exact unrolls; shen 0.1)")
-    add("--log-every", type=flags.at_least(int, 1), default=50,
+    add("--log-every", type=at_least(int, 1), default=50,
         help="glue: steps between log lines and teacher samples")
-    add("--save-every", type=flags.at_least(int, 1), default=500,
+    add("--save-every", type=at_least(int, 1), default=500,
         help="glue: steps between checkpoints")
     add("--out-dir", default=None, help="run folder (default runs/meta_<task>_<labels>)")
     add("--resume", action="store_true",

@@ -24,8 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sparse
-from machinery.plumbing import use_compile
-from machinery.flags import Range, above, at_least
+from machinery.plumbing import Range, above, at_least, use_compile
 from model import (BootHeads, BootPredictor, boot_states, init_linears, load_checkpoint,
                    small_init)
 

@@ -12,8 +12,7 @@ Needs matplotlib (pip install -r requirements-figures.txt); training never does.
 import json
 from pathlib import Path
 
-from machinery import flags
-from machinery.plumbing import RunFolder, one_line_os_errors
+from machinery.plumbing import Parser, RunFolder, one_line_os_errors
 
 
 NOT_FIGURES = {"step", "lr", "tok_per_s", "peak_mem_gb", "error"}  # logged, but not curves
@@ -99,7 +98,7 @@ def plot(folders: list[Path], out: Path, x: str = "step") -> Path:
 
 
 def main(argv=None):
-    p = flags.Parser(prog="plot.py", description=__doc__)
+    p = Parser(prog="plot.py", description=__doc__)
     p.add_argument("runs", nargs="+", type=Path, help="run folders (train.py's --out-dir)")
     p.add_argument("--x", default="step", choices=["step", "tokens"],
                    help="the horizontal axis: optimizer steps, or tokens seen (per process)")

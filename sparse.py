@@ -44,10 +44,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data.prepare import CLS, SEP, check_tokenizer, prepare
-from machinery import flags
-from machinery.plumbing import (add_device_flag, bar, checkpoint_identity, duration,
-                                exit_on_stop_signals, file_to_write, line_buffered, load_state,
-                                pick_device, read_checkpoint, save_checkpoint)
+from machinery.plumbing import (Parser, Range, above, add_device_flag, at_least, bar,
+                                checkpoint_identity, duration, exit_on_stop_signals, file_to_write,
+                                line_buffered, load_state, pick_device, read_checkpoint,
+                                save_checkpoint)
 from model import load_checkpoint
 
 
@@ -487,7 +487,7 @@ class DictConfig:
         vectors than atoms, and, given the model's n_layer, a layer it does not have."""
         flag = lambda f: (names or {}).get(f, "--" + f.replace("_", "-"))
         for name, (allowed, _) in DICT_FIELDS.items():
-            if isinstance(allowed, flags.Range) and getattr(self, name) not in allowed:
+            if isinstance(allowed, Range) and getattr(self, name) not in allowed:
                 raise SystemExit(f"error: {allowed.refusal(flag(name), getattr(self, name))}")
         for broken, why in (
                 (self.vectors < self.k, f"{flag('vectors')} {self.vectors}: fewer vectors than "
@@ -503,20 +503,20 @@ class DictConfig:
 # model, whose depth the flags do not know (DictConfig.check).
 DICT_FIELDS = {
     "layer": (int, "hidden layer: 0 = embeddings, 1..n_layer, negative from the end"),
-    "k": (flags.at_least(int, 1), "dictionary atoms: the size of the distribution MLSM predicts"),
-    "lam": (flags.above(float, 0), "l1 penalty lambda of the codes, eq. (1) of sparse.py"),
-    "vectors": (flags.at_least(int, 1), "hidden states the dictionary is learned from"),
-    "epochs": (flags.at_least(int, 0), "passes of dictionary learning over them"),
-    "batch_size": (flags.at_least(int, 1), "vectors per mini-batch"),
-    "max_freq": (flags.Range(float, 0, 1, low_open=True),
+    "k": (at_least(int, 1), "dictionary atoms: the size of the distribution MLSM predicts"),
+    "lam": (above(float, 0), "l1 penalty lambda of the codes, eq. (1) of sparse.py"),
+    "vectors": (at_least(int, 1), "hidden states the dictionary is learned from"),
+    "epochs": (at_least(int, 0), "passes of dictionary learning over them"),
+    "batch_size": (at_least(int, 1), "vectors per mini-batch"),
+    "max_freq": (Range(float, 0, 1, low_open=True),
                  "leave out tokens at least this frequent (1: keep every token)"),
-    "seq_len": (flags.at_least(int, 3), "window length the model reads"),
-    "forget": (flags.at_least(float, 0),
+    "seq_len": (at_least(int, 3), "window length the model reads"),
+    "forget": (at_least(float, 0),
                "past mini-batches weigh (1-1/t)^forget at mini-batch t; 0: equally"),
-    "iters": (flags.at_least(int, 1), "FISTA iteration cap per mini-batch"),
-    "tol": (flags.at_least(float, 0),
+    "iters": (at_least(int, 1), "FISTA iteration cap per mini-batch"),
+    "tol": (at_least(float, 0),
             "FISTA stops when its gradient mapping is below tol*lam everywhere"),
-    "seed": (flags.at_least(int, 0), "seed of the windows, the initial atoms and the batch order"),
+    "seed": (at_least(int, 0), "seed of the windows, the initial atoms and the batch order"),
 }
 
 
@@ -611,8 +611,8 @@ def load_dictionary(path, d_model: int, n_layer: int) -> tuple[torch.Tensor, int
     return D.float(), saved["layer"]
 
 
-def build_parser() -> flags.Parser:
-    p = flags.Parser(prog="sparse.py", description=__doc__)
+def build_parser() -> Parser:
+    p = Parser(prog="sparse.py", description=__doc__)
     p.add_argument("--ckpt", required=True, help="checkpoint whose hidden states are coded (a "
                    "train.py ckpt.pt or phase1.pt)")
     p.add_argument("--data", default=None,

@@ -54,8 +54,8 @@ import evaluate
 from data.prepare import prepare, prepared_copies, resolve
 from data.tasks import TASKS
 from evaluation.results import read_result
-from machinery import flags
-from machinery.plumbing import REPO, RunFolder, atomic_write, one_line_os_errors
+from machinery.plumbing import (REPO, Parser, RunFolder, above, at_least, atomic_write, numbers,
+                                one_line_os_errors)
 from studies.plan import (Job, StudyError, load_study, metric_names, plan, raw_path,
                           scale_arms, shown)
 from studies.report import build_report
@@ -440,25 +440,25 @@ def check_gpu_memory(parallel: int, jobs: list, resolved: dict) -> str | None:
     return None
 
 
-def build_parser() -> flags.Parser:
-    ap = flags.Parser(prog="study.py", description=__doc__)
+def build_parser() -> Parser:
+    ap = Parser(prog="study.py", description=__doc__)
     add = ap.add_argument
     add("study", help="the study file, e.g. studies/better_together.toml")
     add("--scale", default="cpu", help="which of the file's scales")
     add("--only", default=None, help="comma-separated arms to run (default all)")
-    add("--seeds", type=flags.numbers(flags.at_least(int, 0)), default=None,
+    add("--seeds", type=numbers(at_least(int, 0)), default=None,
         help="comma-separated seeds to run (default the scale's)")
     add("--dry-run", action="store_true", help="print the plan and its estimated cost, run nothing")
     add("--report", action="store_true", help="only rebuild REPORT.md from results/")
-    add("--parallel", type=flags.at_least(int, 1), default=1,
+    add("--parallel", type=at_least(int, 1), default=1,
         help="runs at once: on several GPUs spread over them; on one GPU side by side, checked "
         "against its free memory first; on a CPU the cores shared")
-    add("--train-until", type=flags.above(float, 0), default=None,
+    add("--train-until", type=above(float, 0), default=None,
         help="seconds after the start: a run still training then is stopped (it saves), "
         "evaluated as it stands and kept apart as a partial result; runs not started by then "
         "wait for a later call (a GPU window: gpu_check.sh study)")
     add("--out", default=None, help="the study folder (default runs/STUDY/SCALE)")
-    add("--nboot", type=flags.at_least(int, 1), default=1000,
+    add("--nboot", type=at_least(int, 1), default=1000,
         help="bootstrap resamples per comparison")
     add("--no-figures", action="store_true", help="no PNGs even when matplotlib is installed")
     return ap

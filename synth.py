@@ -38,8 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from data.prepare import raw_root
-from machinery import flags
-from machinery.plumbing import one_line_os_errors
+from machinery.plumbing import Parser, at_least, one_line_os_errors
 
 
 TREEBANKS = ["UD_French-GSD", "UD_French-Sequoia", "UD_French-ParTUT"]
@@ -301,12 +300,12 @@ def same_sentence_pmi(tokens, rels, sids) -> float:
     return float(math.log(within / chance))
 
 
-def build_parser() -> flags.Parser:
-    ap = flags.Parser(prog="synth.py", description=__doc__)
+def build_parser() -> Parser:
+    ap = Parser(prog="synth.py", description=__doc__)
     add = ap.add_argument
     add("--ud", default=None, help="folder holding the UD treebanks (default $NANOMLM_RAW/ud)")
     add("--treebanks", nargs="+", default=TREEBANKS, help=f"(default {' '.join(TREEBANKS)})")
-    add("--n-rels", type=flags.at_least(int, 1), default=20,
+    add("--n-rels", type=at_least(int, 1), default=20,
         help="relations kept as nonterminals; the rest become `other`")
     add("--rare", default="other", choices=["other", "drop"],
         help="relations outside the --n-rels most frequent: other (one nonterminal for them all, "
@@ -318,13 +317,13 @@ def build_parser() -> flags.Parser:
         "(default on; --no-separate-sentences: joined, as the earliest studies)")
     add("--relex", default="zipf", choices=["zipf", "loglinear"],
         help="word distribution")
-    add("--vocab", type=flags.at_least(int, 1), default=5000, help="made-up words in all")
-    add("--sentences", type=flags.at_least(int, 1), default=1000000,
+    add("--vocab", type=at_least(int, 1), default=5000, help="made-up words in all")
+    add("--sentences", type=at_least(int, 1), default=1000000,
         help="sentences to sample")
-    add("--max-depth", type=flags.at_least(int, 1), default=30, help="tree depth cap")
-    add("--max-len", type=flags.at_least(int, 1), default=100,
+    add("--max-depth", type=at_least(int, 1), default=30, help="tree depth cap")
+    add("--max-len", type=at_least(int, 1), default=100,
         help="longer sentences are drawn again")
-    add("--seed", type=flags.at_least(int, 0), default=0, help="seed of the sampling")
+    add("--seed", type=at_least(int, 0), default=0, help="seed of the sampling")
     add("--out", required=True, help="corpus folder to write: synth.train, synth.dev (every 20th "
         "sentence), grammar.json, stats.json")
     return ap

@@ -39,17 +39,15 @@ from tqdm import tqdm
 import objectives
 from data.masking import MASKINGS, make_batch, mask_p_at, seed_of
 from data.prepare import VOCAB_SIZE, Segments, load_meta, located, prepare, raw_root, text_bytes
-from machinery import flags
 from machinery.kernels import fused_unavailable
-from machinery.plumbing import (REPO, RunFolder, StepProgress, add_device_flag, autocast,
-                                code_version, duration, exit_now, exit_on_stop_signals,
-                                line_buffered, on_stop_signals, peak_memory_gb, pick_device,
-                                read_checkpoint, repo_sources, use_compile, use_deterministic,
-                                use_tf32)
+from machinery.plumbing import (REPO, Parser, Range, RunFolder, SafetyNet, StepProgress, above,
+                                add_device_flag, at_least, autocast, code_version, duration,
+                                exit_now, exit_on_stop_signals, line_buffered, on_stop_signals,
+                                peak_memory_gb, pick_device, read_checkpoint, repo_sources,
+                                use_compile, use_deterministic, use_tf32)
 from model import (PRESETS, RESET_PARTS, TRAINING_ATTENTION, Encoder, Layer,
                    check_config, load_weights, model_config, use_attention)
 from objectives import BASELINE, DICT_FLAG_NAMES, OBJECTIVES, ObjectiveParts, Trainee, dict_config
-from training.guard import SafetyNet
 from training.optim import (clipped_step, ema_decay_at, ema_update, make_optimizer,
                             set_schedule)
 
@@ -94,36 +92,36 @@ def save_words_flag(text: str) -> str:
     return text
 
 
-parser = flags.Parser(prog="train.py", description=__doc__, allow_abbrev=False,
+parser = Parser(prog="train.py", description=__doc__, allow_abbrev=False,
                       usage="train.py [--objective NAME] [--data DATA] [--size SIZE] [flags]")
 add = parser.add_argument
 add("--objective", default=BASELINE, choices=sorted(OBJECTIVES), metavar="NAME",
     help="pretraining objective: " + ", ".join(OBJECTIVES))
-add("--max-steps", type=flags.at_least(int, 1), default=None,
+add("--max-steps", type=at_least(int, 1), default=None,
     help="optimizer steps (default: --epochs of the data)")
-add("--grad-accum", type=flags.at_least(int, 1), default=1,
+add("--grad-accum", type=at_least(int, 1), default=1,
     help="micro-batches per optimizer step")
-add("--clip", type=flags.at_least(float, 0), default=2.0,
+add("--clip", type=at_least(float, 0), default=2.0,
     help="gradient-norm clipping, 0 = off")
-add("--spike", type=flags.at_least(float, 0), default=10.0, help="stop a diverging "
+add("--spike", type=at_least(float, 0), default=10.0, help="stop a diverging "
     "run at its last good state (docs/robustness.md); 0 = off")
-add("--seed", type=flags.at_least(int, 0), default=0,
+add("--seed", type=at_least(int, 0), default=0,
     help="seed for init, data order, masks and dropout")
 add("--out-dir", default=None, metavar="DIR",
     help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
 add("--resume", action="store_true", help="continue the run in --out-dir (--lr, device, "
     "logging, saving may change)")
-add("--log-every", type=flags.at_least(int, 1), default=50,
+add("--log-every", type=at_least(int, 1), default=50,
     help="steps between log lines")
-add("--eval-every", type=flags.at_least(int, 1), default=500,
+add("--eval-every", type=at_least(int, 1), default=500,
     help="steps between validations")
-add("--eval-batches", type=flags.at_least(int, 1), default=20,
+add("--eval-batches", type=at_least(int, 1), default=20,
     help="validation batches, always the same ones")
-add("--save-every", type=flags.at_least(int, 1), default=1000,
+add("--save-every", type=at_least(int, 1), default=1000,
     help="steps between checkpoints")
 add("--save-words", default="", type=save_words_flag,
     help="also keep weights at these words seen: 1M,2M or babylm (for export.py)")
-add("--stop-at", type=flags.at_least(int, 1), default=None,
+add("--stop-at", type=at_least(int, 1), default=None,
     help="save and exit after this step; the schedule stays --max-steps'")
 add("--check", action="store_true", help="print the settings the flags resolve to, exit")
 
@@ -131,29 +129,29 @@ add = parser.add_argument_group("data and model").add_argument
 add("--data", default="babylm_10m", help="a corpus in $NANOMLM_RAW, or a text or "
     "prepared folder")
 # the 5 specials and 256 byte pieces at least (sentencepiece may need more for a corpus)
-add("--vocab-size", type=flags.at_least(int, 262), default=VOCAB_SIZE,
+add("--vocab-size", type=at_least(int, 262), default=VOCAB_SIZE,
     help="sentencepiece vocabulary when the data is prepared")
-add("--seq-len", type=flags.at_least(int, 3), default=128,
+add("--seq-len", type=at_least(int, 3), default=128,
     help="tokens per sequence, [CLS] and [SEP] included")
-add("--batch-size", type=flags.at_least(int, 1), default=128,
+add("--batch-size", type=at_least(int, 1), default=128,
     help="sequences per micro-batch per process")
 add("--size", default="small", choices=PRESETS, metavar="SIZE",
     help=f"model preset: {', '.join(PRESETS)} (flags below override)")
 # ModelConfig's fields (but vocab_size, the tokenizer's): unset, the --size preset decides
-add("--n-layer", type=flags.at_least(int, 1), help="transformer layers")
-add("--n-head", type=flags.at_least(int, 1), help="attention heads (d_model must divide evenly)")
-add("--d-model", type=flags.at_least(int, 1), help="hidden size")
-add("--d-ff", type=flags.at_least(int, 1),
+add("--n-layer", type=at_least(int, 1), help="transformer layers")
+add("--n-head", type=at_least(int, 1), help="attention heads (d_model must divide evenly)")
+add("--d-model", type=at_least(int, 1), help="hidden size")
+add("--d-ff", type=at_least(int, 1),
     help="feed-forward inner size (GEGLU's first projection: 2*d_ff)")
-add("--dropout", type=flags.Range(float, 0, 1, high_open=True),
+add("--dropout", type=Range(float, 0, 1, high_open=True),
     help="on embeddings, attention probabilities and sublayer outputs")
 add("--position", choices=("relative", "absolute"),
     help="relative (log-bucketed, LTG-BERT) or absolute (a learned table)")
-add("--position-buckets", type=flags.at_least(int, 2),
+add("--position-buckets", type=at_least(int, 2),
     help="relative: offsets up to buckets/2 exact, log-spaced beyond")
-add("--max-position", type=flags.at_least(int, 3),
+add("--max-position", type=at_least(int, 3),
     help="longest sequence the position scheme covers")
-add("--layer-norm-eps", type=flags.above(float, 0), help="LTG-BERT's epsilon")
+add("--layer-norm-eps", type=above(float, 0), help="LTG-BERT's epsilon")
 add("--final-norm", action=argparse.BooleanOptionalAction,
     help="an affine LayerNorm after the last layer (boot's, as boot-bert)")
 
@@ -161,34 +159,34 @@ add = parser.add_argument_group("optimizer and schedule").add_argument
 add("--optim", default="lamb", choices=["adamw", "lamb"],
     help="optimizer; betas (0.9, 0.98)")
 sizes = ", ".join(f"{size} {d['lr']:g}" for size, d in SIZE_DEFAULTS.items())  # by --size
-add("--lr", type=flags.at_least(float, 0), default=None,
+add("--lr", type=at_least(float, 0), default=None,
     help=f"peak learning rate ({sizes})")
-add("--warmup", type=flags.at_least(float, 0), default=0.016,
+add("--warmup", type=at_least(float, 0), default=0.016,
     help="warmup: a fraction of --max-steps if < 1, else steps")
 add("--schedule", default="cosine", choices=["cosine", "linear", "cosine-cooldown"],
     metavar="NAME", help="decay after warmup: cosine, linear, or cosine-cooldown (to 0 "
     "over --cooldown)")
-add("--cooldown", type=flags.Range(float, 0, 1, high_open=True), default=0.016,
+add("--cooldown", type=Range(float, 0, 1, high_open=True), default=0.016,
     help="cosine-cooldown: the share of steps falling linearly to 0")
-add("--min-lr", type=flags.Range(float, 0, 1), default=0.1,
+add("--min-lr", type=Range(float, 0, 1), default=0.1,
     help="final learning rate as a fraction of --lr")
-add("--weight-decay", type=flags.at_least(float, 0), default=0.1,
+add("--weight-decay", type=at_least(float, 0), default=0.1,
     help="decoupled weight decay on weight matrices")
-add("--weight-decay-end", type=flags.at_least(float, 0), default=None,
+add("--weight-decay-end", type=at_least(float, 0), default=None,
     help="cosine weight decay to this (default: constant)")
 add("--decay-embeddings", action=argparse.BooleanOptionalAction, default=False,
     help="decay embeddings and positions too")
-add("--eps", type=flags.above(float, 0), default=1e-6, help="the optimizer's epsilon")
-add("--epochs", type=flags.above(float, 0), default=10.0,
+add("--eps", type=above(float, 0), default=1e-6, help="the optimizer's epsilon")
+add("--epochs", type=above(float, 0), default=10.0,
     help="without --max-steps: passes over the data (BabyLM's limit)")
 
 add = parser.add_argument_group("masking").add_argument
 add("--masking", default="span", choices=list(MASKINGS), metavar="NAME", help="span "
     "(LTG-BERT's), token (BERT's) or uniform (the MLSM code's)")
-add("--mask-p", type=flags.Range(float, 0, 1, True, True), default=0.15,
+add("--mask-p", type=Range(float, 0, 1, True, True), default=0.15,
     help="fraction of tokens predicted (first "
     "step)")
-add("--mask-p-end", type=flags.Range(float, 0, 1, True, True), default=None,
+add("--mask-p-end", type=Range(float, 0, 1, True, True), default=None,
     help="falls linearly from --mask-p to this (default: constant)")
 
 add = parser.add_argument_group("device and speed (docs/bench.md)").add_argument

@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run as `python data/breton.py`: the package is data/
 from data.prepare import raw_root  # noqa: E402
-from machinery import flags  # noqa: E402
+from machinery.plumbing import Parser  # noqa: E402
 
 
 def text_lines(path: Path, prefix: str = "# text = "):
@@ -54,7 +54,7 @@ def split(sents: list[str], dev_share: int = 10) -> tuple[list[str], list[str]]:
 
 
 def main(argv=None):
-    ap = flags.Parser(description=__doc__,
+    ap = Parser(description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--raw", default=str(raw_root()),
                     help="shared data folder (default $NANOMLM_RAW, else data/raw)")

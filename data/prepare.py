@@ -48,8 +48,7 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python data/prepare.py`
-from machinery import flags  # noqa: E402
-from machinery.plumbing import bar, heartbeat  # noqa: E402
+from machinery.plumbing import Parser, bar, heartbeat  # noqa: E402
 
 
 HERE = Path(__file__).resolve().parent
@@ -517,7 +516,7 @@ def download(name: str) -> Path:
 
 
 if __name__ == "__main__":
-    ap = flags.Parser(description=__doc__,
+    ap = Parser(description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", help="corpus name under $NANOMLM_RAW (babylm_10m, babylm_100m, ...) "
                     "or a folder path")

@@ -18,8 +18,8 @@ from data.prepare import PAD
 from data.tasks import MSGS, TASKS, Examples, pad, read_task
 from evaluation.results import (METRICS, confusion, read_partial, result_path, write_lines,
                                 write_result)
-from machinery import flags
-from machinery.plumbing import autocast, bar, checkpoint_identity, one_line_os_errors, pick_device
+from machinery.plumbing import (autocast, bar, checkpoint_identity, fill_unset, one_line_os_errors,
+                                pick_device)
 from model import load_checkpoint
 from training.optim import cosine_with_warmup, linear_warmup_decay
 
@@ -47,7 +47,7 @@ def recipe_settings(args) -> None:
     """Fill the fine-tuning flags left unset from --recipe (and, for babylm2025, the task)."""
     defaults = {**RECIPES[args.recipe],
                 **(BABYLM_TASK.get(args.task, {}) if args.recipe == "babylm2025" else {})}
-    flags.fill_unset(args, defaults)
+    fill_unset(args, defaults)
 
 
 class Classifier(nn.Module):

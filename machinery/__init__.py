@@ -1,4 +1,4 @@
 """The ground floor under the data, the model and every stage: the run plumbing (plumbing.py:
-safe saves and the run folder, the device, stop signals, progress), the command line every
-script builds (flags.py) and the alternative attention kernels (kernels.py). Nothing here
+the command line every script builds, safe saves and the run folder, the device, stop signals,
+progress) and the alternative attention kernels (kernels.py). Nothing here
 imports the model or data/."""

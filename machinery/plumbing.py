@@ -1,9 +1,11 @@
-"""The run plumbing every stage shares, in one place: files written safely (atomic replacement,
-checkpoints with a checksum verified when read, an OS error as one line naming the file, a lock
-that keeps a second process out), the device (--device, bf16 autocast, torch.compile, TF32,
-deterministic kernels, peak memory), the stop signals (exit at once, or finish the step and save
-it), progress (a tqdm bar in a terminal, a line every QUIET_SECONDS without one; durations in
-words; heartbeats) and the run folder:
+"""The run plumbing every stage shares, in one place: the command line (argparse, with errors
+in one line and ranges as types), files written safely (atomic replacement, checkpoints with a
+checksum verified when read, an OS error as one line naming the file, a lock that keeps a second
+process out), the device (--device, bf16 autocast, torch.compile, TF32, deterministic kernels,
+peak memory), the stop signals (exit at once, or finish the step and save it), the training
+loop's guard (a NaN/inf or a diverging run stopped at its last good state), progress (a tqdm bar
+in a terminal, a line every QUIET_SECONDS without one; durations in words; heartbeats) and the
+run folder:
 
     runs/NAME/  args.json config.json data.json  the settings, the model, the corpus' meta.json
                 log.jsonl    every logged figure, one JSON record a line
@@ -16,6 +18,7 @@ words; heartbeats) and the run folder:
     save_checkpoint({"model": model.state_dict(), ...}, "runs/x/ckpt.pt")
     ckpt = read_checkpoint("runs/x/ckpt.pt")        # or one line saying what is wrong with it
 """
+import argparse
 import contextlib
 import errno
 import fcntl
@@ -23,6 +26,7 @@ import functools
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import resource
@@ -33,12 +37,139 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]  # the repository's root
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line as every script builds it: argparse, with errors in one line, help that shows
+# each flag's default, numeric flags whose type is their range (refused in one line as the
+# command line is parsed), and comma-separated lists:
+#
+#     p = Parser(description=__doc__)
+#     p.add_argument("--lr", type=above(float, 0), default=1e-3, help="learning rate")
+#     p.add_argument("--seeds", type=numbers(at_least(int, 0)), default="0,1")
+#     args = p.parse_args()  # --lr 0: "error: argument --lr: must be > 0, not 0; see --help"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but an error is one line naming what is wrong and pointing at --help
+    (argparse prints its whole usage block first, 35 lines for train.py), and `--lr -1e-3` is a
+    negative number (argparse's own pattern knows -1 and -.5 but takes -1e-3 for a flag, and
+    says "expected one argument" where the range would say why)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", Help)  # subcommands' parsers too
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$", re.I)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+class Help(argparse.RawDescriptionHelpFormatter):
+    """--help: the description as written, and each flag's default after its help, unless the
+    help gives it (where an objective or a size changes it) or there is none; 100 columns wide,
+    the repository's lines, whatever the terminal (argparse's own width follows it)."""
+
+    def __init__(self, prog, **kwargs):
+        super().__init__(prog, **{"width": 100, "max_help_position": 26, **kwargs})
+
+    def _format_action_invocation(self, action):
+        """--[no-]bf16 for an on/off flag: one name, so that its help starts on its line."""
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return action.option_strings[0].replace("--", "--[no-]", 1)
+        return super()._format_action_invocation(action)
+
+    def _get_default_metavar_for_optional(self, action):
+        """A value's kind, not the flag's name again: --lr X, --seed N, --data VALUE."""
+        return {int: "N", float: "X"}.get(getattr(action.type, "kind", action.type), "VALUE")
+
+    def _get_help_string(self, action):
+        default = action.default
+        if "default" in action.help or default is None or default is False or default == "" \
+                or default == argparse.SUPPRESS:
+            return action.help
+        return f"{action.help} (default {default:g})" if isinstance(default, float) else \
+            f"{action.help} (default {default})"
+
+
+@dataclass(frozen=True)
+class Range:
+    """A numeric flag's type (argparse's `type=`): the text read as `kind` (int or float), then
+    refused in one line unless it lies between the low and high bounds (None: none), each closed
+    unless said open; `value in range` checks a value that did not come from the command line."""
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __call__(self, text: str):
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if self.kind is int else 'a number'}") from None
+        if value not in self:
+            raise argparse.ArgumentTypeError(f"must be {self}, not {value:g}")
+        return value
+
+    def __contains__(self, v) -> bool:
+        return ((self.low is None or v > self.low or (v == self.low and not self.low_open))
+                and (self.high is None or v < self.high or (v == self.high and not self.high_open)))
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+                f"{')' if self.high_open else ']'}")
+
+    def refusal(self, flag: str, value) -> str:
+        """The line that refuses `value` for `flag`, where the value was not parsed (a config's)."""
+        return f"{flag}: must be {self}, not {value:g}"
+
+
+def at_least(kind: type, low: float) -> Range:
+    return Range(kind, low)
+
+
+def above(kind: type, low: float) -> Range:
+    return Range(kind, low, low_open=True)
+
+
+def fill_unset(args, values: dict) -> None:
+    """Each flag named in `values` (a preset's, a protocol's) takes its value there where the
+    user left it unset (None)."""
+    for k, v in values.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+
+
+def numbers(allowed: Range):
+    """The type of a comma-separated list flag: its values, each read and checked by `allowed`
+    (a Range: its kind, and its bounds if any)."""
+    def read(text: str) -> list:
+        try:
+            values = [allowed.kind(x) for x in text.split(",")]
+        except ValueError:
+            kind = "integers" if allowed.kind is int else "numbers"
+            raise argparse.ArgumentTypeError(f"{text}: give comma-separated {kind}") from None
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, not {bad[0]:g}")
+        return values
+    return read
+
+
+# ---------------------------------------------------------------------------------------------
+# Files: written safely, read with their checksum checked
 
 
 class one_line_os_errors:
@@ -322,6 +453,218 @@ def stop_after_the_step():
         for sig, h in before.items():
             signal.signal(sig, h)
 
+
+# ---------------------------------------------------------------------------------------------
+# The training loop's guard: a NaN/inf loss or gradient, a run diverging, and the save that
+# waits while the run is suspect, beside the stop signals that finish the step and save it.
+# train.py's loop hands one SafetyNet every step's loss and gradient norm (kept on the device)
+# and asks it at its log and save steps, the only places it reads from the device. A run it
+# stops leaves the last good state it kept (docs/robustness.md).
+
+# The divergence rule (docs/robustness.md). The loss and gradient norm are judged as averages over
+# about WINDOW steps (exponential, so at any --log-every alike), from WINDOW steps into a phase.
+WINDOW = 20           # steps: the smoothed loss and gradient norm, judged
+SLOW = 1000           # steps: the gradient norm's slow average, what it is measured against
+BEST = 200            # steps: the loss's slow average, whose lowest value the loss is
+FIRST = 10            # steps: ... counted from here (a run bad from the start is caught)
+MARGIN = 1.0          # nats: the least rise of the smoothed loss above that best that counts
+NOISE = 8.0           # ... or this many times the smoothed loss's own noise, when larger
+SNAPSHOT_EVERY = 100  # steps: how often a state is kept in memory, to go back to
+CONFIRM = 4 * WINDOW  # steps: a kept state counts as good once the run is judged well this long
+#                       after it (the smoothing lags: a state just after a jump is judged well)
+
+
+def judged(trace: list[float], spike: float, norm_ref: float | None = None) -> tuple[str, float]:
+    """(what is wrong, or ''; the smoothed loss). trace: the guard's sums (weight, loss, loss^2,
+    norm over ~WINDOW steps; weight, norm over ~SLOW; weight, loss over ~BEST) and the lowest
+    BEST-step loss since the phase's FIRST steps (its noise a third of the smoothed loss's, so
+    its lowest value is not far below the truth). The smoothed loss is suspect above that best
+    by max(MARGIN, NOISE x its noise), its noise the per-step spread times sqrt((1 - b) /
+    (1 + b)) (an average's over the window, b = 1 - 1/WINDOW); the smoothed gradient norm above
+    `spike` times its slow average (or `norm_ref`, the slow average when the run was last
+    judged well, which a sustained rise does not drag along). Both are what divergence looked
+    like: LAMB at --lr 0.3 (the loss 7.7 -> 15 in 30 steps, tiny) and the `small` run of
+    docs/objectives/mlm.md (norm 0.8 -> 38 -> 446, loss 4.7 -> 6.6). The numbers:
+    docs/robustness.md."""
+    z, s1, s2, g, zs, gs, _, _, best = trace
+    loss, norm = s1 / z, g / z
+    slow = gs / zs if norm_ref is None else norm_ref
+    b = 1 - 1 / WINDOW
+    noise = math.sqrt(max(s2 / z - loss * loss, 0.0) * (1 - b) / (1 + b))
+    margin = max(MARGIN, NOISE * noise)
+    if spike > 0 and norm > spike * slow:
+        return (f"the gradient norm (a {WINDOW}-step average) is {norm:.3g}, "
+                f"{norm / slow:.0f}x its {SLOW}-step average {slow:.3g}"), loss
+    if spike > 0 and loss > best + margin:
+        return (f"the loss (a {WINDOW}-step average) is {loss:.3f}, up from its best "
+                f"{best:.3f} by more than {margin:.2f}"), loss
+    return "", loss
+
+
+class SafetyNet:
+    """The loop's guard, read at the loop's sync points only (its log, validation and save
+    steps): the loop appends each step's (loss, gradient norm), left on the device, to `recent`,
+    and reads the plain attributes `stopping` and `deferred`; nothing of it runs inside a step.
+    At a sync point `check_finite` reads the steps since the last one, stops a run that went
+    non-finite and brings the smoothed loss and gradient norm up to date (judged); at a log step
+    `judge` stops one that diverges (judged: suspect, and still so WINDOW // 2 steps later) and
+    says when a good state is due to be kept in memory (`keep`, every SNAPSHOT_EVERY steps while
+    the run is judged well; it counts once the run is still judged well CONFIRM steps later, and
+    is built only then: the loop's log steps stay cheap); `save` writes the
+    checkpoint, or holds back that of a suspect state (`deferred`: saved at a later log step,
+    once the run is judged well again). A run stopped for a NaN or a divergence writes the last
+    good state kept as its checkpoint when it is newer than the last one saved. `stopping`: a
+    stop signal has arrived (under DDP: any process's, agreed at a sync point, so that all stop
+    at the same step). `last_saved`: the step of the last good checkpoint, which every message
+    that stops the run names."""
+
+    def __init__(self, folder, device, ddp: bool, spike: float, log_every: int,
+                 last_saved: int | None):
+        self.folder, self.device, self.ddp, self.spike = folder, device, ddp, spike
+        self.log_every, self.last_saved = log_every, last_saved
+        self.got = catch_stop_signals(self.signalled)
+        self.stopping = False
+        self.recent = []  # (loss, gradient norm) of each step since the last sync point, 0-dim
+        self.kept = self.pending = None  # (step, state): the last good state; one to confirm
+        self.deferred = False
+        b, bs, bb = 1 - 1 / WINDOW, 1 - 1 / SLOW, 1 - 1 / BEST
+        self.decay = torch.tensor([b, b, b, b, bs, bs, bb, bb], dtype=torch.double)
+        self.new_phase()
+
+    def signalled(self) -> None:
+        """A stop signal arrived (the handler's call): alone, this process stops after its step;
+        under DDP the processes agree on it at the next sync point."""
+        self.stopping = self.stopping or not self.ddp
+
+    def new_phase(self) -> None:
+        """Each phase is judged on its own: its smoothing and best loss start afresh."""
+        self.trace = torch.zeros(8, dtype=torch.double)  # judged()'s sums, on the host
+        self.best = math.inf    # the lowest BEST-step loss
+        self.recent, self.steps, self.suspect_since, self.norm_ref = [], 0, None, None
+
+    def read_recent(self) -> int | None:
+        """Fold the steps in `recent` into the smoothed sums, in their order (a step whose loss or
+        gradient is not finite is left out of them); -> the index of the first such step, or
+        None. One copy from the device for all of them."""
+        if not self.recent:
+            return None
+        losses, norms = (torch.stack([pair[i] for pair in self.recent]).double() for i in (0, 1))
+        pairs = torch.stack([losses, norms], 1).cpu()                                  # (n, 2)
+        loss, norm, one = pairs[:, 0], pairs[:, 1], torch.ones(len(pairs), dtype=torch.double)
+        terms = torch.stack([one, loss, loss * loss, norm, one, norm, one, loss], 1)  # (n, 8)
+        finite = pairs.isfinite().all(1)                                               # (n,)
+        self.recent = []
+        for new in terms[finite]:
+            self.trace = self.trace * self.decay + new
+            self.steps += 1
+            if self.steps >= FIRST:  # the phase's first level counts: a run bad from the start
+                self.best = min(self.best, float(self.trace[7] / self.trace[6]))
+        return None if finite.all() else int((~finite).nonzero()[0])
+
+    def last_good(self) -> str:
+        """Where the last good checkpoint is, in words; the last good state kept in memory is
+        written there first when it is newer."""
+        if self.kept is not None and (self.last_saved is None or self.kept[0] > self.last_saved):
+            self.folder.save(self.kept[1])
+            self.last_saved = self.kept[0]
+        if self.last_saved is None:
+            return "no checkpoint had been saved yet"
+        return (f"the last good checkpoint (step {self.last_saved}) is kept at "
+                f"{self.folder.path / 'ckpt.pt'}")
+
+    def go_on(self) -> str:
+        """How the command that --resume's the run goes on, said after last_good(): from the
+        checkpoint, or with none from step 0 (resumed_args begins such a run again)."""
+        return ("Go on from there" if self.last_saved is not None else
+                "Begin it again (with no checkpoint, --resume starts from step 0)")
+
+    def check_finite(self, step: int) -> None:
+        """At a sync point, `step` the last step taken: read the steps since the last one; stop
+        the run if one of them went NaN/inf (on any process). Under DDP, also agree on a stop
+        signal (one all-reduce for both)."""
+        n, first_bad = len(self.recent), self.read_recent()
+        nonfinite = -1 if first_bad is None else step - n + 1 + first_bad
+        if self.ddp:
+            flags = torch.tensor([nonfinite, len(self.got)], device=self.device)
+            dist.all_reduce(flags, dist.ReduceOp.MAX)
+            nonfinite, signals = flags.tolist()
+            self.stopping = self.stopping or signals > 0
+        if nonfinite >= 0:
+            self.folder.log({"step": nonfinite, "error": "non-finite loss or gradient"})
+            raise SystemExit(f"error: the loss or gradient became NaN/inf at step {nonfinite}; "
+                             f"stopped, {self.last_good()}. {self.go_on()} with a lower --lr "
+                             f"or --clip: python train.py --out-dir {self.folder.path} --resume "
+                             f"--lr LOWER")
+
+    def judge(self, step: int, lr: float) -> bool:
+        """At a log step: stop a diverging run (suspect here, and still WINDOW // 2 steps
+        later); note whether it is suspect. Returns whether the state now is good and due to be
+        kept (keep), so that the loop builds it only then. Under DDP the processes judge the
+        same numbers (their sums' mean)."""
+        if self.steps < WINDOW:  # the averages have not filled yet
+            return False
+        trace = [*self.trace.tolist(), self.best]
+        if self.ddp:
+            trace = torch.tensor(trace, dtype=torch.float64, device=self.device)
+            dist.all_reduce(trace)
+            trace = (trace / dist.get_world_size()).tolist()
+        spike, loss = judged(trace, self.spike, self.norm_ref)
+        if not spike:
+            self.suspect_since, self.norm_ref = None, trace[5] / trace[4]
+            if self.pending is not None and step - self.pending[0] >= CONFIRM:
+                self.kept, self.pending = self.pending, None
+            last = max(x[0] for x in (self.kept, self.pending, (-SNAPSHOT_EVERY, None)) if x)
+            return self.pending is None and step - last >= SNAPSHOT_EVERY and self.folder.master
+        self.pending = None  # taken while the run was going bad, maybe
+        self.suspect_since = step if self.suspect_since is None else self.suspect_since
+        if step - self.suspect_since >= WINDOW // 2:
+            self.folder.log({"step": step, "error": "diverging: " + spike})
+            raise SystemExit(
+                f"error: the run is diverging at step {step}: {spike}; stopped, "
+                f"{self.last_good()}. {self.go_on()} with a lower --lr (this run: {lr:g}): "
+                f"python train.py --out-dir {self.folder.path} --resume --lr {lr / 2:g}; or "
+                f"--resume --spike 0 to train on as it was.")
+        return False
+
+    def keep(self, state: dict, step: int) -> None:
+        """A state judged good (references to the live tensors: the checkpoint's), to go back to
+        once CONFIRM steps later the run is still judged well: every tensor copied off the
+        device."""
+        copy = lambda x: (x.detach().to("cpu", copy=True) if torch.is_tensor(x) else
+                          {k: copy(v) for k, v in x.items()} if isinstance(x, dict) else
+                          [copy(v) for v in x] if isinstance(x, list) else x)
+        self.pending = (step, copy(state))
+
+    def save(self, state: dict, step: int, must: bool) -> None:
+        """The checkpoint `state` of `step`, written as ckpt.pt (by the master process) unless
+        the run is suspect: then it waits (`deferred`: the loop asks again at its next log
+        steps) until the run is judged well again, or it `must` be saved now (a phase's end,
+        --stop-at, a stop signal)."""
+        self.deferred = self.suspect_since is not None and not must
+        if not self.deferred:
+            self.folder.save(state)
+            self.last_saved = step
+
+    def stop(self, step: int, rank: int, out_dir) -> None:
+        """Exit after a stop signal, with the command that resumes the run."""
+        name = signal.Signals(self.got["signal"]).name
+        if self.ddp:
+            dist.barrier()  # the others wait for rank 0's save: torchrun ends them all next
+        if rank == 0:
+            where = self.last_good()
+            verb = "Continue" if self.last_saved is not None else "Begin it again"
+            print(f"{name}: stopped after step {step}; {where}. {verb} with: python train.py "
+                  f"--out-dir {out_dir} --resume", file=sys.stderr)
+        raise SystemExit(128 + self.got["signal"])  # the shell's code for a signalled process
+
+    def release(self) -> None:
+        """The signal handlers are the caller's again."""
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress
 
 QUIET_SECONDS = 30  # with no terminal, a progress line at most this often
 

@@ -17,7 +17,7 @@ import train
 from conftest import REPO
 
 # Floors, from the ground up: what every stage shares (machinery/), the data (data/), the model;
-# what a training run needs (training/: the run, its flags, optimizer, guard) and meta.py's tasks
+# what a training run needs (training/: the optimizer and its schedules) and meta.py's tasks
 # (metalearning/); what evaluation reads (evaluation/: fine-tuning, result files, intervals,
 # which fine-tunes with training's optimizer) and bench.py's rows (benchmarks/); study.py's plan
 # and report (studies/); the libraries with a command line; the objectives (train.py's, one file
@@ -209,7 +209,7 @@ def test_code_says_why_and_docs_say_what_happened(path):
                                     "sparse"])
 def test_every_numeric_flag_declares_its_range(script):
     """A numeric flag cannot slip past the range checks: each one's type is its range (a
-    flags.Range), not a bare int or float (but a dictionary's layer, checked against the model
+    plumbing.Range), not a bare int or float (but a dictionary's layer, checked against the model
     by sparse.DictConfig.check).
     (sparse.py's once declared none: it took --batch-size 0 and --tol -1.)"""
     module = __import__(script)

@@ -26,10 +26,10 @@ from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
 from machinery import plumbing
-from training import guard as loop_guard, optim
 from machinery.plumbing import RunFolder, is_repository_file, save_checkpoint
 from model import PRESETS, BootPredictor, Encoder, ModelConfig, boot_states, load_checkpoint
 from objectives import ObjectiveParts, Trainee
+from training import optim
 
 
 # --- optimizer and schedule ----------------------------------------------------------------------
@@ -196,7 +196,7 @@ def test_the_code_a_run_keeps_is_the_repositorys_alone(tmp_path, monkeypatch, gi
     import subprocess
     import types
     root = tmp_path / "checkout"
-    files = {"train.py": "tracked", "training/guard.py": "tracked", "mine.py": "new, not ignored",
+    files = {"train.py": "tracked", "training/optim.py": "tracked", "mine.py": "new, not ignored",
              ".venv/lib/python3.11/site-packages/torch/nn.py": "README's venv",
              "env/lib/python3.11/site-packages/numpy/core.py": "another venv",
              "site-packages/x.py": "a bare site-packages", "runs/old/code/model.py": "ignored",
@@ -210,7 +210,7 @@ def test_the_code_a_run_keeps_is_the_repositorys_alone(tmp_path, monkeypatch, gi
     if git:
         run = lambda *a: subprocess.run(["git", *a], cwd=root, check=True, capture_output=True)
         run("init", "-q")
-        run("add", "train.py", "training/guard.py", ".gitignore")
+        run("add", "train.py", "training/optim.py", ".gitignore")
     monkeypatch.setattr(plumbing, "REPO", root)
     plumbing.git_files.cache_clear()
     modules = {f"fake{i}": types.SimpleNamespace(__file__=str(root / name))
@@ -221,8 +221,8 @@ def test_the_code_a_run_keeps_is_the_repositorys_alone(tmp_path, monkeypatch, gi
     finally:
         plumbing.git_files.cache_clear()
     # outside git, what .gitignore ignores cannot be told: only the environments are left out
-    assert got == (["mine.py", "train.py", "training/guard.py"] if git else
-                   ["mine.py", "runs/old/code/model.py", "train.py", "training/guard.py"]), got
+    assert got == (["mine.py", "train.py", "training/optim.py"] if git else
+                   ["mine.py", "runs/old/code/model.py", "train.py", "training/optim.py"]), got
 
 
 def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
@@ -584,19 +584,19 @@ def test_divergence_rule_by_hand():
     0.25."""
     z, zs = 10.0, 100.0
     calm = [z, 5 * z, 26 * z, 0.5 * z, zs, 0.25 * zs, 0, 0]           # loss 5, var 1; norm 0.5
-    assert loop_guard.judged(calm + [3.8], 10) == ("", 5.0)           # 1.2 above the best: well
-    what, loss = loop_guard.judged(calm + [3.7], 10)                  # 1.3 above: suspect
+    assert plumbing.judged(calm + [3.8], 10) == ("", 5.0)           # 1.2 above the best: well
+    what, loss = plumbing.judged(calm + [3.7], 10)                  # 1.3 above: suspect
     assert loss == 5.0 and "loss (a 20-step average) is 5.000, up from its best 3.700 by more " \
         "than 1.28" in what
     steady = [z, 5 * z, 25.25 * z, 0.5 * z, zs, 0.25 * zs, 0, 0]     # var 0.25: the 1-nat floor
-    judged = loop_guard.judged
+    judged = plumbing.judged
     assert judged(steady + [4.05], 10)[0] == "" and judged(steady + [3.95], 10)[0]
     noisy = [z, 5 * z, 41 * z, 0.5 * z, zs, 0.25 * zs, 0, 0]          # var 16: margin 5.12
     assert judged(noisy + [-0.1], 10)[0] == "" and judged(noisy + [-0.2], 10)[0]
     spiking = [z, 5 * z, 26 * z, 3 * z, zs, 0.25 * zs, 0, 0]          # norm 3 = 12x 0.25
     assert "gradient norm (a 20-step average) is 3, 12x its 1000-step average 0.25" in \
-        loop_guard.judged(spiking + [5.0], 10)[0]
-    assert loop_guard.judged(spiking + [3.0], 0) == ("", 5.0)        # --spike 0: off
+        plumbing.judged(spiking + [5.0], 10)[0]
+    assert plumbing.judged(spiking + [3.0], 0) == ("", 5.0)        # --spike 0: off
 
 
 # What runs on every step: the step's own files (the loop, the objective, the model, the batch,
@@ -656,11 +656,11 @@ def test_the_guard_judges_a_smoothed_loss_at_any_log_interval(tmp_path, log_ever
     steps = np.arange(3000)
     healthy = lambda: 6 + 2 * np.exp(-steps / 300) + rng.normal(0, 1.5, 3000)
     norms = lambda: np.abs(1 + rng.normal(0, 0.3, 3000))
-    bound = 4 * loop_guard.WINDOW + 2 * log_every
+    bound = 4 * plumbing.WINDOW + 2 * log_every
     for seed in range(5):
         folder = RunFolder(tmp_path / f"s{seed}")
         folder.path.mkdir()
-        guard = loop_guard.SafetyNet(folder, torch.device("cpu"), False, 10.0, log_every, None)
+        guard = plumbing.SafetyNet(folder, torch.device("cpu"), False, 10.0, log_every, None)
         assert feed(guard, healthy(), norms(), log_every) is None
         guard.release()
     for what in ("loss", "norm"):
@@ -671,7 +671,7 @@ def test_the_guard_judges_a_smoothed_loss_at_any_log_interval(tmp_path, log_ever
             losses[1000:] += 3.0
         else:
             grads[1000:] *= 30.0
-        guard = loop_guard.SafetyNet(folder, torch.device("cpu"), False, 10.0, log_every, None)
+        guard = plumbing.SafetyNet(folder, torch.device("cpu"), False, 10.0, log_every, None)
         stopped = feed(guard, losses, grads, log_every)
         guard.release()
         assert stopped is not None and 1000 < stopped <= 1000 + bound, (what, stopped)
@@ -1640,7 +1640,7 @@ def a_value(action) -> list[str]:
         return []
     if action.choices:
         return [str(list(action.choices)[-1])]
-    kind = getattr(action.type, "kind", action.type)  # a flags.Range: the kind it reads
+    kind = getattr(action.type, "kind", action.type)  # a Range: the kind it reads
     return [{int: "20000", float: "0.5"}.get(kind, "masked-focus" if action.dest ==
                                              "causal_fraction" else "x")]
 

@@ -1,2 +1,2 @@
 """What train.py's loop calls besides the model, the objectives and the data: the optimizer and
-its schedules (optim.py) and the guard that stops a diverging run (guard.py)."""
+its schedules (optim.py)."""
