@@ -260,22 +260,6 @@ def prepared_copies(out: Path) -> list[Path]:
     return sorted(p for p in found if load_meta(p).get("name") == out.name)
 
 
-def move_old_prepared(say) -> None:
-    """Prepared folders lived in data/ itself (data/NAME-KEY/) before data/prepared/: each one
-    found there is moved into data/prepared/, the same files, so that every lookup finds it,
-    with its raw text or without."""
-    for meta in HERE.glob("*-*/meta.json"):
-        old, new = meta.parent, HERE / "prepared" / meta.parent.name
-        if old.name.startswith(".") or new.exists():  # a preparation's temporary folder
-            continue
-        new.parent.mkdir(exist_ok=True)
-        try:
-            old.rename(new)
-        except FileNotFoundError:  # another process moved it first
-            continue
-        say(f"data: moved the prepared {old} to {new}")
-
-
 def located(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
             say=lambda *a: None) -> Path | None:
     """Where `data` is, before anything is made: a prepared folder to use as it is, or None when
@@ -307,17 +291,12 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
     """The prepared folder of `data` (a NAME under NANOMLM_RAW or a PATH), made if need be, and
     its path. It is named NAME-KEY, KEY a hash of the raw files' contents and the tokenizer
     settings: two corpora of one name, or one corpus under two settings, never share a folder,
-    and a folder never changes once made (it is built under a temporary name, then renamed)."""
+    and a folder never changes once made (make builds it under a temporary name, then renames)."""
     say = (lambda *a: None) if quiet else functools.partial(print, flush=True)
-    if prepared_root() == HERE / "prepared":
-        move_old_prepared(say)
     found = located(data, vocab_size, force, say)
     if found is not None:
         return found
     raw, base = resolve(data)
-    if base.resolve() == raw.resolve():
-        raise SystemExit(f"error: the prepared folder would be the raw folder {raw} itself; "
-                         f"point NANOMLM_DATA somewhere else")
     train_files, dev_files = find_files(raw)
     if not train_files:
         advice = (where_to_get(raw.name, raw) if raw.name in KNOWN
@@ -329,8 +308,19 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
     settings = word_level(raw) or tokenizer_settings(vocab_size)
     made_of = json.dumps([VERSION, sources, settings], sort_keys=True).encode()
     out = base.with_name(f"{base.name}-{hashlib.sha256(made_of).hexdigest()[:10]}")
-    if (out / "meta.json").exists() and not force:
-        return out
+    if force or not (out / "meta.json").exists():
+        make(raw, out, base.name, train_files, dev_files, sources, settings, vocab_size, force,
+             say)
+    return out
+
+
+def make(raw, out, name, train_files, dev_files, sources, settings, vocab_size, force, say):
+    """Build the prepared folder `out` (build) under a temporary name, then rename it: a kill
+    leaves no half-made folder under the real name, and the temporary folders of preparations
+    that were killed are removed. With `force`, it replaces the one there."""
+    if out.with_name(name).resolve() == raw.resolve():
+        raise SystemExit(f"error: the prepared folder would be the raw folder {raw} itself; "
+                         f"point NANOMLM_DATA somewhere else")
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     for old in out.parent.glob(f".{out.name}.*.tmp"):  # left by a preparation that was killed
         pid = old.name.split(".")[-2]
@@ -338,7 +328,7 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
             shutil.rmtree(old, ignore_errors=True)
     say(f"data: preparing {raw} -> {out}")
     try:
-        build(raw, tmp, base.name, train_files, dev_files, sources, settings, vocab_size, say)
+        build(raw, tmp, name, train_files, dev_files, sources, settings, vocab_size, say)
         if force:
             shutil.rmtree(out, ignore_errors=True)
         try:
@@ -351,7 +341,6 @@ def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
                          f"nothing of it was kept") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def alive(pid: int) -> bool:

@@ -4,7 +4,6 @@ import argparse
 import gzip
 import json
 import math
-import shutil
 import unicodedata
 import urllib.error
 import urllib.request
@@ -100,27 +99,6 @@ def test_reuse_or_a_new_folder_keyed_by_content(one_file, tmp_path, monkeypatch)
     assert P.prepare(one_file.name, vocab_size=800, quiet=True) == out
     with pytest.raises(SystemExit, match=f"3 prepared copies of {one_file.name}"):
         P.prepare(one_file.name, vocab_size=700)
-
-
-def test_a_folder_prepared_where_they_used_to_live_is_moved_not_remade(one_file, tmp_path,
-                                                                       monkeypatch):
-    """Prepared folders lived in data/ itself before data/prepared/: one found there is moved
-    (the same files, not prepared again), and found with its raw text gone too; with
-    NANOMLM_DATA set, data/ is not looked at."""
-    made = P.prepare(str(one_file), vocab_size=800, quiet=True)       # under NANOMLM_DATA
-    here = tmp_path / "repo_data"                                     # stands for data/
-    here.mkdir()
-    made.rename(here / made.name)
-    stamp = (here / made.name / "train.bin").stat().st_mtime_ns
-    monkeypatch.setattr(P, "HERE", here)
-    monkeypatch.delenv("NANOMLM_DATA")
-    out = P.prepare(str(one_file), vocab_size=800, quiet=True)
-    assert out == here / "prepared" / made.name and not (here / made.name).exists()
-    assert (out / "train.bin").stat().st_mtime_ns == stamp
-    out.rename(here / made.name)                                      # back where it was made,
-    shutil.rmtree(one_file)                                           # and its raw text gone
-    assert P.prepare(str(one_file), vocab_size=800, quiet=True) == out
-    assert (out / "train.bin").stat().st_mtime_ns == stamp
 
 
 def test_plain_and_gzip_read_alike_and_holdout(tmp_path):
