@@ -54,8 +54,8 @@ import evaluate
 from data.prepare import prepare, prepared_copies, resolve
 from data.tasks import TASKS
 from evaluation.results import read_result
-from machinery.plumbing import (REPO, Parser, RunFolder, above, at_least, atomic_write, numbers,
-                                one_line_os_errors)
+from machinery.plumbing import (REPO, Parser, RunFolder, above, at_least, atomic_write,
+                                load_state, numbers, one_line_os_errors)
 from studies.plan import (Job, StudyError, load_study, metric_names, plan, raw_path,
                           scale_arms, shown)
 from studies.report import build_report
@@ -326,7 +326,7 @@ def write_job_result(job: Job, partial: bool = False):
     args = json.loads((run / "args.json").read_text())
     train_log = [r for r in records if "tok_per_s" in r]
     times = [json.loads(x) for x in (run / "study_times.jsonl").read_text().splitlines()]
-    steps = (torch.load(run / "ckpt.pt", map_location="cpu", mmap=True, weights_only=True)["step"]
+    steps = (load_state(run / "ckpt.pt")["step"]
              if partial else args["max_steps"])  # the step its evaluations read
     if partial:
         out["stopped"] = {"step": steps, "max_steps": args["max_steps"]}

@@ -236,46 +236,6 @@ def hold_lock(path, what: str, advice: str):
     return f
 
 
-def checksum(state) -> str:
-    """sha256 of a checkpoint's content, in order: every tensor's dtype, shape and bytes, every
-    other value's type and repr. The zip file torch.save writes carries CRCs, but torch.load
-    never checks them: bytes flipped inside a tensor would load as silently wrong weights."""
-    h = hashlib.sha256()
-
-    def feed(x):
-        if isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous().reshape(-1)
-            h.update(f"T{t.dtype}{tuple(x.shape)}:".encode())
-            h.update(t.view(torch.uint8).numpy())
-        elif isinstance(x, dict):
-            h.update(f"{{{len(x)}:".encode())
-            for k, v in x.items():
-                feed(k)
-                feed(v)
-        elif isinstance(x, (list, tuple, set, frozenset)):  # a set in an order of its own
-            h.update(f"[{len(x)}:".encode())
-            for v in sorted(x, key=repr) if isinstance(x, (set, frozenset)) else x:
-                feed(v)
-        else:
-            b = x if isinstance(x, bytes) else repr(x).encode()
-            h.update(f"{type(x).__name__}{len(b)}:".encode())
-            h.update(b)
-    feed(state)
-    return h.hexdigest()
-
-
-def tensors(x):
-    """Every tensor in a nest of dicts, lists and tuples."""
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from tensors(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from tensors(v)
-
-
 @contextlib.contextmanager
 def atomic_write(path, need: int | None = None):
     """`with atomic_write(path) as tmp:` the block writes tmp, a temp file of this process beside
@@ -293,34 +253,41 @@ def atomic_write(path, need: int | None = None):
 
 
 def save_checkpoint(state: dict, path) -> None:
-    """`state` and its checksum, fsynced to a temp file and renamed (`atomic_write`)."""
-    state = {k: v for k, v in state.items() if k != "checksum"}
-    state["checksum"] = checksum(state)  # of the rest: the right side runs before the key exists
-    with atomic_write(path, sum(t.nbytes for t in tensors(state))) as tmp, open(tmp, "wb") as f:
-        torch.save(state, f)
+    """`state` as torch.save writes it, stored beside the sha256 of those bytes, fsynced to a temp
+    file and renamed (`atomic_write`). The zip file torch.save writes carries CRCs, but torch.load
+    never checks them: bytes flipped inside a tensor would load as silently wrong weights."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getbuffer()
+    with atomic_write(path, len(data)) as tmp, open(tmp, "wb") as f:
+        torch.save({"sha256": hashlib.sha256(data).hexdigest(),
+                    "state": torch.frombuffer(data, dtype=torch.uint8)}, f)  # its bytes, as is
         f.flush()
         os.fsync(f.fileno())
 
 
 def load_state(path, map_location="cpu") -> dict:
-    """torch.load a file save_checkpoint wrote, its checksum verified, or one line saying what is
-    wrong with it."""
+    """The state in a file save_checkpoint wrote, its checksum verified before it is unpickled,
+    or one line saying what is wrong with the file."""
     path = Path(path)
     if not path.is_file():
         raise SystemExit(f"error: no checkpoint at {path}")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, random bytes, a pickle of something else...
         raise SystemExit(f"error: cannot read checkpoint {path} (corrupt or truncated file: "
                          f"{type(e).__name__})") from None
-    if not isinstance(state, dict) or "checksum" not in state:
+    if isinstance(saved, dict) and "checksum" in saved:
+        raise SystemExit(f"error: {path} was written by an older nanoMLM, which checked its "
+                         f"files another way; read it with that version, or train it again")
+    if not isinstance(saved, dict) or "sha256" not in saved:
         raise SystemExit(f"error: {path} has no checksum: it was not written by nanoMLM")
-    saved = state.pop("checksum")
-    if checksum(state) != saved:
+    data = saved["state"].numpy().tobytes()
+    if hashlib.sha256(data).hexdigest() != saved["sha256"]:
         raise SystemExit(f"error: {path} is corrupt: its content does not match the checksum "
                          f"it was saved with (damaged on disk or in a copy); use another "
                          f"checkpoint")
-    return state
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 def checkpoint_identity(path) -> dict:

@@ -18,6 +18,7 @@ import objectives as O
 from conftest import TINY, run_train, run_trains
 from data.masking import make_batch
 from data.prepare import CLS, SEP, VOCAB_SIZE, Segments, prepare
+from machinery.plumbing import load_state
 from training.optim import Lamb, clipped_step, ema_update
 from model import PRESETS, TRAINING_ATTENTION, Encoder, ModelConfig, use_attention
 
@@ -178,7 +179,7 @@ def test_resume_on_cuda_is_bit_exact(corpus, tmp_path):
     assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
     r = run_train("--out-dir", tmp_path / "c", "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b, c = (torch.load(tmp_path / x / "ckpt.pt", weights_only=True)["model"] for x in "abc")
+    a, b, c = (load_state(tmp_path / x / "ckpt.pt")["model"] for x in "abc")
     for k in a:
         assert torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]), k
 

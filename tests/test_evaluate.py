@@ -24,7 +24,7 @@ from evaluation import finetune
 from machinery import plumbing
 from evaluation import multibootstrap, results
 from training import optim
-from machinery.plumbing import read_checkpoint, save_checkpoint
+from machinery.plumbing import load_state, read_checkpoint, save_checkpoint
 from model import PRESETS, BootHeads, BootPredictor, Encoder, ModelConfig
 
 
@@ -1008,11 +1008,11 @@ def test_fill_shows_the_models_own_top_guesses(ckpt, tmp_path, objective, capsys
     at the position before each [MASK]."""
     path = ckpt
     if objective == "gpt-bert":
-        saved = torch.load(ckpt, weights_only=False)
+        saved = load_state(ckpt)
         path = tmp_path / "gpt-bert.pt"
         save_checkpoint({**saved, "predicts_before": True}, path)
     if objective == "boot":
-        saved = torch.load(ckpt, weights_only=False)
+        saved = load_state(ckpt)
         torch.manual_seed(1)
         heads = BootHeads(ModelConfig(**saved["config"]), 1, mae=True)
         path = tmp_path / "boot.pt"

@@ -3,6 +3,7 @@ by SIGTERM and resumed, a second process on a run folder, a lock left by a kille
 flipped inside checkpoints, a full disk, an interrupted BLiMP evaluation, a corpus that changed
 under a run. docs/robustness.md has the table these tests stand behind."""
 import errno
+import io
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import torch
 
 import evaluate as E
 from conftest import REPO, TINY, run_train, run_trains, shared_data
-from machinery.plumbing import RunFolder, read_checkpoint, save_checkpoint
+from machinery.plumbing import RunFolder, load_state, read_checkpoint, save_checkpoint
 from model import PRESETS, Encoder, ModelConfig, load_checkpoint
 
 
@@ -157,7 +158,8 @@ def test_flipped_bytes_are_refused_wherever_a_checkpoint_is_read(trained_run, tm
     word = tmp_path / "word.pt"  # bytes flipped in the word embeddings
     word.write_bytes(path.read_bytes())
     flip(word, good["model"]["word.weight"])
-    assert not torch.equal(torch.load(word, weights_only=True)["model"]["word.weight"],
+    inner = io.BytesIO(torch.load(word, weights_only=True)["state"].numpy().tobytes())
+    assert not torch.equal(torch.load(inner, weights_only=True)["model"]["word.weight"],
                            good["model"]["word.weight"])  # torch.load alone takes it silently
     msg = (f"error: {word} is corrupt: its content does not match the checksum it was saved with "
            f"(damaged on disk or in a copy); use another checkpoint")
@@ -184,10 +186,13 @@ def test_a_full_disk_at_save_time_keeps_the_last_checkpoint(trained_run, monkeyp
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1] == f"error: cannot write {path}: File too large"
     assert path.read_bytes() == before and not list(trained_run.glob(".*"))
-    # (2) ENOSPC, injected where torch.save writes: the line says how much space is missing
-    state = read_checkpoint(path)
+    # (2) ENOSPC, injected where torch.save writes the file (not where it serializes the state
+    # into memory first): the line says how much space is missing
+    state, real_save = read_checkpoint(path), torch.save
 
     def full_disk(obj, f, *a, **k):
+        if isinstance(f, io.BytesIO):
+            return real_save(obj, f, *a, **k)
         f.write(b"\0" * 4096)  # part of the file was written when the disk filled up
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(torch, "save", full_disk)
@@ -309,13 +314,18 @@ def test_a_signal_while_the_data_is_prepared_leaves_nothing(small_raw, tmp_path,
 
 def test_a_file_without_a_checksum_is_refused_in_one_line(tmp_path):
     """Every file nanoMLM writes carries a checksum; a torch file without one (another program's,
-    or a state dict saved by hand) is refused rather than loaded unverified."""
+    or a state dict saved by hand) is refused rather than loaded unverified, and one an older
+    nanoMLM wrote is refused by name."""
     state = {"model": {"w": torch.ones(2)}, "config": {}, "tokenizer": b"spm"}
     torch.save(state, tmp_path / "plain.pt")
     with pytest.raises(SystemExit, match="has no checksum: it was not written by nanoMLM"):
         read_checkpoint(tmp_path / "plain.pt")
     save_checkpoint(state, tmp_path / "ours.pt")
     assert torch.equal(read_checkpoint(tmp_path / "ours.pt")["model"]["w"], torch.ones(2))
+    # an older nanoMLM's file (its checksum a key of the state): named as such, not as foreign
+    torch.save({**state, "checksum": "0" * 64}, tmp_path / "old.pt")
+    with pytest.raises(SystemExit, match="was written by an older nanoMLM, which checked its"):
+        read_checkpoint(tmp_path / "old.pt")
 
 
 # --- the divergence guard on real runs -----------------------------------------------------------
@@ -361,7 +371,7 @@ def test_a_run_stopped_for_diverging_resumes_from_the_good_state_it_kept(prepare
     assert r.returncode == 1 and "the run is diverging at step" in r.stderr, r.stderr
     stop = int(re.search(r"at step (\d+)", r.stderr).group(1))
     kept = int(re.search(r"the last good checkpoint \(step (\d+)\) is kept", r.stderr).group(1))
-    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == kept < stop
+    assert load_state(out / "ckpt.pt")["step"] == kept < stop
     cure = re.search(r"python train.py (--out-dir \S+ --resume --lr \S+);", r.stderr).group(1)
     assert cure.endswith("--lr 0.25")
     r = run_train(*cure.split(), "--spike", 0, "--stop-at", kept + 20)

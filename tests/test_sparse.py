@@ -17,6 +17,7 @@ from scipy.optimize import linear_sum_assignment
 import lasso_exact as lasso
 import sparse as S
 from conftest import REPO
+from machinery.plumbing import load_state
 
 
 def problem(d, k, n, seed, dtype=torch.float64):
@@ -228,7 +229,7 @@ def test_an_interrupted_dictionary_learning_goes_on_from_its_last_epoch(tmp_path
     monkeypatch.setattr(S, "update_dictionary", interrupted)
     with pytest.raises(KeyboardInterrupt):
         S.learn_dictionary(H, truth.shape[1], 0.05, state_path=state, fingerprint={"a": 1}, **kw)
-    assert torch.load(state, weights_only=True)["epoch"] == 2
+    assert load_state(state)["epoch"] == 2
     monkeypatch.setattr(S, "update_dictionary", update)
     calls.clear()
     D, history = S.learn_dictionary(H, truth.shape[1], 0.05, state_path=state,
@@ -274,7 +275,7 @@ def test_sigterm_while_sparse_py_learns_keeps_its_epochs_and_the_same_command_go
     assert again.returncode == 0, again.stderr
     assert re.search(r"going on after epoch [12]/3", again.stdout + again.stderr), again.stdout
     assert ref.wait(timeout=300) == 0, ref.stderr.read()
-    got, want = (torch.load(tmp_path / f, weights_only=True) for f in ("stopped.pt", "whole.pt"))
+    got, want = (load_state(tmp_path / f) for f in ("stopped.pt", "whole.pt"))
     assert torch.equal(got["D"], want["D"]) and got["history"] == want["history"]
 
 
@@ -289,7 +290,7 @@ def test_cli_learns_a_dictionary_from_a_checkpoint(prepared, tmp_path):
                    "cpu", "--out", out, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "non-zeros per code" in r.stdout and "all-zero codes" in r.stdout
-    saved = torch.load(out, weights_only=True)
+    saved = load_state(out)
     assert saved["D"].shape == (64, 40) and saved["layer"] == 1 and len(saved["history"]) == 3
     assert (saved["D"].norm(dim=0) <= 1 + 1e-6).all()
     bad = run_script(*cli, "--layer", "5", "--out", out, timeout=300)

@@ -26,7 +26,7 @@ from conftest import REPO, TINY, run_train, run_trains
 from data.masking import make_batch, predicted_slots
 from data.prepare import CLS, MASK, SEP, prepare
 from machinery import plumbing
-from machinery.plumbing import RunFolder, is_repository_file, save_checkpoint
+from machinery.plumbing import RunFolder, is_repository_file, load_state, save_checkpoint
 from model import PRESETS, BootPredictor, Encoder, ModelConfig, boot_states, load_checkpoint
 from objectives import ObjectiveParts, Trainee
 from training import optim
@@ -137,7 +137,7 @@ def test_epochs_budget_sets_the_steps(prepared, tmp_path):
     r = run_train("--data", prepared, "--out-dir", out, "--epochs", epochs, *TINY)
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "args.json").read_text())["max_steps"] == 5
-    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 5
+    assert load_state(out / "ckpt.pt")["step"] == 5
     r = run_train("--data", prepared, "--out-dir", tmp_path / "kd", "--objective", "kd",
                   "--epochs", 1.5 * 8 / n, *TINY)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
@@ -233,7 +233,7 @@ def test_run_folder_holds_everything_to_reproduce(prepared, tmp_path):
     assert kept <= {p.name for p in out.iterdir()}
     code = {p.relative_to(out / "code").as_posix() for p in (out / "code").rglob("*.py")}
     assert {"train.py", "model.py", "machinery/plumbing.py", "data/masking.py"} <= code
-    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    ckpt = load_state(out / "ckpt.pt")
     assert {"model", "optimizer", "config", "args", "step", "rng", "data_pos", "extras_state",
             "code_version", "tokenizer"} <= ckpt.keys()
     assert ckpt["step"] == 10 and ckpt["data_pos"] == 10 * 8 and ckpt["args"]["seq_len"] == 32
@@ -265,10 +265,10 @@ def test_resume_is_exact(prepared, tmp_path, objective, stop, mix):
     whole, first = run_trains([*common, "--out-dir", tmp_path / "a"],
                               [*common, "--out-dir", tmp_path / "b", "--stop-at", stop])
     assert whole.returncode == 0 and first.returncode == 0, whole.stderr + first.stderr
-    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["step"] == stop
+    assert load_state(tmp_path / "b" / "ckpt.pt")["step"] == stop
     second = run_train("--out-dir", tmp_path / "b", "--resume", "--device", "cpu")
     assert second.returncode == 0, second.stderr
-    a, b = (torch.load(tmp_path / x / "ckpt.pt", weights_only=True) for x in "ab")
+    a, b = (load_state(tmp_path / x / "ckpt.pt") for x in "ab")
     assert a["step"] == b["step"] == 40 and a["objective"] == b["objective"] == objective
     for part in ("model", "heads"):
         for k in a[part]:
@@ -278,7 +278,7 @@ def test_resume_is_exact(prepared, tmp_path, objective, stop, mix):
         assert all(torch.equal(v, ema[k]) for k, v in a["extras_state"]["ema"].items())
     if objective in O.TWO_PHASE:
         phase1 = tmp_path / "b" / "phase1.pt"
-        assert phase1.exists() and torch.load(phase1, weights_only=True)["step"] == 10
+        assert phase1.exists() and load_state(phase1)["step"] == 10
     for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
         assert all(torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])) for k in sa)
     # measurements of the machine, not of the run: timings, and the process' peak memory (its
@@ -304,7 +304,7 @@ def test_every_objective_is_scored_filled_and_exported(prepared, small_raw, tmp_
              *(MLSM_DICT if entry.declares("dict") else [])]
     r = run_train(*flags)
     assert r.returncode == 0, r.stderr
-    ckpt = torch.load(run / "ckpt.pt", weights_only=False)
+    ckpt = load_state(run / "ckpt.pt")
     assert (ckpt["step"], ckpt["objective"]) == (6, objective)
     assert (ckpt["predicts_before"], ckpt["decoder"]) == (entry.predicts_before, entry.decoder)
     model, _ = load_checkpoint(run / "ckpt.pt")
@@ -346,13 +346,13 @@ def test_mlm_two_phase_restarts_optimizer_and_warmup(prepared, tmp_path):
     lr = {e["step"]: e["lr"] for e in log if "lr" in e}
     # hand-computed: warm-up steps 0 and 1 of each phase at lr * 1/2 and lr * 2/2
     assert lr[1] == lr[5] == pytest.approx(5e-3) and lr[2] == lr[6] == pytest.approx(1e-2)
-    phase1 = torch.load(tmp_path / "a" / "phase1.pt", weights_only=True)
-    last = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)
+    phase1 = load_state(tmp_path / "a" / "phase1.pt")
+    last = load_state(tmp_path / "a" / "ckpt.pt")
     steps = lambda ckpt: {int(s["step"]) for s in ckpt["optimizer"]["state"].values()}
     assert (phase1["step"], steps(phase1), steps(last)) == (4, {4}, {8})  # a fresh optimizer
     r = run_train("--out-dir", tmp_path / "b", "--resume", "--device", "cpu")
     assert r.returncode == 0, r.stderr
-    b = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)
+    b = load_state(tmp_path / "b" / "ckpt.pt")
     assert all(torch.equal(v, b["model"][k]) for k, v in last["model"].items())
     assert run_train("--data", prepared, "--objective", "boot", "--two-phase",
                      *TINY).returncode == 2  # argparse: only mlm takes it
@@ -373,7 +373,7 @@ def test_ddp_two_gloo_processes_equal_one_process_accumulating(prepared, tmp_pat
     ddp = run_train(*common, "--out-dir", tmp_path / "ddp", launcher=torchrun)
     assert ddp.returncode == 0, ddp.stderr
     assert "x2 |" in ddp.stdout and "16 seqs" in ddp.stdout
-    a, b = (torch.load(tmp_path / x / "ckpt.pt", weights_only=True) for x in ("single", "ddp"))
+    a, b = (load_state(tmp_path / x / "ckpt.pt") for x in ("single", "ddp"))
     for part in ("model", "heads"):
         for k in a[part]:
             torch.testing.assert_close(a[part][k], b[part][k], rtol=1e-4, atol=1e-5)
@@ -388,7 +388,7 @@ def test_bf16_autocast_on_the_cpu_tracks_float32(prepared, tmp_path):
     for r in run_trains(*([*common, flag, "--out-dir", tmp_path / flag]
                           for flag in ("--bf16", "--no-bf16"))):
         assert r.returncode == 0, r.stderr
-    (a, la), (b, lb) = ((torch.load(tmp_path / f / "ckpt.pt", weights_only=True)["model"],
+    (a, la), (b, lb) = ((load_state(tmp_path / f / "ckpt.pt")["model"],
                          [e["loss"] for e in read_log(tmp_path / f) if "loss" in e])
                         for f in ("--bf16", "--no-bf16"))
     assert all(v.dtype == torch.float32 for v in a.values() if v.is_floating_point())
@@ -560,7 +560,7 @@ def test_error_nan_loss_keeps_last_good_checkpoint(prepared, tmp_path):
     assert_clean_error(r, r"became NaN/inf at step (\d+); stopped, the last good checkpoint "
                           r"\(step \d+\) is kept")
     bad_step = int(__import__("re").search(r"at step (\d+)", r.stderr).group(1))
-    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    ckpt = load_state(out / "ckpt.pt")
     assert ckpt["step"] == bad_step - 1
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
     assert read_log(out)[-1] == {"step": bad_step, "error": "non-finite loss or gradient"}
@@ -675,7 +675,7 @@ def test_the_guard_judges_a_smoothed_loss_at_any_log_interval(tmp_path, log_ever
         stopped = feed(guard, losses, grads, log_every)
         guard.release()
         assert stopped is not None and 1000 < stopped <= 1000 + bound, (what, stopped)
-        kept = torch.load(folder.path / "ckpt.pt", weights_only=True)
+        kept = load_state(folder.path / "ckpt.pt")
         assert kept["step"] <= 1000 and torch.equal(kept["weights"], torch.full((2,), kept["step"]))
         error = read_log(folder.path)[-1]
         assert error["step"] == stopped and error["error"].startswith("diverging: the ")
@@ -704,7 +704,7 @@ def test_divergence_stops_the_run_and_a_healthy_run_trains_on(prepared, tmp_path
                           r"\d+\) is kept")
     stop = int(__import__("re").search(r"at step (\d+)", r.stderr).group(1))
     assert read_log(tmp_path / "bad")[-1]["error"].startswith("diverging: the ")
-    assert torch.load(tmp_path / "bad" / "ckpt.pt", weights_only=True)["step"] < stop < 80
+    assert load_state(tmp_path / "bad" / "ckpt.pt")["step"] < stop < 80
     cure = __import__("re").search(r"python train.py (--out-dir \S+ --resume --lr \S+);",
                                    r.stderr).group(1).split()
     r = run_train(*cure, "--stop-at", stop + 5)
@@ -954,15 +954,15 @@ def test_kd_with_a_given_teacher_skips_phase_one(trained, prepared, tmp_path):
     log = read_log(out)
     assert {"kd", "mlm"} <= log[0].keys()  # distillation from the first step
     # --student-init continued: the teacher's weights, which then move
-    first = torch.load(trained, weights_only=True)["model"]
-    last = torch.load(out / "ckpt.pt", weights_only=True)["model"]
+    first = load_state(trained)["model"]
+    last = load_state(out / "ckpt.pt")["model"]
     assert not torch.equal(last["word.weight"], first["word.weight"])
 
 
 def test_a_checkpoint_from_before_the_fields_is_refused_in_one_line(trained, tmp_path):
     """A train.py checkpoint written before checkpoints said how they predict could
     be a boot or gpt-bert model read the wrong way: load_checkpoint and export.py refuse it."""
-    state = torch.load(trained, weights_only=False)
+    state = load_state(trained)
     old = tmp_path / "old.pt"
     save_checkpoint({k: v for k, v in state.items() if k not in ("predicts_before", "decoder")},
                     old)
@@ -1057,7 +1057,7 @@ def test_gpt_bert_flags_and_teachers(trained, tmp_path, capsys):
     with pytest.raises(SystemExit):
         T.get_args(["--objective", "mlm", "--causal-fraction", "mixed"])
     assert "--causal-fraction only applies to gpt-bert" in capsys.readouterr().err
-    state = torch.load(trained, weights_only=False)
+    state = load_state(trained)
     teacher = tmp_path / "gpt-bert.pt"
     save_checkpoint({**state, "predicts_before": True}, teacher)  # as gpt-bert's entry says
     encoder = Encoder(ModelConfig(**state["config"]))
@@ -1092,7 +1092,7 @@ def test_the_loop_updates_the_mean_teacher(prepared, tmp_path, decay):
     r = run_train("--data", prepared, "--objective", "boot", "--ema-start", decay,
                   "--ema-end", decay, "--out-dir", out, "--max-steps", 5, *TINY)
     assert r.returncode == 0, r.stderr
-    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    ckpt = load_state(out / "ckpt.pt")
     if decay == 0.0:
         want = ckpt["model"]
     else:
@@ -1106,13 +1106,13 @@ def test_the_loop_updates_the_mean_teacher(prepared, tmp_path, decay):
 def test_student_init_continued_or_scratch(trained, prepared, tmp_path):
     """Phase 2 starts from the teacher's weights (continued) or from a fresh init (scratch); with
     --lr 0 the saved student is exactly where it started."""
-    teacher = torch.load(trained, weights_only=True)["model"]
+    teacher = load_state(trained)["model"]
     for init in ("continued", "scratch"):
         out = tmp_path / init
         r = run_train("--data", prepared, "--objective", "kd", "--teacher", trained,
                       "--student-init", init, "--lr", 0, "--out-dir", out, "--max-steps", 2, *TINY)
         assert r.returncode == 0, r.stderr
-        student = torch.load(out / "ckpt.pt", weights_only=True)["model"]
+        student = load_state(out / "ckpt.pt")["model"]
         same = all(torch.equal(student[k], teacher[k]) for k in teacher)
         assert same == (init == "continued")
 
@@ -1244,7 +1244,7 @@ def test_mlsm_run_learns_its_dictionary_between_the_phases(prepared, tmp_path):
     r = run_train("--data", prepared, "--objective", "mlsm", "--max-steps", 10, "--phase1-steps", 5,
                   "--out-dir", out, *MLSM_DICT, *TINY)
     assert r.returncode == 0, r.stderr
-    saved = torch.load(out / "dict.pt", weights_only=True)
+    saved = load_state(out / "dict.pt")
     assert saved["D"].shape == (64, 48) and saved["layer"] == 1
     assert saved["ckpt"] == str(out / "phase1.pt")
     log = read_log(out)
@@ -1259,7 +1259,7 @@ def test_mlsm_run_learns_its_dictionary_between_the_phases(prepared, tmp_path):
                   "--dict", out / "dict.pt", "--out-dir", again, *TINY)
     assert r.returncode == 0, r.stderr
     assert "learning the MLSM dictionary" not in r.stdout
-    assert torch.equal(torch.load(again / "dict.pt", weights_only=True)["D"], saved["D"])
+    assert torch.equal(load_state(again / "dict.pt")["D"], saved["D"])
     assert read_log(again)[-1]["val_kl"] == read_log(out)[-1]["val_kl"]
     bad = run_train("--data", prepared, "--objective", "mlsm", "--max-steps", 10,
                     "--phase1-steps", 5, "--dict", out / "dict.pt", "--mlsm-layer", 0,
@@ -1285,9 +1285,9 @@ def test_reset_and_freeze_change_exactly_the_intended_tensors(prepared, small_ra
     r = run_train("--data", prepared, "--out-dir", src, "--max-steps", 3, "--freeze", "embeddings",
                   *common)
     assert r.returncode == 0, r.stderr
-    source = torch.load(src / "ckpt.pt", weights_only=True)["model"]
+    source = load_state(src / "ckpt.pt")["model"]
     torch.manual_seed(0)
-    config = torch.load(src / "ckpt.pt", weights_only=True)["config"]
+    config = load_state(src / "ckpt.pt")["config"]
     init = Encoder(ModelConfig(**config)).state_dict()
     assert torch.equal(source["word.weight"], init["word.weight"])  # frozen
     moved = ("pos.weight", "layers.0.attn.qk.weight", "head_bias")
@@ -1302,7 +1302,7 @@ def test_reset_and_freeze_change_exactly_the_intended_tensors(prepared, small_ra
         r = run_train("--data", other, "--out-dir", out, "--max-steps", 1, "--lr", 0,
                       "--init-from", src / "ckpt.pt", "--reset", reset, *common)
         assert r.returncode == 0, r.stderr
-        ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+        ckpt = load_state(out / "ckpt.pt")
         torch.manual_seed(0)
         own = Encoder(ModelConfig(**ckpt["config"])).state_dict()
         assert ckpt["model"]["word.weight"].shape[0] == 1500
@@ -1607,7 +1607,7 @@ def test_deterministic_turns_on_deterministic_kernels(prepared, tmp_path, monkey
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
-    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 4
+    assert load_state(out / "ckpt.pt")["step"] == 4
 
 
 def test_a_runs_code_hash_covers_every_file_train_py_imports(trained):
