@@ -2,6 +2,7 @@
 are cut from it into temporary folders, never into the repository."""
 import functools
 import gzip
+import json
 import os
 import subprocess
 import sys
@@ -83,10 +84,6 @@ def run_train(*args, cwd=REPO, launcher=None, timeout=600,
                           env={**os.environ, **env})
 
 
-def pytest_sessionfinish(session, exitstatus):
-    warm_python.stop()
-
-
 def run_trains(*commands, **kw) -> list[subprocess.CompletedProcess]:
     """Several independent train.py commands side by side (each on one thread: two at once on
     CI's two cores take about the time of one); their finished processes, in order."""
@@ -100,32 +97,43 @@ TINY = ["--size", "tiny", "--n-layer", "1", "--d-model", "64", "--n-head", "2", 
         "--eval-batches", "2", "--device", "cpu"]
 
 
-# Seconds each file took inside one run of the two shards on CI's 2-core machine (from
-# pytest's junit times summed by file, so each file's share of the shared cores and the session
-# fixtures it built first are counted). They only balance the shards; a file missing here
-# counts as 10 s.
-FILE_SECONDS = {"test_train.py": 184, "test_gpu_check.py": 134, "test_faults.py": 133,
-                "test_study.py": 65, "test_parallel.py": 60, "test_bench.py": 44,
-                "test_integration.py": 29, "test_readme.py": 28, "test_sparse.py": 25,
-                "test_model.py": 22, "test_export.py": 20, "test_evaluate.py": 18,
-                "test_warm_python.py": 14, "test_meta.py": 11, "test_synth.py": 8,
-                "test_data.py": 5, "test_plot.py": 4, "test_house.py": 1, "test_cuda.py": 1}
+# Seconds each test file took (its tests' set-up, call and tear-down, the fixtures they built
+# with them) in the suite's last recorded run: `RECORD=docs/suite.json bash tests/parallel.sh`
+# on a fresh clone writes tests/file_seconds.json beside docs/suite.json (tests/test_parallel.py
+# holds the two to one run). They only balance the shards; a file missing there counts as 10 s.
+FILE_SECONDS = json.loads((REPO / "tests" / "file_seconds.json").read_text())["seconds"]
 
 
-def shard_of_files(names, n: int) -> dict:
+def shard_of_files(names, n: int, seconds: dict = FILE_SECONDS) -> dict:
     """{file name: its shard in range(n)}: files, longest first, each to the shard with the least
-    FILE_SECONDS so far (a file missing there counts as 10 s)."""
-    seconds = lambda name: FILE_SECONDS.get(name, 10)
+    `seconds` so far (a file missing there counts as 10 s)."""
+    took = lambda name: seconds.get(name, 10)
     load, owner = [0] * n, {}
-    for name in sorted(set(names), key=lambda f: (-seconds(f), f)):
+    for name in sorted(set(names), key=lambda f: (-took(f), f)):
         owner[name] = load.index(min(load))
-        load[owner[name]] += seconds(name)
+        load[owner[name]] += took(name)
     return owner
 
 
 def pytest_addoption(parser):
     parser.addoption("--shard", metavar="I/N", help="run only shard I of N (0 <= I < N), by "
                      "whole test files: tests/parallel.sh runs the N at once")
+    parser.addoption("--record-times", metavar="FILE", help="write {test file: seconds} of "
+                     "this run there (tests/parallel.sh with RECORD merges the shards')")
+
+
+SECONDS_TAKEN = {}  # {test file: seconds} of this session, its reports' durations summed
+
+
+def pytest_runtest_logreport(report):
+    name = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
+    SECONDS_TAKEN[name] = SECONDS_TAKEN.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    warm_python.stop()
+    if out := session.config.getoption("--record-times"):
+        Path(out).write_text(json.dumps(SECONDS_TAKEN))
 
 
 def pytest_ignore_collect(collection_path, config):

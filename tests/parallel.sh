@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The test suite in N processes at once, each a share of the test files (conftest.py's
-# FILE_SECONDS balance them), as CI runs it:
+# The test suite in N processes at once, each a share of the test files (balanced by the seconds
+# each took in the last recorded run, tests/file_seconds.json), as CI runs it:
 #
 #     NANOMLM_RAW=../shared/data bash tests/parallel.sh [PYTEST ARGS]
 #
@@ -8,7 +8,8 @@
 # running; each shard's output is printed whole once all have ended, then the counts summed; the
 # run fails if one shard fails. A test file named in the arguments runs in its own shard only
 # (the others may find no test: pytest's status 5). RECORD=FILE also writes the run's record
-# there as JSON (its date, commit, machine, each shard's seconds, the counts): docs/status.md
+# there as JSON (its date, commit, machine, each shard's seconds, the counts), and each test
+# file's seconds into tests/file_seconds.json (what balances the shards next time): docs/status.md
 # quotes docs/suite.json, written so on a fresh clone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +21,8 @@ for arg in "$@"; do [ -e "${arg%%::*}" ] && where=(); done
 pids=()
 for ((i = 0; i < n; i++)); do
     ( began=$SECONDS
-      OMP_NUM_THREADS=1 "${PYTHON:-python}" -m pytest -q "${where[@]}" --shard $i/$n "$@" \
-          > "$logs/$i" 2>&1
+      OMP_NUM_THREADS=1 "${PYTHON:-python}" -m pytest -q "${where[@]}" --shard $i/$n \
+          ${RECORD:+--record-times "$logs/$i.times"} "$@" > "$logs/$i" 2>&1
       status=$?
       echo $(( SECONDS - began )) > "$logs/$i.seconds"
       exit $status ) &
@@ -29,7 +30,12 @@ for ((i = 0; i < n; i++)); do
 done
 # a line a minute while they run: the shards print nothing until they end
 start=$SECONDS
-( while sleep 60; do echo "tests: $n shards running, $(( (SECONDS - start) / 60 ))m so far"
+# (its sleep is killed with it: a sleep left behind would hold a caller's pipe open a minute)
+( trap 'kill $nap 2>/dev/null; exit 0' TERM
+  while true; do
+      sleep 60 & nap=$!
+      wait $nap
+      echo "tests: $n shards running, $(( (SECONDS - start) / 60 ))m so far"
   done ) &
 beat=$!
 rc=0 ran=0
@@ -55,6 +61,18 @@ if [ -n "${RECORD:-}" ]; then
 '"seconds": %d, "shard_seconds": [%s], "counts": "%s", "failed": %d}\n' \
         "$(date -u +%Y-%m-%d)" "$(git rev-parse --short HEAD)" "$machine" "$(nproc)" "$torch" \
         $(( SECONDS - start )) "$shards" "$total" $rc > "$RECORD"
+    # each file's seconds, which balance the shards of later runs (conftest.FILE_SECONDS)
+    "${PYTHON:-python}" - "$logs" "$RECORD" tests/file_seconds.json <<'EOF'
+import json, pathlib, sys
+logs, record, out = sys.argv[1:]
+seconds = {}
+for f in sorted(pathlib.Path(logs).glob("*.times")):
+    seconds.update({k: round(v, 1) for k, v in json.loads(f.read_text()).items()})
+run = json.loads(pathlib.Path(record).read_text())
+table = {k: run[k] for k in ("date", "commit", "machine", "torch")}
+table["seconds"] = dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
+pathlib.Path(out).write_text(json.dumps(table, indent=1) + "\n")
+EOF
 fi
 (( rc || ran )) && exit $rc
 exit 5  # no shard ran a test, as pytest says it

@@ -20,7 +20,8 @@ import torch
 
 import evaluate as E
 from conftest import REPO, TINY, run_train, run_trains, shared_data
-from machinery.plumbing import RunFolder, load_state, read_checkpoint, save_checkpoint
+from machinery.plumbing import (RunFolder, SafetyNet, load_state, read_checkpoint,
+                                save_checkpoint)
 from model import PRESETS, Encoder, ModelConfig, load_checkpoint
 
 
@@ -340,24 +341,58 @@ def stopped_by_the_old_rule(losses) -> bool:
     return False
 
 
+def judged_at(records, log_every: int, folder) -> None:
+    """The loop's guard replayed on a run's per-step log (--log-every 1: each step's loss and
+    gradient norm, the numbers its guard was handed) as a run logging every `log_every` steps
+    would ask it: raises SystemExit where that run would have been stopped. The training is the
+    same at any --log-every (batches, masks and dropout are functions of seed and step)."""
+    folder.mkdir(parents=True, exist_ok=True)  # where a stopped run logs why
+    guard = SafetyNet(RunFolder(folder), torch.device("cpu"), False, 10.0, log_every, None)
+    try:
+        for r in records:
+            guard.recent.append((torch.tensor(r["loss"]), torch.tensor(r["grad_norm"])))
+            if r["step"] % log_every == 0 or r is records[-1]:
+                guard.check_finite(r["step"])
+                guard.judge(r["step"], r["lr"])
+    finally:
+        guard.release()
+
+
 def test_healthy_small_batch_runs_are_never_stopped_at_any_log_interval(prepared, tmp_path):
     """Issue 69's case: tiny gpt-bert runs at 4 x 64 tokens a batch (200 steps, two seeds) and
-    32 x 128 (100 steps, one seed: 8x the tokens of a small run), logging every step or every
-    50, all with the default --spike: none is stopped. The rule the guard replaced, read on the
-    per-step logs, would have stopped one or more of them (it stopped such a run at step 40)."""
-    common = [*TINY, "--data", prepared, "--objective", "gpt-bert"]
+    32 x 128 (100 steps, one seed: 8x the tokens of a small run), all with the default --spike,
+    trained logging every step: none is stopped, and the guard replayed on their per-step logs
+    as a run logging every 50 steps would ask it (judged_at) stops none either. The rule the
+    guard replaced, read on the per-step logs, would have stopped one or more of them (it
+    stopped such a run at step 40). (The runs logging every 50 steps that this test once
+    trained as well are the same training, judged less often: the replay asks what they did.)"""
+    common = [*TINY, "--data", prepared, "--objective", "gpt-bert", "--log-every", 1]
     shapes = {(4, 64): (0, 1), (32, 128): (0,)}  # batch, length: seeds
-    runs = {(shape, log, seed): [*common, "--batch-size", shape[0], "--seq-len", shape[1],
-                                 "--max-steps", 200 if shape[0] == 4 else 100,
-                                 "--log-every", log, "--seed", seed,
-                                 "--out-dir", tmp_path / f"{shape[0]}_{log}_{seed}"]
-            for shape, seeds in shapes.items() for log in (1, 50) for seed in seeds}
+    runs = {(shape, seed): [*common, "--batch-size", shape[0], "--seq-len", shape[1],
+                            "--max-steps", 200 if shape[0] == 4 else 100, "--seed", seed,
+                            "--out-dir", tmp_path / f"{shape[0]}_{seed}"]
+            for shape, seeds in shapes.items() for seed in seeds}
     for key, done in zip(runs, run_trains(*runs.values())):
         assert done.returncode == 0, (key, done.stderr[-500:])
-    per_step = [[r["loss"] for r in RunFolder(tmp_path / f"{b}_1_{s}").records() if "loss" in r]
-                for (b, _), seeds in shapes.items() for s in seeds]
-    assert [len(x) for x in per_step] == [200, 200, 100]
-    assert any(stopped_by_the_old_rule(x) for x in per_step)
+    logs = [[r for r in RunFolder(tmp_path / f"{b}_{s}").records() if "loss" in r]
+            for (b, _), seeds in shapes.items() for s in seeds]
+    assert [len(x) for x in logs] == [200, 200, 100]
+    for i, log in enumerate(logs):
+        for every in (1, 50):
+            judged_at(log, every, tmp_path / f"replay{i}_{every}")
+    assert any(stopped_by_the_old_rule([r["loss"] for r in log]) for log in logs)
+
+
+def test_the_replayed_guard_stops_what_the_loop_stops(tmp_path):
+    """judged_at is the loop's guard: on a per-step log that diverges (a healthy loss, then
+    +4 nats from step 120) it stops the run, at any interval, within the window it promises."""
+    healthy = [{"step": i, "loss": 6.0 - i / 100 + (0.3 if i % 2 else -0.3), "grad_norm": 1.0,
+                "lr": 0.01} for i in range(1, 121)]
+    jumped = [{**r, "step": r["step"] + 120, "loss": r["loss"] + 4.0} for r in healthy[:100]]
+    for every in (1, 50):
+        with pytest.raises(SystemExit, match="the run is diverging at step"):
+            judged_at(healthy + jumped, every, tmp_path / f"jumped{every}")
+        judged_at(healthy, every, tmp_path / f"healthy{every}")  # the healthy part goes on
 
 
 def test_a_run_stopped_for_diverging_resumes_from_the_good_state_it_kept(prepared, tmp_path):
