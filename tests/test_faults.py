@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import evaluate as E
+import warm_python
 from conftest import REPO, TINY, run_train, run_trains, shared_data
 from machinery.plumbing import (RunFolder, SafetyNet, load_state, read_checkpoint,
                                 save_checkpoint)
@@ -29,9 +30,11 @@ FAST = [*TINY, "--spike", "0", "--lr", "1e-3"]  # stable at any length, fast to 
 
 
 def start_train(*args, **kw) -> subprocess.Popen:
-    """train.py in a fresh process whose output lines arrive as they are printed."""
+    """train.py in a process of its own (a warm one: warm_python's launcher passes a signal on
+    to it) whose output lines arrive as they are printed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *map(str, args)], cwd=REPO,
+    return subprocess.Popen([str(warm_python.launcher()), str(REPO / "train.py"),
+                             *map(str, args)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             **kw)
 
@@ -80,9 +83,11 @@ def test_sigterm_saves_and_resumes_bit_identically_and_one_run_per_folder(prepar
     for extra in ([], ["--resume"]):
         second = run_train(*common, "--out-dir", run, *extra)
         assert second.returncode == 1
-        assert second.stderr.strip() == (f"error: {run} is in use by process {proc.pid} on "
-                                         f"{os.uname().nodename}; wait for it to end or choose "
-                                         f"another --out-dir")
+        holder = (run / "lock").read_text().strip()  # the training process (warm: not proc)
+        assert re.fullmatch(rf"process \d+ on {re.escape(os.uname().nodename)}", holder)
+        os.kill(int(holder.split()[1]), 0)  # alive
+        assert second.stderr.strip() == (f"error: {run} is in use by {holder}; wait for it to "
+                                         f"end or choose another --out-dir")
     proc.send_signal(signal.SIGTERM)  # what a cluster sends before it preempts a job
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 128 + signal.SIGTERM, err
@@ -473,7 +478,7 @@ def test_sigterm_during_a_blimp_scoring_ends_it_at_once_and_the_same_command_goe
     fast = shared_data() / "babylm_eval" / "fast_eval" / "blimp_fast"
     for f in sorted(fast.glob("*.jsonl"))[:20]:
         (src / f.name).symlink_to(f.resolve())  # (CI's NANOMLM_RAW is a relative path)
-    cmd = [sys.executable, str(REPO / "evaluate.py"), "blimp", "--ckpt", str(ckpt),
+    cmd = [str(warm_python.launcher()), str(REPO / "evaluate.py"), "blimp", "--ckpt", str(ckpt),
            "--blimp-dir", str(src), "--device", "cpu", "--out", str(tmp_path / "blimp.json")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
