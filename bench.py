@@ -513,9 +513,8 @@ def build_parser() -> Parser:
         "the CPU); the first is the reference")
     add("--data", default="babylm_10m", help="step, side: train.py --data")
     add("--row-timeout", type=above(float, 0), default=None,
-        help="step: seconds each train.py run may "
-        "take; one that takes longer is a failed row and the next objective goes on (default: "
-        "no limit)")
+        help="step: seconds each train.py run may take; one that takes longer is a failed row and "
+        "the next objective goes on (default: no limit)")
     add("--batch-size", type=at_least(int, 1), default=None,
         help="step, bert: sequences per step (default 32 on CPU, 128 on CUDA; --quick 4)")
     add("--seq-len", type=at_least(int, 3), default=128,

@@ -636,8 +636,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--bf16", action="store_true", help="score under bfloat16 autocast (faster on a GPU; "
         "near-ties then differ between GPU kinds). Default: float32")
     add("--batch-tokens", type=at_least(int, 1), default=None,
-        help="tokens per scoring batch (default 4096 "
-        "on CPU, the fastest of 2k/4k/16k measured; 32768 on CUDA)")
+        help="tokens per scoring batch (default 4096 on CPU, the fastest of 2k/4k/16k measured; "
+        "32768 on CUDA)")
     device(b)
     b.set_defaults(func=blimp)
 
@@ -686,15 +686,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch-size", type=at_least(int, 1), default=None,
         help="examples per batch (default: the recipe's)")
     add("--epochs", type=at_least(int, 1), default=None,
-        help="at most this many epochs (default: the "
-        "recipe's)")
+        help="at most this many epochs (default: the recipe's)")
     add("--patience", type=at_least(int, 0), default=None,
         help="stop after this many epochs without a better validation score (default: the "
         "recipe's; babylm2025 has none)")
     add("--holdout", type=Range(float, 0, 1, high_open=True), default=0.0,
-        help="choose the epoch on this fraction of the "
-        "training set instead of on the validation set it reports (default 0: as the BabyLM "
-        "pipeline)")
+        help="choose the epoch on this fraction of the training set instead of on the validation "
+        "set it reports (default 0: as the BabyLM pipeline)")
     add("--group-by-length", action=argparse.BooleanOptionalAction, default=None,
         help="training batches of similar lengths, so less of each is padding (default: on for "
         "nanomlm; --no-group-by-length: plain shuffled batches)")

@@ -589,13 +589,12 @@ def build_parser() -> Parser:
     add("--steps", type=at_least(int, 1), default=None,
         help="pretraining steps (default: the protocol's; glue 1000)")
     add("--batch-size", type=at_least(int, 1), default=None,
-        help="unlabelled sequences per step (default: "
-        "the protocol's, 32 or 16)")
+        help="unlabelled sequences per step (default: the protocol's, 32 or 16)")
     add("--task-batch", type=at_least(int, 1), default=None,
         help="labelled examples in each of the support and query batches (default 8; shen 4)")
     add("--lr", type=at_least(float, 0), default=None,
-        help="the student's AdamW learning rate, the MLM "
-        "baseline's too (default 3e-3; shen 0.08 x n^-1/2)")
+        help="the student's AdamW learning rate, the MLM baseline's too (default 3e-3; shen 0.08 x "
+        "n^-1/2)")
     add("--teacher-lr", type=at_least(float, 0), default=None,
         help="the teacher's AdamW learning rate (default: as --lr)")
     add("--inner-lr", type=at_least(float, 0), default=0.1,

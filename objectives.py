@@ -356,8 +356,7 @@ DICT_FLAG_NAMES = {f: "--" + a.replace("_", "-") for a, f in DICT_FLAGS.items()}
 MLSM_FLAGS = (
     flag("--dict", default=None,
          help="a sparse.py dictionary (default: learned into RUN/dict.pt)"),
-    *(flag("--" + dest.replace("_", "-"), type=sparse.DICT_FIELDS[field][0],
-           default=getattr(sparse.DictConfig, field), help=sparse.DICT_FIELDS[field][1])
+    *(flag("--" + dest.replace("_", "-"), **sparse.dict_flag(field))
       for dest, field in DICT_FLAGS.items()),
     flag("--mlsm-coder", default="fista100", choices=["fista100", "exact"], metavar="NAME",
          help="fista100: the MLSM code's 100 steps; exact: to --mlsm-tol"),

@@ -520,6 +520,13 @@ DICT_FIELDS = {
 }
 
 
+def dict_flag(field: str) -> dict:
+    """add_argument's keywords for the flag of a DictConfig field (sparse.py's, and train.py's
+    mlsm flags under their own names): its type and range, default and help."""
+    kind, about = DICT_FIELDS[field]
+    return dict(type=kind, default=getattr(DictConfig, field), help=about)
+
+
 def learn_from_checkpoint(ckpt_path, data, cfg: DictConfig, device, out) -> dict:
     """Learn a dictionary of layer cfg.layer of a checkpoint's states on the corpus `data` (None:
     the one it was trained on), write it to `out` (save_dictionary) and return what was written.
@@ -617,9 +624,8 @@ def build_parser() -> Parser:
                    "train.py ckpt.pt or phase1.pt)")
     p.add_argument("--data", default=None,
                    help="corpus it was trained on (default: the checkpoint's --data)")
-    for name, (kind, about) in DICT_FIELDS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(DictConfig, name),
-                       help=about)
+    for name in DICT_FIELDS:
+        p.add_argument("--" + name.replace("_", "-"), **dict_flag(name))
     add_device_flag(p.add_argument)
     p.add_argument("--out", required=True, help="where to write the dictionary (a torch file: "
                    "D (d, k) and how it was made)")

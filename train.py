@@ -184,8 +184,7 @@ add = parser.add_argument_group("masking").add_argument
 add("--masking", default="span", choices=list(MASKINGS), metavar="NAME", help="span "
     "(LTG-BERT's), token (BERT's) or uniform (the MLSM code's)")
 add("--mask-p", type=Range(float, 0, 1, True, True), default=0.15,
-    help="fraction of tokens predicted (first "
-    "step)")
+    help="fraction of tokens predicted (first step)")
 add("--mask-p-end", type=Range(float, 0, 1, True, True), default=None,
     help="falls linearly from --mask-p to this (default: constant)")
 

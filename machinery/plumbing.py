@@ -282,7 +282,7 @@ def load_state(path, map_location="cpu") -> dict:
                          f"files another way; read it with that version, or train it again")
     if not isinstance(saved, dict) or "sha256" not in saved:
         raise SystemExit(f"error: {path} has no checksum: it was not written by nanoMLM")
-    data = saved["state"].numpy().tobytes()
+    data = saved["state"].numpy()  # the bytes torch.save wrote, hashed and read in place
     if hashlib.sha256(data).hexdigest() != saved["sha256"]:
         raise SystemExit(f"error: {path} is corrupt: its content does not match the checksum "
                          f"it was saved with (damaged on disk or in a copy); use another "
