@@ -550,18 +550,16 @@ def build_parser() -> Parser:
     return ap
 
 
-def main(argv=None):
+def get_args(argv=None):
+    """The flags, checked, with the defaults that depend on the device filled in (sizes,
+    batch size, side counts; --quick's shapes): what every bench reads."""
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.table:
-        if not Path(args.table).is_file():
-            raise SystemExit(f"error: --table {args.table}: no such file")
-        saved = json.loads(Path(args.table).read_text())
-        print(table(saved))
-        return saved["rows"]
+        return args
     file_to_write(args.out, ap.error, "the rows' file path")
-    device = pick_device(args.device)
-    cpu = device.type == "cpu"
+    # (not pick_device: a GPU's flags are checked on a machine without one too, as its plans)
+    cpu = args.device == "cpu" or args.device == "auto" and not torch.cuda.is_available()
     args.sizes = (args.sizes or ("tiny" if args.quick or cpu else "tiny,small,base")).split(",")
     args.objectives = args.objectives.split(",")
     if "step" in args.only.split(",") and args.objectives[0] != BASELINE:
@@ -575,7 +573,25 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"error: --only {','.join(sorted(unknown))}: not one of "
                          f"{','.join(BENCHES)}")
+    return args
+
+
+def main(argv=None):
+    args = get_args(argv)
+    if args.table:
+        try:
+            saved = json.loads(Path(args.table).read_text())
+            print(table(saved))
+        except OSError as e:
+            raise SystemExit(f"error: --table {args.table}: {e.strerror}")
+        except (ValueError, KeyError, TypeError):
+            raise SystemExit(f"error: --table {args.table}: not a bench.py result (the JSON "
+                             f"file its --out writes)")
+        return saved["rows"]
+    device = pick_device(args.device)
+    cpu = device.type == "cpu"
     rows = []
+    PROFILES.clear()  # this call's alone (the tests call main more than once in a process)
     machine = torch.cuda.get_device_name(device) if not cpu else cpu_name()
     saved = {"machine": machine, "device": device.type, "torch": torch.__version__,
              "date": str(datetime.date.today()), "args": vars(args), "rows": rows}

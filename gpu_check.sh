@@ -68,8 +68,10 @@
 #
 # Environment: OUT (default gpu_out/), GPU_DATA (default .gpu_data/), BUDGET, PYTHON (default
 # python3, else python), VOCAB_SIZE (the corpus' vocabulary, default 16384), SCALE, FORMS
-# (speed); carry reads the raw data under NANOMLM_RAW. tests/test_gpu_check.py runs every tier
-# with --smoke.
+# (speed), PLAN (`all`, or a comma list of parts: write those parts' commands to plan.txt, a
+# line each, "NAME<tab>LIMIT<tab>COMMAND", instead of running them); carry reads the raw data
+# under NANOMLM_RAW. tests/test_gpu_check.py runs the study and headline tiers with --smoke and
+# checks every tier's plan, with and without it.
 set -uo pipefail
 here=$PWD
 abs() { case $1 in /*) echo "$1" ;; *) echo "$here/$1" ;; esac; }  # a path typed from here
@@ -165,7 +167,8 @@ W=$(mktemp -d)  # run folders (checkpoints never travel back), the carried wheel
 trap 'rm -rf "$W"' EXIT
 # the carried wheels where the python lacks them (the GPU machine has no registry)
 if compgen -G "$G/wheels/*.whl" > /dev/null &&
-        ! "$py" -c "import disentangled_flash" 2> /dev/null; then
+        ! "$py" -c "import importlib.util as u, sys
+sys.exit(u.find_spec('disentangled_flash') is None)" 2> /dev/null; then  # found, not imported
     "$py" -m pip install --quiet --no-deps --no-index --target "$W/site" "$G"/wheels/*.whl &&
         export PYTHONPATH="$W/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -185,6 +188,11 @@ part() {
     if (( limit < (smoke ? 1 : 30) )); then
         say "$name: skipped, ${left}s of the budget left"
         return 99
+    fi
+    if [[ ${PLAN:-} == all || ",${PLAN:-}," == *",$name,"* ]]; then
+        printf '%s\t%s\t%s\n' "$name" "$limit" "$(printf '%q ' "$@")" >> "$O/plan.txt"
+        say "$name: planned (limit ${limit}s)"
+        return 0
     fi
     timeout -k 20 "$limit" "$@" >> "$log" 2>&1
     rc=$?

@@ -54,6 +54,10 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch, w
     assert ltg["max_abs_diff"] < 1e-4                # the same function as LTG-BERT's own code
     compiled = next(r for r in rows if r["bench"] == "compile")
     assert compiled["max_abs_diff"] < 1e-6     # tensor and float momentum: the same codes
+    bert = [r for r in rows if r["bench"] == "bert"]  # ours against BERT, profiled with it
+    assert bert and all(r["reference"] == "BertForMaskedLM" for r in bert)
+    assert all(set(saved["profiles"][f"bert: {r['case']}"]) == {"ours", "BertForMaskedLM"}
+               for r in bert)
     attn = [r for r in rows if r["bench"] == "attn"]  # the CPU's variants compute the same thing
     assert attn and all(r.get("max_abs_diff", 1) < 1e-4 for r in attn)
 
@@ -169,3 +173,44 @@ def test_an_out_that_cannot_be_written_is_one_line_before_any_bench(tmp_path, ca
     assert stopped.value.code == 2 and err.count("\n") == 1, err
     assert f"--out {tmp_path} is a folder; give the rows' file path" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_bert_rows_are_one_per_form_and_bert_is_built_once(tmp_path, monkeypatch):
+    """bench.py --only bert with several --attention forms (the speed tier's forms part): a row
+    per form in the order given, each against BertForMaskedLM, BERT built once for all of them
+    (its first step on the first row alone) and each form profiled with it. The timings are
+    stood in (alternate, profile_ops: measured, not asserted, here)."""
+    pytest.importorskip("transformers")
+    from benchmarks import models
+    built = []
+    real_bert = __import__("transformers").BertForMaskedLM
+    monkeypatch.setattr("transformers.BertForMaskedLM",
+                        lambda cfg: built.append(cfg) or real_bert(cfg))
+    monkeypatch.setattr(models, "alternate", lambda a, b, *rest: ([2.0] * 3, [1.0] * 3))
+    monkeypatch.setattr(models, "profile_ops", lambda fn, device, steps: [
+        {"op": "stood in", "ms": 1.0, "calls": 1, "share": 1.0}])
+    out = tmp_path / "forms.json"
+    rows = bench.main(["--quick", "--device", "cpu", "--only", "bert", "--attention",
+                       "gather,gather-fp32,onehot", "--profile", "2", "--out", str(out)])
+    assert [r["form"] for r in rows] == ["gather", "gather-fp32", "onehot"] and len(built) == 1
+    assert all(r["reference"] == "BertForMaskedLM" and r["ratio"] == 2.0 for r in rows)
+    assert rows[0]["ref_first_step_s"] > 0 and rows[1]["ref_first_step_s"] is None
+    assert all(r["first_step_s"] > 0 for r in rows)
+    profiles = json.loads(out.read_text())["profiles"]
+    assert list(profiles) == [f"bert: {r['case']}" for r in rows]
+    assert all(set(p) == {"ours", "BertForMaskedLM"} for p in profiles.values())
+
+
+@pytest.mark.parametrize("graphs,scope,form,name", [
+    (None, "model", "gather", ""), (True, "model", "gather", " cuda-graphs"),
+    (None, "layers", "onehot", " onehot compiled by layer")])
+def test_a_timed_run_is_named_by_what_it_changes(graphs, scope, form, name):
+    """The step rows' names (the speed tier's step, graphs and layers runs) and the train.py
+    flags they time."""
+    args = bench.get_args(["--device", "cpu", "--only", "step", "--compile-scope", scope,
+                           "--attention", form] + ["--cuda-graphs"] * bool(graphs))
+    assert bench.run_variant(args, form) == name
+    flags = bench.train_flags(args, torch.device("cpu"), "mlm", "tiny", "out")
+    assert flags[flags.index("--attention") + 1] == form
+    assert flags[flags.index("--compile-scope") + 1] == scope
+    assert ("--cuda-graphs" in flags) == bool(graphs)

@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
+import objectives
 import warm_python
 from conftest import REPO, shared_data
 
@@ -78,12 +81,13 @@ def carried(small_raw, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def ran(carried, tmp_path_factory) -> dict:
-    """{tier: (its CompletedProcess, its $OUT)}: the seven tiers with --smoke, two at a time
-    (each is mostly one single-threaded process after another; the tests' machine has 2 cores).
-    The study's budget is measured, not fixed: a busy machine gets a longer one (study_budget)."""
+    """{tier: (its CompletedProcess, its $OUT)}: the two tiers run end to end with --smoke, side
+    by side (each is mostly one single-threaded process after another; the tests' machine has 2
+    cores): study, the one the next GPU window runs, and headline, whose summary is the script's
+    own. The other tiers are checked by their plans (`plans`). The study's budget is measured,
+    not fixed: a busy machine gets a longer one (study_budget)."""
     study = Path(carried["GPU_DATA"]).parent / "tiny.toml"  # carried with its evaluation data
-    tiers = {"speed": [], "study": [study], "verify": [], "rest": [], "headline": [],
-             "objectives": [], "compare": []}
+    tiers = {"study": [study], "headline": []}
     budget = study_budget(carried, tmp_path_factory.mktemp("yardstick"))
 
     def run(tier):
@@ -137,19 +141,6 @@ def parts(out) -> dict:
     return {line.split("] ")[1].split(":")[0]: line for line in lines}
 
 
-def test_verify(ran):
-    r, tmp_path = ran["verify"]
-    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "tests.log", "bench.log",
-                                   "steps.json"}
-    done = parts(tmp_path)
-    assert all(": exit 0 in " in done[p] for p in ("tests", "steps")), done
-    assert "skipped" in (tmp_path / "tests.log").read_text()  # no CUDA here: it skips
-    steps = json.loads((tmp_path / "steps.json").read_text())["rows"]
-    assert [r["case"].split()[0] for r in steps] == ["mlm"] and steps[0]["recompiles"] == 0
-    env = (tmp_path / "env.txt").read_text()
-    assert "tier: verify (smoke)" in env and "torch " in env and "commit: " in env
-
 
 def test_headline(ran):
     """The smoke run is stopped at step 10 of 1000, as a run too long for the command is
@@ -168,87 +159,153 @@ def test_headline(ran):
     assert len(blimp["pairs"]) == 2 * 2 * 16 and blimp["ckpt"].endswith("ckpt.pt")
 
 
-def test_objectives(ran):
-    r, tmp_path = ran["objectives"]
+
+
+
+
+# the parts each tier plans, in order, with --smoke and on the GPU; and the study a GPU window
+# runs next (issue order, ../shared/GPU.md), planned as its window would run it
+PARTS = {"speed": ["check", "forms", "step", "graphs", "layers"], "verify": ["tests", "steps"],
+         "objectives": ["tests", "steps"], "compare": ["bert", "bert_base"],
+         "rest": ["dictionary", "kernels"], "headline": ["train"], "study": ["study"]}
+GPU_STUDY = ["studies/gpt_bert.toml", "window", "mlm,gpt-bert", "0,1,2"]
+
+
+@pytest.fixture(scope="module")
+def plans(carried, tmp_path_factory) -> dict:
+    """{(tier, smoke): (its CompletedProcess, its $OUT)}: every tier with PLAN=all, with --smoke
+    and without (the commands a GPU runs), two at a time: each part's command is written to
+    plan.txt, none runs."""
+    smoke_study = [Path(carried["GPU_DATA"]).parent / "tiny.toml"]
+
+    def run(key):
+        tier, smoke = key
+        out = tmp_path_factory.mktemp(f"plan-{tier}")
+        args = (smoke_study if smoke else GPU_STUDY) if tier == "study" else []
+        return gpu_check(*["--smoke"][:smoke], tier, *args,
+                         env={**carried, "OUT": out, "PLAN": "all"}), out
+    keys = [(tier, smoke) for tier in PARTS for smoke in (True, False)]
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(keys, pool.map(run, keys)))
+
+
+def planned(out) -> list:
+    """plan.txt's lines: [(part, limit, argv)]."""
+    lines = (out / "plan.txt").read_text().splitlines()
+    return [(name, int(limit), shlex.split(cmd)) for name, limit, cmd in
+            (line.split("\t") for line in lines)]
+
+
+def accepts(argv, tmp):
+    """Check the flags of a planned command as the tool it runs checks them, nothing run:
+    train.py's get_args; bench.py's, and train.py's for each timed run of its step rows;
+    evaluate.py's parser; study.py's, its file, scale and arms, and every job's train.py flags;
+    pytest on tests/test_cuda.py (its selections: test_every_cuda_test_runs_in_a_tier)."""
+    import bench
+    import evaluate
+    import study
+    import train
+    from studies.plan import load_study, plan
+    tool, flags = argv[1], argv[2:]
+    if tool == "train.py":
+        train.get_args(flags)
+    elif tool == "bench.py":
+        args = bench.get_args(flags)
+        if "step" in args.only.split(","):
+            for objective in args.objectives:
+                train.get_args(bench.train_flags(args, torch.device(args.device), objective,
+                                                 args.sizes[0], tmp / objective))
+    elif tool == "evaluate.py":
+        evaluate.build_parser().parse_args(flags)
+    elif tool == "study.py":
+        args = study.build_parser().parse_args(flags)
+        spec = load_study(Path(args.study))
+        jobs = plan(spec, args.scale, tmp, args.only.split(",") if args.only else None,
+                    args.seeds)
+        steps = [s.argv for j in jobs for s in j.steps if s.argv[0] == "train.py"]
+        assert steps, jobs
+        for step in steps:
+            train.get_args(step[1:])
+    else:
+        assert argv[1:3] == ["-m", "pytest"] and "tests/test_cuda.py" in argv, argv
+
+
+@pytest.mark.parametrize("smoke", [True, False], ids=["smoke", "gpu"])
+@pytest.mark.parametrize("tier", PARTS)
+def test_every_tier_plans_commands_its_tools_accept(plans, tier, smoke, tmp_path):
+    """Each tier's parts, in order, each within the budget, each command one its tool accepts;
+    the GPU's on the GPU (--device cuda, the small model), the smoke's on the CPU."""
+    r, out = plans[tier, smoke]
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "tests.log", "bench.log",
-                                   "steps.json"}
-    assert "skipped" in (tmp_path / "tests.log").read_text()  # no CUDA here: it skips
-    steps = json.loads((tmp_path / "steps.json").read_text())["rows"]
-    assert [r["case"].split()[0] for r in steps] == ["mlm", "gpt-bert"]
-    assert steps[1]["reference"] == "mlm" and steps[1]["ours"] > 0 and "failed" not in steps[1]
+    steps = planned(out)
+    assert [name for name, _, _ in steps] == PARTS[tier]
+    assert all(0 < limit <= 460 for _, limit, _ in steps)
+    for _, _, argv in steps:
+        if argv[1] not in ("-m", "study.py"):  # (a study's scale names its device)
+            assert argv[argv.index("--device") + 1] == ("cpu" if smoke else "cuda"), argv
+        accepts(argv, tmp_path)
+    env = (out / "env.txt").read_text()
+    assert f"tier: {tier}" in env and "torch " in env and "commit: " in env
+    assert ("(smoke)" in env) == smoke
 
 
-def test_compare(ran):
-    r, tmp_path = ran["compare"]
-    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "bench.log", "bert.json",
-                                   "bert_base.json"}
-    for name in ("bert.json", "bert_base.json"):
-        rows = json.loads((tmp_path / name).read_text())["rows"]
-        assert rows and all(r["reference"] == "BertForMaskedLM" for r in rows)
-    profiles = json.loads((tmp_path / "bert.json").read_text())["profiles"]  # the first size's
-    assert [set(p) for p in profiles.values()] == [{"ours", "BertForMaskedLM"}]
+def test_the_plans_measure_what_each_tier_says(plans):
+    """What the GPU's commands measure: verify and objectives between them the step rows of
+    every objective, compare ours against BERT at small and base, rest the mlsm+mlm dictionary
+    at small and the kernels, speed each attention form against BERT (profiled) and then the
+    fastest in train.py three ways, headline mlm at its defaults."""
+    gpu = {tier: {name: argv for name, _, argv in planned(plans[tier, False][1])}
+           for tier in PARTS}
+    flag = lambda argv, name: argv[argv.index(name) + 1]
+    timed = [flag(gpu[t]["steps"], "--objectives").split(",") for t in ("verify", "objectives")]
+    assert timed[0][0] == timed[1][0] == "mlm"
+    assert set(timed[0] + timed[1]) == set(objectives.OBJECTIVES)
+    assert flag(gpu["compare"]["bert"], "--sizes") == "small"
+    assert flag(gpu["compare"]["bert_base"], "--sizes") == "base"
+    assert flag(gpu["rest"]["dictionary"], "--objective") == "mlsm+mlm"
+    assert flag(gpu["rest"]["kernels"], "--only") == "ltg,attn,pll"
+    assert flag(gpu["speed"]["forms"], "--attention") == "gather,fused,gather-fp32,onehot"
+    assert "--profile" in gpu["speed"]["forms"]
+    assert [flag(gpu["speed"][run], "--attention") for run in ("step", "graphs", "layers")] == [
+        "gather"] * 3  # no forms.json: the gather, the others' baseline
+    assert "--cuda-graphs" in gpu["speed"]["graphs"]
+    assert flag(gpu["speed"]["layers"], "--compile-scope") == "layers"
+    headline = gpu["headline"]["train"]
+    assert flag(headline, "--objective") == "mlm" and "--size" not in headline  # its defaults
 
 
-def test_rest(ran):
-    r, tmp_path = ran["rest"]
-    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "bench.log", "dictionary.log",
-                                   "dictionary.jsonl", "kernels.json"}
-    said = (tmp_path / "dictionary.log").read_text()
-    assert "dictionary: 48 atoms" in said and "done: 10 steps" in said
-    assert {r["bench"] for r in json.loads((tmp_path / "kernels.json").read_text())["rows"]} == {
-        "ltg", "attn", "pll"}
-
-
-def test_speed(ran):
-    """The CUDA check (skipped here), each form's step against BertForMaskedLM in one process
-    (BERT built and compiled once: its first step on the first row alone), the top operators of
-    each, then train.py in the fastest form measured, plain, with --cuda-graphs and compiled by
-    layer."""
-    r, tmp_path = ran["speed"]
-    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    assert set(back(tmp_path)) == {"env.txt", "progress.txt", "check.log", "bench.log",
-                                   "forms.json", "step.json", "graphs.json", "layers.json"}
-    assert "skipped" in (tmp_path / "check.log").read_text()  # no CUDA here
-    done = parts(tmp_path)
-    assert all(": exit 0 in " in done[p] for p in ("check", "forms", "step", "graphs", "layers"))
-    forms = json.loads((tmp_path / "forms.json").read_text())
-    rows = forms["rows"]
-    assert [r["form"] for r in rows] == ["gather", "gather-fp32", "onehot"]
-    assert all(r["reference"] == "BertForMaskedLM" and r["first_step_s"] > 0 for r in rows)
-    assert rows[0]["ref_first_step_s"] > 0 and rows[1]["ref_first_step_s"] is None
-    assert len(forms["profiles"]) == 3 and all(set(p) == {"ours", "BertForMaskedLM"}
-                                               for p in forms["profiles"].values())
-    best = max(rows, key=lambda r: r["ours"])["form"]
-    assert done["fastest form"].endswith(f"fastest form: {best}")
-    variant = "" if best == "gather" else f" {best}"
-    for run, case in (("step", f"mlm tiny 4x32{variant}"),
-                      ("graphs", f"mlm tiny 4x32 cuda-graphs{variant}"),
-                      ("layers", f"mlm tiny 4x32{variant} compiled by layer")):
-        [row] = json.loads((tmp_path / f"{run}.json").read_text())["rows"]
-        assert row["case"] == case and row["ours"] > 0 and row["overhead_s"] > 0
-    env = (tmp_path / "env.txt").read_text()
-    assert re.search(r"^carried: \d+ MiB in ", env, flags=re.M), env
+def test_speed_measures_train_py_in_the_fastest_form_the_forms_part_found(carried, tmp_path):
+    """The forms part's rows (here written beforehand, the part planned) choose the form the
+    step, graphs and layers runs use: the fastest that did not fail."""
+    rows = [{"form": "gather", "ours": 1.0}, {"form": "onehot", "ours": 3.0},
+            {"form": "gather-fp32", "ours": 9.0, "failed": "no"}]
+    (tmp_path / "forms.json").write_text(json.dumps({"rows": rows}))
+    r = gpu_check("--smoke", "speed", env={**carried, "OUT": str(tmp_path), "PLAN": "all"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert parts(tmp_path)["fastest form"].endswith("fastest form: onehot")
+    runs = {name: argv for name, _, argv in planned(tmp_path)}
+    assert all(runs[run][runs[run].index("--attention") + 1] == "onehot"
+               for run in ("step", "graphs", "layers"))
 
 
 def test_a_failed_part_is_named_and_the_tier_exits_1(carried, tmp_path):
     """speed with a BertForMaskedLM that cannot be built (a stand-in package, first on the
-    path): the forms part's row fails, every later part still runs (in the gather, no form
-    having been measured), the failed part is named in one line, and the tier exits 1."""
+    path): the forms part's row fails, every later part is still reached (in the gather, no form
+    having been measured; planned here, not run), the failed part is named in one line, and the
+    tier exits 1."""
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "transformers.py").write_text(
         "class BertConfig:\n    def __init__(self, **kw):\n"
         "        raise RuntimeError('broken by the test')\n\n\nBertForMaskedLM = None\n")
-    env = {**carried, "OUT": str(tmp_path / "out"), "PYTHONPATH": str(broken), "FORMS": "gather"}
+    env = {**carried, "OUT": str(tmp_path / "out"), "PYTHONPATH": str(broken), "FORMS": "gather",
+           "PLAN": "check,step,graphs,layers"}
     r = gpu_check("--smoke", "speed", env=env)
     assert r.returncode == 1, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1].startswith("error: speed: forms failed"), r.stderr
     done = parts(tmp_path / "out")
     assert "exit 1 in" in done["forms"] and done["fastest form"].endswith(": gather")
-    assert all(": exit 0 in " in done[p] for p in ("check", "step", "graphs", "layers")), done
+    assert all(": planned " in done[p] for p in ("check", "step", "graphs", "layers")), done
     assert done["failed"].endswith("failed: forms")
     [row] = json.loads((tmp_path / "out" / "forms.json").read_text())["rows"]
     assert "broken by the test" in row["failed"]
