@@ -52,6 +52,9 @@ def curves(records: list[dict]) -> dict[str, dict[str, list]]:
     return out
 
 
+FORMATS = (".png", ".pdf", ".svg")  # what --out may be
+
+
 def plot(folders: list[Path], out: Path, x: str = "step") -> Path:
     try:
         import matplotlib
@@ -66,7 +69,9 @@ def plot(folders: list[Path], out: Path, x: str = "step") -> Path:
         # tokens per step: sequences per step (per process; DDP's processes are not in
         # args.json) times the tokens of a sequence
         per_step = args["batch_size"] * args["grad_accum"] * args["seq_len"]
-        runs[folder.name] = (curves(records), per_step if x == "tokens" else 1)
+        # a folder's name, or its path where two runs share a name (runs/a/s0, runs/b/s0)
+        label = folder.name if [f.name for f in folders].count(folder.name) == 1 else str(folder)
+        runs[label] = (curves(records), per_step if x == "tokens" else 1)
     names = sorted({n for c, _ in runs.values() for n in c}, key=lambda n: (n != "loss", n))
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
@@ -104,6 +109,10 @@ def main(argv=None):
                    help="the horizontal axis: optimizer steps, or tokens seen (per process)")
     p.add_argument("--out", type=Path, default=Path("curves.png"), help="the PNG to write")
     args = p.parse_args(argv)
+    if args.out.suffix.lower() not in FORMATS:  # matplotlib would add .png, unsaid
+        p.error(f"--out {args.out}: name the file with its kind, one of {', '.join(FORMATS)}")
+    if len({r.resolve() for r in args.runs}) < len(args.runs):
+        p.error("a run folder is given twice: each curve once")
     print(f"wrote {plot(args.runs, args.out, args.x)}")
 
 

@@ -233,6 +233,8 @@ def run_job(job: Job, env: dict, counter, deadline: float | None = None) -> str 
         resuming = step.label == "train" and (job.folder / "ckpt.pt").exists()
         if resuming:
             argv.append("--resume")
+        elif step.label == "train":  # its folder holds study.log, the study's own
+            argv.append("--force")
         say(f"[{counter()}] {job.name}: {step.label}" + (" (resuming)" if resuming else ""))
         t0 = time.time()
         with open(log, "a") as f:
@@ -479,6 +481,8 @@ def main(argv=None):
             raise StudyError(f"error: --only {a}: {path} has no such arm at scale {args.scale} "
                              f"({', '.join(scale_arms(study, args.scale))})")
     folder = Path(args.out) if args.out else REPO / "runs" / study["name"] / args.scale
+    if folder.exists() and not folder.is_dir():  # (made below, once the plan is checked)
+        ap.error(f"--out {folder} is a file, not a folder")
     jobs = plan(study, args.scale, folder, only, args.seeds)
     if args.report:
         if not any((folder / "results").glob("*/*")):

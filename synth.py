@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from data.prepare import raw_root
-from machinery.plumbing import Parser, at_least, one_line_os_errors
+from machinery.plumbing import Parser, at_least, folder_to_write, one_line_os_errors
 
 
 TREEBANKS = ["UD_French-GSD", "UD_French-Sequoia", "UD_French-ParTUT"]
@@ -332,9 +332,7 @@ def build_parser() -> Parser:
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    with one_line_os_errors(out):  # an unwritable --out: one line, before the sampling
-        out.mkdir(parents=True, exist_ok=True)
+    out = folder_to_write(args.out, ap.error)  # a bad --out: one line, before the sampling
     ud = Path(args.ud or raw_root() / "ud")
     t0 = time.time()
     sentences = [s for f in treebank_files(ud, args.treebanks) for s in read_conllu(f)]

@@ -64,7 +64,7 @@ COMPILE_SCOPES = ("model", "layers")  # --compile-scope: the whole model, or one
 # the flags a resumed run may change (--lr: a run the guard stopped goes on at a lower one)
 RESUMABLE = {"resume", "out_dir", "device", "compile", "compile_scope", "compile_lamb",
              "cuda_graphs", "attention", "bf16", "deterministic", "log_every", "lr",
-             "eval_every", "save_every", "stop_at", "spike", "save_words", "check"}
+             "eval_every", "save_every", "stop_at", "spike", "save_words", "check", "force"}
 BABYLM_WORDS = [*range(1, 10), *range(10, 101, 10)]  # millions: chck_1M ... chck_100M
 
 
@@ -111,6 +111,8 @@ add("--out-dir", default=None, metavar="DIR",
     help="run folder (default runs/OBJECTIVE_DATA_SIZE)")
 add("--resume", action="store_true", help="continue the run in --out-dir (--lr, device, "
     "logging, saving may change)")
+add("--force", action="store_true", help="start a new run in an --out-dir that holds other "
+    "files (never over a run: a ckpt.pt there needs --resume)")
 add("--log-every", type=at_least(int, 1), default=50,
     help="steps between log lines")
 add("--eval-every", type=at_least(int, 1), default=500,
@@ -732,7 +734,7 @@ def main(argv=None):
             folder.lock()  # one process per run folder (rank 0 holds it for all)
         args, ckpt = resumed_args(args, folder.path / "ckpt.pt", DEFAULTS)  # newer flags: theirs
     else:
-        folder.check_new("ckpt.pt")
+        folder.check_new("ckpt.pt", others=args.force)
     if args.deterministic:  # before any kernel runs (the run's saved setting, when resumed)
         use_deterministic()
     meta, train, val, tokenizer = load_corpus(args, ddp, rank, device, folder, ckpt)
@@ -745,7 +747,7 @@ def main(argv=None):
         check_phases(args)
     folder.lock()  # a new run locks its folder as it first writes there
     if ckpt is None:
-        folder.check_new("ckpt.pt")  # another run may have begun there meanwhile
+        folder.check_new("ckpt.pt", others=True)  # another run may have begun there meanwhile
         if args.resume:  # (resumed_args: stopped before its first save)
             run.say(f"no checkpoint at {folder.path / 'ckpt.pt'}: the run begins again from "
                     f"step 0, with its settings")

@@ -35,6 +35,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -164,9 +165,15 @@ def train_tokenizer(lines: list[str], vocab_size: int, word_level: bool = False)
     except RuntimeError as e:  # e.g. "Vocabulary size is too high" on a tiny corpus
         if raised:
             raise raised[0] from None
+        said = str(e).strip().splitlines()[-1]
+        # "Vocabulary size is smaller than required_chars. 300 vs 336.": every character of the
+        # corpus is a piece, so the fix is a larger vocabulary; "too high": a smaller one
+        if m := re.search(r"smaller than required_chars\. \d+ vs (\d+)", said):
+            raise SystemExit(f"error: --vocab-size {vocab_size} is too small for this corpus: "
+                             f"its characters and the special tokens need {m[1]} pieces; give "
+                             f"--vocab-size {m[1]} or more") from None
         raise SystemExit(f"error: sentencepiece could not train a {vocab_size}-piece tokenizer "
-                         f"on this corpus ({str(e).strip().splitlines()[-1]}); "
-                         f"try a smaller --vocab-size") from None
+                         f"on this corpus ({said}); try a smaller --vocab-size") from None
     return model.getvalue()
 
 

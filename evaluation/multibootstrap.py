@@ -242,6 +242,9 @@ def twice(side: list[dict]) -> list[str]:
 
 def compare(args):
     a, b = expand(args.results, args.examples)
+    if both := sorted({Path(f).resolve() for f, _ in a} & {Path(f).resolve() for f, _ in b}):
+        raise SystemExit(f"error: {len(both)} result file(s) in both groups (first {both[0]}): "
+                         f"compare two procedures' results, A and B apart")
     A, B = [examples for _, examples in a], [examples for _, examples in b]
     r = multibootstrap(A, B, args.nboot, args.seed)
     for line in twice(A) + twice(B):

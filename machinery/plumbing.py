@@ -192,8 +192,8 @@ class one_line_os_errors:
         space = ""
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             there = next(p for p in [self.path, *self.path.parents] if p.exists())
-            need = f"about {self.need / 2**20:,.0f} MiB needed, " if self.need else ""
-            space = f" ({need}{shutil.disk_usage(there).free / 2**20:,.0f} MiB free)"
+            need = f"about {size_text(self.need)} needed, " if self.need else ""
+            space = f" ({need}{size_text(shutil.disk_usage(there).free)} free)"
         raise SystemExit(f"error: cannot write {self.path}: "
                          f"{e.strerror or type(e).__name__}{space}") from None
 
@@ -207,6 +207,17 @@ def file_to_write(path, error, what: str) -> Path:
         error(f"--out {out} is a folder; give {what}")
     with one_line_os_errors(out):
         out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def folder_to_write(path, error, flag: str = "--out") -> Path:
+    """An --out that names a folder to write, checked and made before the work: a file there
+    is refused by `error` (the parser's, one line), a folder that cannot be made in one line."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        error(f"{flag} {out} is a file, not a folder")
+    with one_line_os_errors(out):
+        out.mkdir(parents=True, exist_ok=True)
     return out
 
 
@@ -299,7 +310,10 @@ def checkpoint_identity(path) -> dict:
 
 
 def read_checkpoint(path) -> dict:
-    """The checkpoint dict, on the CPU, or a one-line error naming what is wrong with the file."""
+    """The checkpoint dict, on the CPU, or a one-line error naming what is wrong with the file.
+    `path`: a checkpoint, or a run folder (its ckpt.pt), as every tool that reads one takes."""
+    if Path(path).is_dir():
+        path = Path(path) / "ckpt.pt"
     ckpt = load_state(path)
     if not isinstance(ckpt, dict) or not {"model", "config", "tokenizer"} <= ckpt.keys():
         raise SystemExit(f"error: {path} is not a nanoMLM checkpoint (no model/config/tokenizer)")
@@ -692,6 +706,14 @@ class StepProgress:
         self.bar.close()
 
 
+def size_text(n: float) -> str:
+    """Bytes as a person reads them: 3.2 GiB, 41 MiB, 12 KiB, 512 bytes (never 0 MiB)."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}" if n < 10 * scale else f"{n / scale:,.0f} {unit}"
+    return f"{n:,.0f} bytes"
+
+
 def duration(seconds: float) -> str:
     """45s, 2m30s, 12m, 3h05m: an ETA or an elapsed time in a log line; to the second below ten
     minutes, so that lines half a minute apart never read the same."""
@@ -808,14 +830,23 @@ class RunFolder:
                 old.unlink(missing_ok=True)
         self._lock = f  # kept open: closing the file would release the lock
 
-    def check_new(self, marker: str | None = None) -> None:
+    def check_new(self, marker: str | None = None, others: bool = False) -> None:
         """A new run never writes over an old one: refuse a folder that holds `marker`, the file
-        --resume would continue from, or with no marker any folder that holds anything (but the
-        lock a run holds while it starts)."""
-        there = self.path / marker if marker else self.path
-        if there.exists() and (marker or any(p.name != "lock" for p in self.path.iterdir())):
-            raise SystemExit(f"error: {there} exists; pass --resume to continue that run or "
-                             f"choose another --out-dir")
+        --resume would continue from, and any folder that holds anything else (but the lock a
+        run holds while it starts) unless `others` (train.py --force); a path that is a file."""
+        if self.path.exists() and not self.path.is_dir():
+            raise SystemExit(f"error: --out-dir {self.path} is a file, not a folder; choose "
+                             f"another --out-dir")
+        if marker and (self.path / marker).exists():
+            raise SystemExit(f"error: {self.path / marker} exists; pass --resume to continue that "
+                             f"run or choose another --out-dir")
+        held = sorted(p.name for p in self.path.iterdir() if p.name != "lock") \
+            if self.path.is_dir() else []
+        if held and not others:
+            raise SystemExit(f"error: --out-dir {self.path} holds other files "
+                             f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}) and no "
+                             f"run to resume; choose an empty or new folder, or pass --force to "
+                             f"write beside them")
 
     def start(self, code, keep_log: bool = False, **files) -> None:
         """Create the folder; write each of `files` ({name: dict}) as NAME.json and a copy of each

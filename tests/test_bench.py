@@ -214,3 +214,14 @@ def test_a_timed_run_is_named_by_what_it_changes(graphs, scope, form, name):
     assert flags[flags.index("--attention") + 1] == form
     assert flags[flags.index("--compile-scope") + 1] == scope
     assert ("--cuda-graphs" in flags) == bool(graphs)
+
+
+@pytest.mark.parametrize("text,says", [("not json", "not a bench.py result"),
+                                       ('{"rows": 3}', "not a bench.py result"), (None, "No such")])
+def test_a_table_that_is_not_a_result_is_one_line(tmp_path, text, says):
+    f = tmp_path / "t.json"
+    if text is not None:
+        f.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--table", str(f)])
+    assert str(e.value).startswith(f"error: --table {f}: {says}")

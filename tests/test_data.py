@@ -3,6 +3,7 @@ cause, the Breton corpus, the segment reader and span masking."""
 import argparse
 import gzip
 import json
+import re
 import math
 import unicodedata
 import urllib.error
@@ -357,3 +358,20 @@ def test_predicted_slots_are_the_boolean_index_then_padding():
     assert labels.flatten()[slots].tolist() == [7, 8, 9, -100, -100]
     x = torch.randn(2, 4, 3)
     assert torch.equal(x.flatten(0, 1)[slots[:3]], x[labels != -100])
+
+
+def test_vocab_too_small_for_corpus_asks_for_a_larger_one(tmp_path, monkeypatch):
+    """Each distinct character is a piece: a corpus of 40 of them and the 5 specials needs 45
+    pieces or more (sentencepiece's count); the line says so, and the fix is a larger size. The
+    size it names trains."""
+    monkeypatch.setenv("NANOMLM_DATA", str(tmp_path / "prep"))
+    raw = tmp_path / "corpus"
+    raw.mkdir()
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN"
+    (raw / "a.train").write_text("".join(f"{chars[i:]} {chars[:i]}\n" for i in range(40)) * 20)
+    with pytest.raises(SystemExit) as e:
+        P.prepare(str(raw), 30)
+    need = re.search(r"give --vocab-size (\d+) or more$", str(e.value))
+    assert need and str(e.value).startswith("error: --vocab-size 30 is too small"), e.value
+    assert int(need[1]) > 40
+    P.prepare(str(raw), int(need[1]))

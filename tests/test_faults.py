@@ -205,8 +205,16 @@ def test_a_full_disk_at_save_time_keeps_the_last_checkpoint(trained_run, monkeyp
     with pytest.raises(SystemExit) as e:
         save_checkpoint(state, path)
     assert str(e.value).startswith(f"error: cannot write {path}: No space left on device (about ")
-    assert str(e.value).endswith(" MiB free)") and "MiB needed, " in str(e.value)
+    unit = r"[\d.,]+ (GiB|MiB|KiB|bytes)"
+    assert re.search(rf"\(about {unit} needed, {unit} free\)$", str(e.value)), str(e.value)
     assert path.read_bytes() == before and not list(trained_run.glob(".*"))
+
+
+def test_sizes_are_said_in_a_unit_that_shows_them():
+    """A small checkpoint on a nearly full disk is not "0 MiB needed, 0 MiB free"."""
+    from machinery.plumbing import size_text
+    assert [size_text(n) for n in (0, 512, 3 * 2 ** 10, 2.5 * 2 ** 20, 50 * 2 ** 20, 2 ** 31)] == [
+        "0 bytes", "512 bytes", "3.0 KiB", "2.5 MiB", "50 MiB", "2.0 GiB"]
 
 
 @pytest.fixture
@@ -532,3 +540,71 @@ def test_sigterm_during_fine_tuning_keeps_the_seeds_done_and_the_same_command_go
     drop = lambda runs: {s: {k: v for k, v in r.items() if k != "seconds"} for s, r in runs.items()}
     assert drop(got["runs"]) == drop(want["runs"]) and got["aggregate"] == want["aggregate"]
     assert not partial.exists()
+
+
+# A user's mistakes, by kind, across the tools: each one line, naming the cause, before any work
+
+@pytest.mark.parametrize("tool", ["train", "synth", "study", "export"])
+def test_a_file_where_a_folder_is_written_is_one_line(tool, prepared, tmp_path, capsys):
+    """Every flag that names a folder to write (train.py --out-dir, synth.py, study.py and
+    export.py --out) says that a file given there is a file, before anything is read."""
+    import export
+    import study
+    import synth
+    import train
+    f = tmp_path / "a_file"
+    f.write_text("mine")
+    main, argv, flag = {
+        "train": (train.main, ["--data", str(prepared), "--out-dir", str(f), *TINY], "--out-dir"),
+        "synth": (synth.main, ["--out", str(f)], "--out"),
+        "study": (study.main, [str(REPO / "studies" / "gpt_bert.toml"), "--dry-run", "--out",
+                               str(f)], "--out"),
+        "export": (export.main, ["--ckpt", str(tmp_path / "none"), "--out", str(f)], "--out")}[tool]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    # a parser's error is printed (exit 2); the others are the exit's own line
+    said = str(e.value.code) if isinstance(e.value.code, str) else capsys.readouterr().err
+    assert said.count("\n") <= 1 and f"{flag} {f} is a file, not a folder" in said, said
+    assert f.read_text() == "mine"
+
+
+def test_a_new_run_is_refused_a_folder_of_other_files_unless_forced(prepared, tmp_path, capsys):
+    """train.py into a folder that holds a user's files (no run): refused in one line naming
+    them and --force, nothing written; with --force it trains beside them. A run folder is
+    taken wherever a checkpoint is (--init-from here), as evaluate.py and export.py take it."""
+    import train
+    (tmp_path / "notes.txt").write_text("mine")
+    argv = ["--data", str(prepared), "--out-dir", str(tmp_path), "--max-steps", "1", *TINY]
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    assert str(e.value) == (f"error: --out-dir {tmp_path} holds other files (notes.txt) and no "
+                            f"run to resume; choose an empty or new folder, or pass --force to "
+                            f"write beside them")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    train.main(argv + ["--force"])
+    assert (tmp_path / "ckpt.pt").exists() and (tmp_path / "notes.txt").read_text() == "mine"
+    with pytest.raises(SystemExit) as e:  # a run there now: --resume, even with --force
+        train.main(argv + ["--force"])
+    assert "pass --resume to continue that run" in str(e.value)
+    assert read_checkpoint(tmp_path)["model"].keys() == read_checkpoint(
+        tmp_path / "ckpt.pt")["model"].keys()
+    train.main(["--data", str(prepared), "--out-dir", str(tmp_path / "next"), "--max-steps", "1",
+                "--init-from", str(tmp_path), *TINY])
+    capsys.readouterr()
+
+
+def test_the_same_input_twice_is_one_line(tmp_path, capsys):
+    """evaluate.py compare with a result on both sides, plot.py with a run twice: refused, where
+    they said "not distinguishable, p = 1.000" and drew one curve over the other."""
+    import plot
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "blimp.json").write_text(json.dumps({"kind": "blimp", "pretrain_seed": 0,
+        "examples": {"id": [0, 1], "label": [1, 0], "pred": [[1, 0]], "metric": "accuracy",
+                     "k": 2}}))
+    with pytest.raises(SystemExit) as e:
+        E.main(["compare", str(tmp_path / "r"), str(tmp_path / "r" / "blimp.json")])
+    assert str(e.value).startswith("error: 1 result file(s) in both groups")
+    with pytest.raises(SystemExit):
+        plot.main([str(tmp_path / "r"), str(tmp_path / "r") + "/", "--out",
+                   str(tmp_path / "c.png")])
+    assert "a run folder is given twice" in capsys.readouterr().err

@@ -63,3 +63,12 @@ def test_lines_that_are_not_log_records_are_counted_and_said(tmp_path, capsys):
     assert [r["step"] for r in records] == [1, 3]
     assert capsys.readouterr().out == (f"note: {tmp_path / 'log.jsonl'}: 3 lines not a log record "
                                        f"(torn by a kill, or edited?) left out\n")
+
+
+def test_an_out_without_its_kind_is_one_line(tmp_path, capsys):
+    """--out curves (no extension): refused, where matplotlib wrote curves.png and plot.py said
+    "wrote curves"."""
+    with pytest.raises(SystemExit) as e:
+        plot.main([str(tmp_path), "--out", str(tmp_path / "curves")])
+    assert e.value.code == 2 and "name the file with its kind" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
