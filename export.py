@@ -133,8 +133,10 @@ def export(ckpt_path: Path, out: Path) -> dict:
         torch.save(state, out / "pytorch_model.bin")
     shutil.copy(MODELING, out / MODELING.name)
     tok.save_pretrained(out)
-    # named by its class, so AutoTokenizer needs neither config.json's remote code nor
-    # transformers 5's class names (the BabyLM pipeline may run transformers 4)
+    # named by its class, so the tokenizer is built without remote code and without
+    # transformers 5's class names (the BabyLM pipeline may run transformers 4): it loads with
+    # trust_remote_code=False under both. Given no flag at all, transformers 5 (5.24) still asks
+    # "run the custom code?", having read config.json's auto_map first; 4.51.3 does not
     path = out / "tokenizer_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()),
                                 "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")

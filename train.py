@@ -476,9 +476,10 @@ def load_corpus(args, ddp: bool, rank: int, device, folder: RunFolder, ckpt: dic
     if rank != 0:
         data_dir = prepare(args.data, args.vocab_size, quiet=True)
     meta = {**load_meta(data_dir), "folder": data_dir.name}  # NAME-KEY: what it was made of
-    train = Segments(data_dir / "train.bin", args.seq_len - 2, args.seed, shuffle=True)
-    val = Segments(data_dir / "val.bin", args.seq_len - 2, args.seed, shuffle=False)
     tokenizer = (data_dir / "tokenizer.model").read_bytes()
+    train = Segments(data_dir / "train.bin", args.seq_len - 2, args.seed,
+                     shuffle=True).count_words(tokenizer)  # the words each step reads
+    val = Segments(data_dir / "val.bin", args.seq_len - 2, args.seed, shuffle=False)
     if ckpt is not None and (ckpt["tokenizer"] != tokenizer or
                              ckpt["data"]["folder"] != data_dir.name):
         raise SystemExit(f"error: {folder.path / 'ckpt.pt'} was trained on other data than the "
@@ -524,8 +525,8 @@ def checkpoint_state(run: Run, phase: Phase, step: int, words: int | None = None
         "args": {k: v for k, v in vars(run.args).items() if k != "given"}, "step": step,
         "code_version": run.version, "tokenizer": run.tokenizer,
         "data": {k: run.meta[k] for k in DATA_KEYS}}
-    # the words read by the end of `step`; a --save-words checkpoint also names its mark
-    state["words_seen"] = round(step * words_per_step(run))
+    # the words read by the end of `step`, counted; a --save-words checkpoint names its mark
+    state["words_seen"] = int(run.train.words_read(step * run.global_batch).sum())
     if words is not None:
         state["words_mark"] = words
     if words is None:
@@ -547,28 +548,22 @@ def save(run: Run, phase: Phase, step: int, name: str = "ckpt.pt", words: int | 
         run.folder.save(checkpoint_state(run, phase, step, words), name)
 
 
-def words_per_step(run: Run) -> float:
-    """Training words a step reads: global_batch segments of seq_len - 2 corpus tokens ([CLS]
-    and [SEP] are not text), at the corpus' train_words / train_tokens words per token
-    (meta.json; whitespace-separated words, as BabyLM counts)."""
-    meta = run.meta
-    return run.global_batch * (run.args.seq_len - 2) * meta["train_words"] / meta["train_tokens"]
-
-
 def word_marks(run: Run) -> dict[int, tuple[str, int]]:
-    """{step: (checkpoint name, words seen)} for --save-words: the first step by which that
-    many training words have been seen (words_per_step)."""
+    """{step: (checkpoint name, words seen)} for --save-words: the first step by whose end that
+    many training words have been read (counted, Segments.words_read)."""
     counts = word_counts(run.args.save_words)  # readable: the parser checked it
     if not counts:
         return {}
-    args, per_step = run.args, words_per_step(run)
+    args, G = run.args, run.global_batch
     name = lambda n: f"chck_{n // 10 ** 6}M" if n % 10 ** 6 == 0 else f"chck_{n // 1000}K"
-    marks = {math.ceil(n / per_step - 1e-9): (name(n), n) for n in sorted(counts)}
-    late = [v[0] for k, v in marks.items() if k > args.max_steps]
+    # seen[s - 1]: the words read by the end of step s
+    seen = run.train.words_read(args.max_steps * G).reshape(-1, G).sum(1).cumsum()
+    late = [name(n) for n in sorted(counts) if n > seen[-1]]
     if late:
         run.say(f"note: --save-words: not written, beyond --max-steps {args.max_steps} "
-                f"({round(args.max_steps * per_step):,} words): {', '.join(late)}")
-    return marks
+                f"({seen[-1]:,} words): {', '.join(late)}")
+    return {int(seen.searchsorted(n)) + 1: (name(n), n) for n in sorted(counts)
+            if n <= seen[-1]}
 
 
 # ---------------------------------------------------------------------------------------------

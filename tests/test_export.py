@@ -73,7 +73,8 @@ def test_exported_logits_equal_load_checkpoint(kind, tokenizer_bytes, tmp_path):
                       **kw)
     export.main(["--ckpt", str(path), "--out", str(tmp_path / "hf")])
     hf = AutoModelForMaskedLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
-    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    # the tokenizer needs no remote code (export.py's comment: True under transformers 4 and 5)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf", trust_remote_code=False)
     ours, _ = load_checkpoint(path)
     batch = tok(sentences(), padding=True, return_tensors="pt")
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -227,29 +228,54 @@ def test_sequence_classification_loads_the_encoder_and_trains_one_step(tokenizer
     assert clf.nanomlm.word.weight.grad.abs().sum() > 0       # the encoder is fine-tuned too
 
 
+def words_read_by(prepared, step, global_batch=8, seq_len=32, seed=0) -> int:
+    """An independent count of the training words a run read by the end of `step`: the
+    segments of every micro-batch it read (Segments.batch, the loop's own reader, positions 0 ..
+    step x global batch), piece by piece, a word where a piece begins one ('▁', sentencepiece's
+    mark of a space before it), as BabyLM counts whitespace-separated words."""
+    import sentencepiece as spm
+    from data.prepare import Segments
+    sp = spm.SentencePieceProcessor(model_proto=(prepared / "tokenizer.model").read_bytes())
+    marked = {i for i in range(len(sp)) if sp.id_to_piece(i).startswith("\u2581")}
+    segments = Segments(prepared / "train.bin", seq_len - 2, seed, shuffle=True)
+    ids = segments.batch(0, step * global_batch)[:, 1:-1]  # [CLS] and [SEP] are not text
+    return sum(int(t) in marked for t in ids.flatten())
+
+
 def test_save_words_keeps_checkpoints_at_the_word_counts(prepared, tmp_path):
-    """chck_<N>.pt at the first step by which N training words were seen (global batch x
-    (seq_len - 2) corpus tokens a step, at the corpus's words per token), holding the weights
-    of that step; export writes one folder each, named as the BabyLM pipeline expects."""
+    """chck_<N>.pt at the first step by whose end N training words were read, counted (here
+    against words_read_by, the words of the segments read), holding that step's weights; the
+    same after a resume; export writes one folder each, named as the BabyLM pipeline expects.
+    The rule counts the corpus's words as meta.json's whitespace count does, within 0.01%."""
+    from data.prepare import Segments
     meta = json.loads((prepared / "meta.json").read_text())
-    per_step = 8 * 30 * meta["train_words"] / meta["train_tokens"]
-    last = int(np.ceil(2000 / per_step))  # the run ends as 2K words are reached
-    out = tmp_path / "run"
-    p = run_train("--data", prepared.name, "--size", "tiny", "--batch-size", 4,
-                  "--grad-accum", 2, "--seq-len", 32, "--max-steps", last, "--save-every", 5,
-                  "--save-words", "1K,2K,100K", "--device", "cpu", "--out-dir", out,
-                  env={"NANOMLM_DATA": str(prepared.parent)})
+    stream = Segments(prepared / "train.bin", 30, 0, shuffle=True).count_words(
+        (prepared / "tokenizer.model").read_bytes())
+    assert abs(stream.word_cum[-1] - meta["train_words"]) <= 1e-4 * meta["train_words"]
+    last = next(s for s in range(1, 100) if words_read_by(prepared, s) >= 2000)  # ends at 2K
+    flags = ["--data", prepared.name, "--size", "tiny", "--batch-size", 4, "--grad-accum", 2,
+             "--seq-len", 32, "--max-steps", last, "--save-every", 5, "--save-words",
+             "1K,2K,100K", "--device", "cpu"]
+    env = {"NANOMLM_DATA": str(prepared.parent)}
+    out, cut = tmp_path / "run", tmp_path / "cut"
+    p = run_train(*flags, "--out-dir", out, env=env)
     assert p.returncode == 0, p.stderr
     said = p.stdout + p.stderr
     assert f"not written, beyond --max-steps {last}" in said and "chck_100K" in said
+    for r in (run_train(*flags, "--out-dir", cut, "--stop-at", 3, env=env),
+              run_train(*flags, "--out-dir", cut, "--resume", env=env)):
+        assert r.returncode == 0, r.stderr
     for n, name in ((1000, "chck_1K"), (2000, "chck_2K")):
         ckpt = read_checkpoint(out / f"{name}.pt")
         step = ckpt["step"]
-        assert (step - 1) * per_step < n <= step * per_step and ckpt["words_mark"] == n
-        assert ckpt["words_seen"] == round(step * per_step)  # what it had read, not the mark
+        assert words_read_by(prepared, step - 1) < n <= words_read_by(prepared, step)
+        assert ckpt["words_mark"] == n and ckpt["words_seen"] == words_read_by(prepared, step)
+        resumed = read_checkpoint(cut / f"{name}.pt")
+        assert (resumed["step"], resumed["words_seen"]) == (step, ckpt["words_seen"])
     assert not (out / "chck_100K.pt").exists()
     final, kept = read_checkpoint(out / "ckpt.pt"), read_checkpoint(out / "chck_2K.pt")
     assert kept["step"] == final["step"] == last and "optimizer" not in kept  # weights only
+    assert read_checkpoint(cut / "ckpt.pt")["words_seen"] == final["words_seen"]
     for k, v in final["model"].items():
         torch.testing.assert_close(kept["model"][k], v, rtol=0, atol=0)
     hf = tmp_path / "hf" / "mlm"
@@ -257,9 +283,10 @@ def test_save_words_keeps_checkpoints_at_the_word_counts(prepared, tmp_path):
     assert {p.name for p in hf.iterdir() if p.is_dir()} == {"chck_1K", "chck_2K"}
     saved = json.loads((hf / "chck_1K" / "mlm" / "config.json").read_text())
     step = read_checkpoint(out / "chck_1K.pt")["step"]
-    assert saved["words_mark"] == 1000 and saved["words_seen"] == round(step * per_step) >= 1000
+    assert saved["words_mark"] == 1000 and saved["words_seen"] == words_read_by(prepared, step)
     # the final model says what it saw too: every step's words, the last step's included
-    assert json.loads((hf / "config.json").read_text())["words_seen"] == round(last * per_step)
+    assert json.loads((hf / "config.json").read_text())["words_seen"] == words_read_by(
+        prepared, last)
     # the pipeline's rule (babylm/evaluation-pipeline-2025, its zero-shot main()): results go to
     # output_dir / Path(model_path_or_name).stem / (revision_name or "main") / ...
     filed = lambda model, revision=None: Path("results") / Path(model).stem / (revision or "main")

@@ -1580,13 +1580,14 @@ def test_save_words_babylm_gives_the_19_revisions_of_the_strict_small_collation(
     words to 10M, then every 10M): 19 revisions, each the first step by which that many words
     were seen."""
     from types import SimpleNamespace
-    args = SimpleNamespace(save_words="babylm", seq_len=128, max_steps=10 ** 6)
-    meta = {"train_words": 7_900_000, "train_tokens": 11_687_464}
-    run = SimpleNamespace(args=args, meta=meta, global_batch=128, say=print)
+    args = SimpleNamespace(save_words="babylm", seq_len=128, max_steps=10 ** 4)
+    # a stream whose segments hold 85 or 86 words, in turn (Segments.words_read's shape)
+    train = SimpleNamespace(words_read=lambda k: 85 + np.arange(k) % 2)
+    run = SimpleNamespace(args=args, train=train, global_batch=128, say=print)
     marks = T.word_marks(run)
     want = [f"chck_{m}M" for m in [*range(1, 11), *range(20, 101, 10)]]
     assert [name for name, _ in marks.values()] == want and len(want) == 19
-    per_step = 128 * 126 * meta["train_words"] / meta["train_tokens"]
+    per_step = 128 * 85.5
     for step, (name, words) in marks.items():
         assert (step - 1) * per_step < words <= step * per_step
 
