@@ -230,7 +230,9 @@ def run_job(job: Job, env: dict, counter, deadline: float | None = None) -> str 
         if stopping.is_set():
             return STOPPED
         argv = list(step.argv)
-        resuming = step.label == "train" and (job.folder / "ckpt.pt").exists()
+        # (a run stopped before its first save has args.json alone: --resume begins it again)
+        resuming = step.label == "train" and any(
+            (job.folder / f).exists() for f in ("ckpt.pt", "args.json"))
         if resuming:
             argv.append("--resume")
         elif step.label == "train":  # its folder holds study.log, the study's own

@@ -552,8 +552,6 @@ def word_marks(run: Run) -> dict[int, tuple[str, int]]:
     """{step: (checkpoint name, words seen)} for --save-words: the first step by whose end that
     many training words have been read (counted, Segments.words_read)."""
     counts = word_counts(run.args.save_words)  # readable: the parser checked it
-    if not counts:
-        return {}
     args, G = run.args, run.global_batch
     name = lambda n: f"chck_{n // 10 ** 6}M" if n % 10 ** 6 == 0 else f"chck_{n // 1000}K"
     # seen[s - 1]: the words read by the end of step s
@@ -724,9 +722,10 @@ def main(argv=None):
     # the run folder: a new run's must hold no run (checked now, before a long data
     # preparation, and again once locked); a resumed one is locked, its saved settings taken
     folder, ckpt = RunFolder(args.out_dir, master=rank == 0), None
+    if folder.path.is_dir() and (args.resume or {"lock", "args.json"} & set(os.listdir(
+            folder.path))):
+        folder.lock()  # one process per run folder (rank 0 holds it for all): a busy one says so
     if args.resume:
-        if folder.path.is_dir():
-            folder.lock()  # one process per run folder (rank 0 holds it for all)
         args, ckpt = resumed_args(args, folder.path / "ckpt.pt", DEFAULTS)  # newer flags: theirs
     else:
         folder.check_new("ckpt.pt", others=args.force)
@@ -764,7 +763,7 @@ def main(argv=None):
 
     phase = start_phase(run, step)
     run.say(describe(run, phase1_steps(args), OBJECTIVES[args.objective].note))
-    word_saves = word_marks(run)  # {step: (name, words)} of --save-words
+    word_saves = word_marks(run) if args.save_words else {}  # {step: (name, words)}
     guard = SafetyNet(folder, device, ddp, args.spike, args.log_every, ckpt and step)
     sums, since_log = {}, 0  # each stat summed over the steps since the last log line
     t_log, t0, step0 = time.time(), time.time(), step

@@ -449,20 +449,16 @@ class Segments:
         return self._starts
 
     def count_words(self, tokenizer: bytes) -> "Segments":
-        """Count the words read as BabyLM counts them (whitespace-separated): a word is counted
-        in the segment that holds its first piece, the one sentencepiece marks with '▁' (a
-        word-level vocabulary's pieces are all marked). word_cum[i]: such pieces before token i
-        (n_tokens + 1,) int64, for words_read."""
+        """Words as BabyLM counts them (whitespace-separated), each in the segment of its first
+        piece, marked '▁' by sentencepiece. word_cum (n_tokens + 1,): such pieces before each."""
         sp = spm.SentencePieceProcessor(model_proto=tokenizer)
         starts = np.array([sp.id_to_piece(i).startswith("▁") for i in range(len(sp))])
         self.word_cum = np.concatenate([[0], np.cumsum(starts[self.tokens], dtype=np.int64)])
         return self
 
     def words_read(self, k: int) -> np.ndarray:
-        """(k,) int64: the words of training positions 0 .. k-1, each segment's own
-        (count_words). A run has read words_read(s * global batch).sum() by the end of step s,
-        on every process and across resumes alike (positions are the step's, not a process's).
-        (8 bytes a position: 7 MB for the default 10-epoch run.)"""
+        """(k,) int64: the words of training positions 0 .. k-1 (by step s's end a run, resumed
+        or not, on any process, has read words_read(s * global batch).sum())."""
         parts = []
         for e in range(-(-k // self.n)):  # each epoch's segments, in its order
             s = self.starts(e)[:min(self.n, k - e * self.n)]

@@ -310,8 +310,8 @@ def checkpoint_identity(path) -> dict:
 
 
 def read_checkpoint(path) -> dict:
-    """The checkpoint dict, on the CPU, or a one-line error naming what is wrong with the file.
-    `path`: a checkpoint, or a run folder (its ckpt.pt), as every tool that reads one takes."""
+    """The checkpoint at `path` (or in the run folder `path`: its ckpt.pt) as a dict on the CPU,
+    or a one-line error naming what is wrong with the file."""
     if Path(path).is_dir():
         path = Path(path) / "ckpt.pt"
     ckpt = load_state(path)
@@ -831,21 +831,19 @@ class RunFolder:
         self._lock = f  # kept open: closing the file would release the lock
 
     def check_new(self, marker: str | None = None, others: bool = False) -> None:
-        """A new run never writes over an old one: refuse a folder that holds `marker`, the file
-        --resume would continue from, and any folder that holds anything else (but the lock a
-        run holds while it starts) unless `others` (train.py --force); a path that is a file."""
-        if self.path.exists() and not self.path.is_dir():
-            raise SystemExit(f"error: --out-dir {self.path} is a file, not a folder; choose "
-                             f"another --out-dir")
-        if marker and (self.path / marker).exists():
-            raise SystemExit(f"error: {self.path / marker} exists; pass --resume to continue that "
-                             f"run or choose another --out-dir")
-        held = sorted(p.name for p in self.path.iterdir() if p.name != "lock") \
-            if self.path.is_dir() else []
+        """A new run never writes over an old one: refuse a path that is a file, a folder that
+        holds a run (`marker`, the file --resume goes on from, or args.json, which a run writes
+        first), and one that holds anything else (but a run's lock) unless `others` (--force)."""
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise SystemExit(f"error: --out-dir {p} is a file, not a folder")
+        if run := next((p / m for m in (marker, "args.json") if m and (p / m).exists()), None):
+            raise SystemExit(f"error: {run} exists; pass --resume to continue that run or "
+                             f"choose another --out-dir")
+        held = sorted(f.name for f in p.iterdir() if f.name != "lock") if p.is_dir() else []
         if held and not others:
-            raise SystemExit(f"error: --out-dir {self.path} holds other files "
-                             f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}) and no "
-                             f"run to resume; choose an empty or new folder, or pass --force to "
+            raise SystemExit(f"error: --out-dir {p} holds other files ({', '.join(held[:3])}) "
+                             f"and no run; choose an empty or new folder, or pass --force to "
                              f"write beside them")
 
     def start(self, code, keep_log: bool = False, **files) -> None:

@@ -578,8 +578,8 @@ def test_a_new_run_is_refused_a_folder_of_other_files_unless_forced(prepared, tm
     with pytest.raises(SystemExit) as e:
         train.main(argv)
     assert str(e.value) == (f"error: --out-dir {tmp_path} holds other files (notes.txt) and no "
-                            f"run to resume; choose an empty or new folder, or pass --force to "
-                            f"write beside them")
+                            f"run; choose an empty or new folder, or pass --force to write "
+                            f"beside them")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     train.main(argv + ["--force"])
     assert (tmp_path / "ckpt.pt").exists() and (tmp_path / "notes.txt").read_text() == "mine"
