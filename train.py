@@ -741,7 +741,8 @@ def main(argv=None):
         check_phases(args)
     folder.lock()  # a new run locks its folder as it first writes there
     if ckpt is None:
-        folder.check_new("ckpt.pt", others=True)  # another run may have begun there meanwhile
+        if (folder.path / "ckpt.pt").exists():  # another run began and saved there meanwhile
+            folder.check_new("ckpt.pt")
         if args.resume:  # (resumed_args: stopped before its first save)
             run.say(f"no checkpoint at {folder.path / 'ckpt.pt'}: the run begins again from "
                     f"step 0, with its settings")
