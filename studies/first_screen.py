@@ -7,8 +7,14 @@ docs/studies/first_screen.json, and rewrites the README's quotes of it (between 
 no figure there is typed by hand.
 
     NANOMLM_RAW=../shared/data python -m studies.first_screen      # about 15 min on 2 cores
+    NANOMLM_RAW=../shared/data python -m studies.first_screen --threads 1
 
-tests/test_readme.py checks that the README's quote is `quote(first_screen.json)`.
+The second line runs the same commands with OMP_NUM_THREADS=1 and writes
+first_screen_threads1.json instead, a record the quote sets beside the first one: a CPU and its
+thread count order the float sums differently, and the quote says by how much that moves the
+figures (every other first_screen_*.json, such as a run on another CPU, is quoted the same way).
+
+tests/test_readme.py checks that the README's quote is `quote(first_screen.json, variants())`.
 """
 import argparse
 import datetime
@@ -61,10 +67,17 @@ def machine() -> str:
     return f"{os.cpu_count()}-core {name}"
 
 
-def run_demo(scratch: Path) -> dict:
+def variants() -> list[dict]:
+    """The other records of the first screen (another thread count, another CPU), by name."""
+    return [json.loads(p.read_text()) for p in sorted(RECORD.parent.glob("first_screen_*.json"))]
+
+
+def run_demo(scratch: Path, threads: int | None) -> dict:
     """Each command run (runs/ and hf/ under scratch, plot's PNG there too): its argv as the
     README has it, its seconds and what it printed; then the figures read from the run."""
     env = {**os.environ, "NANOMLM_DATA": str(scratch / "prepared")}  # first use: prepared
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     done = []
     readme = (REPO / "README.md").read_text()
     for argv in demo_commands(readme) + evaluation_commands(readme):
@@ -165,6 +178,9 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quote-only", action="store_true",
                     help="rewrite the README's quote from the committed record, run nothing")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="run every command with OMP_NUM_THREADS set to this, and write the "
+                         "record to first_screen_threadsN.json, beside the first screen's")
     args = ap.parse_args(argv)
     if not args.quote_only:
         if not os.environ.get("NANOMLM_RAW"):
@@ -173,11 +189,14 @@ def main(argv=None):
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                                 capture_output=True, text=True).stdout.strip()
         import torch  # only here: --quote-only needs none of it
+        out = RECORD.with_stem(f"first_screen_threads{args.threads}") if args.threads else RECORD
         with tempfile.TemporaryDirectory() as scratch:
             record = {"machine": machine(), "date": str(datetime.date.today()),
-                      "torch": torch.__version__, "commit": commit, **run_demo(Path(scratch))}
-        RECORD.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"wrote {RECORD}")
+                      "torch": torch.__version__, "commit": commit,
+                      "threads": args.threads or torch.get_num_threads(),  # torch's default
+                      **run_demo(Path(scratch), args.threads)}
+        out.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {out}")
     readme = REPO / "README.md"
     record = json.loads(RECORD.read_text())
     text = readme_with(readme.read_text(), quote(record))
