@@ -768,7 +768,7 @@ def main(argv=None):
     guard = SafetyNet(folder, device, ddp, args.spike, args.log_every, ckpt and step)
     sums, since_log = {}, 0  # each stat summed over the steps since the last log line
     t_log, t0, step0 = time.time(), time.time(), step
-    progress = StepProgress(step, args.max_steps, shown=rank == 0)  # and the ETA's rate
+    progress = StepProgress(step, args.max_steps, shown=rank == 0, cpu=device.type == "cpu")
     while step < args.max_steps:
         if step == phase.end:  # phase 2 begins; phase1.pt was written as phase 1 ended
             phase = start_phase(run, step)
@@ -822,6 +822,8 @@ def main(argv=None):
             if guard.judge(step, args.lr):  # a good state, kept to go back to
                 guard.keep(checkpoint_state(run, phase, step), step)
             run.say(log_line(record, stats, args.max_steps, progress.eta(step)))
+            if said := progress.starved(record["tok_per_s"], folder.path):  # on a CPU only
+                run.say(said)
             sums, since_log, t_log = {}, 0, time.time()
         paused = time.time()  # throughput counts training time only: evals and saves are not
         if is_eval:

@@ -682,19 +682,22 @@ class StepProgress:
     from the end of each phase's first step in this sitting, the one that compiles the step: a
     compile can take a large share of a short run, and a rate that held it would promise hours
     for minutes (docs/bench.md). The rate keeps the evaluations and saves since then: they recur
-    until the end."""
+    until the end. On a CPU it says when the run is starved (why it does not choose its threads
+    itself instead: docs/robustness.md)."""
 
-    def __init__(self, step: int, total: int, shown: bool):
+    def __init__(self, step: int, total: int, shown: bool, cpu: bool = False):
         self.bar = bar(total=total, initial=step, disable=None if shown else True, unit="step",
                        desc="train")
         self.update = self.bar.update  # tqdm's own: none of this file runs at every step
         self.total, self.timed_from, self.t = total, step, time.time()
+        self.cpu, self.fastest, self.starving = cpu, 0.0, False
 
     def restart(self, step: int) -> None:
         """At the end of a phase's first step in this sitting (`step`: the steps done then),
         before the bar counts it (counted first, a bar without a terminal would print its line
         with that step's rate: "1/7246 [00:54<110:16:28, 54.79s/step]")."""
         self.timed_from, self.t = step, time.time()
+        self.fastest = 0.0  # a new phase's steps have their own cost
         self.bar.unpause()  # the bar's elapsed time, rate and ETA leave that step out too
 
     def eta(self, step: int) -> float | None:
@@ -702,8 +705,31 @@ class StepProgress:
         timed = step - self.timed_from
         return (self.total - step) * (time.time() - self.t) / timed if timed else None
 
+    def starved(self, tok_per_s: float, out_dir) -> str | None:
+        """At a log line: what to do, once as a CPU run becomes starved (starved_cpu); or None."""
+        self.fastest = max(self.fastest, tok_per_s)
+        why = self.cpu and starved_cpu(tok_per_s, self.fastest, os.getloadavg()[0],
+                                       os.cpu_count() or 1, torch.get_num_threads())
+        said, self.starving = why and not self.starving, bool(why)
+        return said and (f"note: this CPU is starved ({why}): stop other work, or this run "
+                         f"(ctrl-c saves it) and resume it: OMP_NUM_THREADS=1 python train.py "
+                         f"--out-dir {out_dir} --resume (fewer threads; results' last digits "
+                         f"move with their count)") or None
+
     def close(self) -> None:
         self.bar.close()
+
+
+def starved_cpu(tok_per_s: float, fastest: float, load: float, cores: int,
+                threads: int) -> str | None:
+    """Why a CPU run is starved, or None: a 1-minute load (its own threads in it) a thread or
+    more above the cores, or steps at under half the fastest rate they had in this phase."""
+    why = []
+    if load >= cores + 1:
+        why.append(f"load {load:.1f} on {cores} cores, {threads} of the threads this run's")
+    if tok_per_s < fastest / 2:
+        why.append(f"{tok_per_s / 1e3:.1f}k tokens/s against {fastest / 1e3:.1f}k earlier")
+    return "; ".join(why) or None
 
 
 def size_text(n: float) -> str:
