@@ -708,27 +708,27 @@ class StepProgress:
     def starved(self, tok_per_s: float, out_dir) -> str | None:
         """At a log line: what to do, once as a CPU run becomes starved (starved_cpu); or None."""
         self.fastest = max(self.fastest, tok_per_s)
+        threads = torch.get_num_threads()
         why = self.cpu and starved_cpu(tok_per_s, self.fastest, os.getloadavg()[0],
-                                       os.cpu_count() or 1, torch.get_num_threads())
+                                       os.cpu_count() or 1, threads)
         said, self.starving = why and not self.starving, bool(why)
-        return said and (f"note: this CPU is starved ({why}): stop other work, or this run "
-                         f"(ctrl-c saves it) and resume it: OMP_NUM_THREADS=1 python train.py "
-                         f"--out-dir {out_dir} --resume (fewer threads; results' last digits "
-                         f"move with their count)") or None
+        fewer = (f", or stop this run (ctrl-c saves it) and resume it on one thread: "
+                 f"OMP_NUM_THREADS=1 python train.py --out-dir {out_dir} --resume (results' last "
+                 f"digits move with the thread count)") if threads > 1 else ""
+        return f"note: this CPU is starved ({why}): stop other work on it{fewer}" if said else None
 
     def close(self) -> None:
         self.bar.close()
 
 
-def starved_cpu(tok_per_s: float, fastest: float, load: float, cores: int,
-                threads: int) -> str | None:
+def starved_cpu(rate: float, fastest: float, load: float, cores: int, threads: int) -> str | None:
     """Why a CPU run is starved, or None: a 1-minute load (its own threads in it) a thread or
     more above the cores, or steps at under half the fastest rate they had in this phase."""
     why = []
     if load >= cores + 1:
-        why.append(f"load {load:.1f} on {cores} cores, {threads} of the threads this run's")
-    if tok_per_s < fastest / 2:
-        why.append(f"{tok_per_s / 1e3:.1f}k tokens/s against {fastest / 1e3:.1f}k earlier")
+        why.append(f"load {load:.1f} on {cores} cores, this run's {threads} thread(s) in it")
+    if rate < fastest / 2:
+        why.append(f"{rate / 1e3:.1f}k tokens/s against {fastest / 1e3:.1f}k earlier")
     return "; ".join(why) or None
 
 

@@ -119,9 +119,42 @@ def seconds(record: dict, script: str, first: str | None = None) -> float:
                 and (first is None or c["argv"][1] == first))
 
 
-def quote(record: dict) -> str:
+def figures(record: dict, word: str) -> dict[str, tuple[float, str]]:
+    """The record's figures a reader of the first screen compares, each with its unit: nats,
+    points, or tokens/s (`word`: the fill-in whose probability is compared)."""
+    fill = next(c["stdout"] for c in record["commands"] if c["argv"][1:2] == ["fill"])
+    m, last = record["mlm"]["maskings"], record["val"][-1]
+    return {"val_loss": (last["val_loss"], "nats"), "val_acc": (100 * last["val_acc"], "points"),
+            "fill": (float(re.search(rf"'{re.escape(word)}' ([\d.]+)%", fill)[1]), "points"),
+            **{masking: (m[masking]["loss"], "nats") for masking in ("uniform", "span")},
+            **{g: (100 * v, "points") for g, v in record["blimp"]["macro"].items()},
+            "rte": (100 * record["rte"]["mean"], "points"),
+            "tok_per_s": (record["tok_per_s"], "tokens/s")}
+
+
+def spread(record: dict, others: list[dict]) -> str:
+    """The sentence on how far the figures move with the CPU and its thread count: the largest
+    difference of each unit over the record and the others (other threads, other CPUs)."""
+    fill = next(c["stdout"] for c in record["commands"] if c["argv"][1:2] == ["fill"])
+    word = re.search(r"\[MASK\] 1: '(.*?)'", fill)[1]
+    runs = [figures(r, word) for r in (record, *others)]
+    far = lambda unit: max(max(r[k][0] for r in runs) - min(r[k][0] for r in runs)
+                           for k, (_, u) in runs[0].items() if u == unit)
+    rates = [r["tok_per_s"][0] for r in runs]
+    how = lambda r: (f"{r['threads']} thread{'s' * (r['threads'] > 1)}" if "threads" in r
+                     else "torch's default threads")
+    on = lambda r: "here" if r["machine"] == record["machine"] else f"on a {r['machine']}"
+    where = " and ".join(f"{on(r)} at {how(r)} (commit {r['commit']})" for r in others)
+    return (f"The figures move with the CPU and its thread count (the order of float sums): run "
+            f"again {where}, against {how(record)} above, the losses moved by at most "
+            f"{far('nats'):.3f} nats, the percentages (accuracy, `fill`, BLiMP, RTE) by at most "
+            f"{far('points'):.1f} points, the rate from {min(rates) / 1e3:.1f}k to "
+            f"{max(rates) / 1e3:.1f}k tokens/s.")
+
+
+def quote(record: dict, others: list[dict] = ()) -> str:
     """The README's paragraph on the demo, made from the record alone (its prose wrapped at 100
-    columns, fill's output verbatim)."""
+    columns, fill's output verbatim), and the spread of its figures over the others."""
     fill = next(c["stdout"] for c in record["commands"] if c["argv"][1:2] == ["fill"])
     block = [c for c in record["commands"] if c["argv"][1:2] not in (["blimp"], ["finetune"])]
     total = sum(c["seconds"] for c in block) / 60  # the first block's, not the evaluations'
@@ -146,7 +179,8 @@ def quote(record: dict) -> str:
                    f"{floor('span', 'unigram')} (unigram), {floor('uniform', 'bigram')} and "
                    f"{floor('span', 'bigram')} (bigram) on the same tokens. `plot.py` "
                    f"{seconds(record, 'plot.py'):.0f} s, `export.py` "
-                   f"{seconds(record, 'export.py'):.0f} s."))
+                   f"{seconds(record, 'export.py'):.0f} s.")
+            + (f"\n\n{wrap(spread(record, others))}" if others else ""))
 
 
 def quote_evaluation(record: dict) -> str:
@@ -199,7 +233,7 @@ def main(argv=None):
         print(f"wrote {out}")
     readme = REPO / "README.md"
     record = json.loads(RECORD.read_text())
-    text = readme_with(readme.read_text(), quote(record))
+    text = readme_with(readme.read_text(), quote(record, variants()))
     readme.write_text(readme_with(text, quote_evaluation(record), EVAL_BEGIN, EVAL_END))
     print(f"rewrote the quote in {readme}")
 

@@ -121,7 +121,15 @@ def test_the_first_screens_quote_is_made_from_its_record():
     `python -m studies.first_screen`."""
     readme = (REPO / "README.md").read_text()
     record = json.loads(first_screen.RECORD.read_text())
-    assert first_screen.quoted(readme) == first_screen.quote(record)
+    others = first_screen.variants()  # the same lines at another thread count, on another CPU
+    assert any(o["machine"] == record["machine"] and o.get("threads") != record["threads"]
+               for o in others)
+    runs = [record, *others]  # the sentence's loss spread, read off the records by hand
+    losses = [[r["val"][-1]["val_loss"], *(r["mlm"]["maskings"][m]["loss"] for m in
+                                           ("uniform", "span"))] for r in runs]
+    far = max(max(col) - min(col) for col in zip(*losses))
+    assert f"losses moved by at most {far:.3f} nats" in first_screen.spread(record, others)
+    assert first_screen.quoted(readme) == first_screen.quote(record, others)
     assert first_screen.quoted(readme, first_screen.EVAL_BEGIN, first_screen.EVAL_END) == \
         first_screen.quote_evaluation(record)
     block = [argv for _, argv in readme_commands(blocks=1)]

@@ -1542,19 +1542,20 @@ def test_starved_cpu_by_hand():
     thread more than there are cores (starved), 2.9 is not; a rate under half the fastest is."""
     assert plumbing.starved_cpu(9000, 10000, 2.9, 2, 2) is None
     assert plumbing.starved_cpu(9000, 10000, 3.0, 2, 2) == \
-        "load 3.0 on 2 cores, 2 of the threads this run's"
+        "load 3.0 on 2 cores, this run's 2 thread(s) in it"
     assert plumbing.starved_cpu(5000, 10000, 0.5, 2, 2) is None       # half: not yet
     assert plumbing.starved_cpu(4900, 10000, 0.5, 2, 1) == "4.9k tokens/s against 10.0k earlier"
     assert plumbing.starved_cpu(4900, 10000, 6.0, 4, 4) == \
-        "load 6.0 on 4 cores, 4 of the threads this run's; 4.9k tokens/s against 10.0k earlier"
+        "load 6.0 on 4 cores, this run's 4 thread(s) in it; 4.9k tokens/s against 10.0k earlier"
 
 
 def test_a_starved_cpu_run_says_so_once_with_what_to_do(prepared, tmp_path, monkeypatch,
                                                       capsys):
-    """Issue 93: a CPU run whose steps slow to a quarter of their rate (a fake clock: 1 s a step,
-    4 s from step 7) says so once, at the first log line that sees it, with the command that
-    resumes it on one thread; one on a machine whose load is a thread above its cores says so
-    at its first log line. The load is os.getloadavg's, set here so the machine's own is out."""
+    """Issue 93: a CPU run on 2 threads whose steps slow to a quarter of their rate (a fake
+    clock: 1 s a step, 4 s from step 7) says so once, at the first log line that sees it, with
+    the command that resumes it on one thread; a run on one thread on a machine whose load is a
+    thread above its cores says so at its first log line, and asks only for the load to go. The
+    load, cores and threads are set here, so that the machine's own are out."""
     now, slow, train_batch = [0.0], [7], T.train_batch
     clock = type("Clock", (), {"time": staticmethod(lambda: now[0])})
     monkeypatch.setattr(T, "time", clock)
@@ -1565,18 +1566,24 @@ def test_a_starved_cpu_run_says_so_once_with_what_to_do(prepared, tmp_path, monk
         return train_batch(*a, **k)
     monkeypatch.setattr(T, "train_batch", timed)
     monkeypatch.setattr(plumbing.os, "cpu_count", lambda: 2)
-    for load, slow[0], at in ((0.5, 7, 7), (3.0, 99, 1)):
+    for load, slow[0], at, threads in ((0.5, 7, 7, 2), (3.0, 99, 1, 1)):
         monkeypatch.setattr(plumbing.os, "getloadavg", lambda: (load, load, load))
+        monkeypatch.setattr(plumbing.torch, "get_num_threads", lambda: threads)
         out = tmp_path / f"run{at}"
         T.main(["--data", str(prepared), "--out-dir", str(out), "--max-steps", "10", *TINY,
                 "--log-every", "1", "--save-every", "1000", "--eval-every", "1000"])
         lines = capsys.readouterr().out.splitlines()
         notes = [i for i, line in enumerate(lines) if line.startswith("note: this CPU is starved")]
         assert len(notes) == 1 and lines[notes[0] - 1].startswith(f"step {at}/10 "), lines
-        assert ("against" in lines[notes[0]]) == (load < 3)
-        assert lines[notes[0]].endswith(f"OMP_NUM_THREADS=1 python train.py --out-dir {out} "
-                                        f"--resume (fewer threads; results' last digits move "
-                                        f"with their count)")
+        note = lines[notes[0]]
+        if threads > 1:  # slowed: the rate said, and the command that resumes it on one thread
+            assert note.startswith("note: this CPU is starved (0.1k tokens/s against 0.3k "
+                                   "earlier): stop other work on it, or stop this run")
+            assert note.endswith(f"OMP_NUM_THREADS=1 python train.py --out-dir {out} --resume "
+                                 f"(results' last digits move with the thread count)")
+        else:  # one thread already: only the load, and no command
+            assert note == ("note: this CPU is starved (load 3.0 on 2 cores, this run's 1 "
+                            "thread(s) in it): stop other work on it")
 
 
 def test_step_progress_times_each_phase_from_the_end_of_its_first_step_here(monkeypatch):
