@@ -119,10 +119,15 @@ def seconds(record: dict, script: str, first: str | None = None) -> float:
                 and (first is None or c["argv"][1] == first))
 
 
+def fill_output(record: dict) -> str:
+    """What the record's `evaluate.py fill` printed."""
+    return next(c["stdout"] for c in record["commands"] if c["argv"][1:2] == ["fill"])
+
+
 def figures(record: dict, word: str) -> dict[str, tuple[float, str]]:
     """The record's figures a reader of the first screen compares, each with its unit: nats,
     points, or tokens/s (`word`: the fill-in whose probability is compared)."""
-    fill = next(c["stdout"] for c in record["commands"] if c["argv"][1:2] == ["fill"])
+    fill = fill_output(record)
     m, last = record["mlm"]["maskings"], record["val"][-1]
     return {"val_loss": (last["val_loss"], "nats"), "val_acc": (100 * last["val_acc"], "points"),
             "fill": (float(re.search(rf"'{re.escape(word)}' ([\d.]+)%", fill)[1]), "points"),
@@ -135,7 +140,7 @@ def figures(record: dict, word: str) -> dict[str, tuple[float, str]]:
 def spread(record: dict, others: list[dict]) -> str:
     """The sentence on how far the figures move with the CPU and its thread count: the largest
     difference of each unit over the record and the others (other threads, other CPUs)."""
-    fill = next(c["stdout"] for c in record["commands"] if c["argv"][1:2] == ["fill"])
+    fill = fill_output(record)
     word = re.search(r"\[MASK\] 1: '(.*?)'", fill)[1]
     runs = [figures(r, word) for r in (record, *others)]
     far = lambda unit: max(max(r[k][0] for r in runs) - min(r[k][0] for r in runs)
@@ -155,7 +160,7 @@ def spread(record: dict, others: list[dict]) -> str:
 def quote(record: dict, others: list[dict] = ()) -> str:
     """The README's paragraph on the demo, made from the record alone (its prose wrapped at 100
     columns, fill's output verbatim), and the spread of its figures over the others."""
-    fill = next(c["stdout"] for c in record["commands"] if c["argv"][1:2] == ["fill"])
+    fill = fill_output(record)
     block = [c for c in record["commands"] if c["argv"][1:2] not in (["blimp"], ["finetune"])]
     total = sum(c["seconds"] for c in block) / 60  # the first block's, not the evaluations'
     first, last = record["val"][0], record["val"][-1]
