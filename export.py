@@ -156,12 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    need_transformers()
     if args.out.exists() and not args.out.is_dir():
         raise SystemExit(f"error: --out {args.out} is a file, not a folder")
     if args.out.exists() and any(args.out.iterdir()) and not args.force:
         raise SystemExit(f"error: {args.out} exists and is not empty; pass --force to write "
                          f"into it")
+    need_transformers()  # after the flags' own checks (importing it takes seconds)
     if args.ckpt.is_dir():
         # the BabyLM pipeline files a model's results under results/<its folder's stem>/<the
         # revision>/: OUT (revision main) and OUT/chck_1M/NAME (--revision_name chck_1M), NAME

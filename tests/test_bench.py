@@ -1,5 +1,6 @@
 """bench.py --quick: every bench produces rows of the documented shape, and the table and
 bench.json agree. Speeds are measured by bench.py, never asserted here."""
+import importlib.util
 import json
 import os
 import signal
@@ -55,7 +56,9 @@ def test_quick_bench_writes_its_table(prepared, tmp_path, capsys, monkeypatch, w
     compiled = next(r for r in rows if r["bench"] == "compile")
     assert compiled["max_abs_diff"] < 1e-6     # tensor and float momentum: the same codes
     bert = [r for r in rows if r["bench"] == "bert"]  # ours against BERT, profiled with it
-    assert bert and all(r["reference"] == "BertForMaskedLM" for r in bert)
+    # (rows only where transformers is installed: requirements-export.txt)
+    assert bool(bert) == bool(importlib.util.find_spec("transformers"))
+    assert all(r["reference"] == "BertForMaskedLM" for r in bert)
     assert all(set(saved["profiles"][f"bert: {r['case']}"]) == {"ours", "BertForMaskedLM"}
                for r in bert)
     attn = [r for r in rows if r["bench"] == "attn"]  # the CPU's variants compute the same thing
