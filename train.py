@@ -83,8 +83,7 @@ def word_counts(text: str) -> list[int]:
 
 
 def save_words_flag(text: str) -> str:
-    """--save-words' type: the text as given, once readable (refused by the parser, in one
-    line, before anything runs)."""
+    """--save-words' type: the text as given, once word_counts reads it."""
     try:
         word_counts(text)
     except ValueError as e:
@@ -121,7 +120,7 @@ add("--eval-batches", type=at_least(int, 1), default=20,
     help="validation batches, always the same ones")
 add("--save-every", type=at_least(int, 1), default=1000,
     help="steps between checkpoints")
-add("--save-words", default="", type=save_words_flag,
+add("--save-words", default=None, type=save_words_flag,
     help="also keep weights at these words seen: 1M,2M or babylm (for export.py)")
 add("--stop-at", type=at_least(int, 1), default=None,
     help="save and exit after this step; the schedule stays --max-steps'")
@@ -218,10 +217,8 @@ DEFAULTS = vars(parser.parse_args([]))  # every flag's own default, read once
 
 
 def recipe(objective: str, size: str) -> dict:
-    """The values a run of `objective` at --size `size` takes for the flags it leaves untyped,
-    where they differ from the flags' own defaults: the size's (SIZE_DEFAULTS), then the
-    objective's paper's (its entry's defaults), then the objective's at that size (its
-    size_defaults: gpt-bert's d_ff at small, say). --check prints the settings they make."""
+    """The untyped flags' values where they differ from their own defaults: the size's, then the
+    objective's paper's, then the objective's at that size (--check prints the result)."""
     entry = OBJECTIVES[objective]
     return {**SIZE_DEFAULTS[size], **(entry.defaults or {}),
             **(entry.size_defaults or {}).get(size, {})}
@@ -231,9 +228,8 @@ UNSET = object()  # a flag not typed, until get_args fills it
 
 
 def get_args(argv=None):
-    """The flags as the run reads them: each typed one as typed, the others the recipe's value
-    or else their default; checked, so that a bad one stops here in one line. args.given: the
-    typed ones (a resumed run refuses those that would change it)."""
+    """The flags: typed ones as typed, the others the recipe's or their default, checked (one line
+    if bad); args.given: the typed ones."""
     typed = {k: v for k, v in vars(parser.parse_args(
         argv, argparse.Namespace(**dict.fromkeys(DEFAULTS, UNSET)))).items() if v is not UNSET}
     objective, size = (typed.get(k, DEFAULTS[k]) for k in ("objective", "size"))
@@ -268,8 +264,7 @@ MOST_TOKENS = 10 ** 14
 
 
 def check_phases(args):
-    """Each phase gets at least one step, and a warmup given in steps (--warmup >= 1) fits in
-    each (once --max-steps is known); the budget is one a year could train."""
+    """Each phase has a step, and a warmup in steps fits in each; a year could train the budget."""
     tokens = args.max_steps * args.batch_size * args.grad_accum * args.seq_len
     if tokens > MOST_TOKENS:
         raise SystemExit(f"error: --max-steps {args.max_steps} is {tokens:.2g} tokens: more than "
@@ -384,12 +379,9 @@ class Phase(NamedTuple):
 
 
 def start_phase(run: Run, step: int) -> Phase:
-    """The phase `step` belongs to, ready to train: its objective's parts (heads, a teacher, a
-    dictionary...: its entry's setup) and the trainee whose forward is its loss, the loss's
-    settings bound (its entry's `settings`); the trainee wrapped for DDP and compiled as asked;
-    a fresh optimizer, or the checkpoint's when resuming inside the phase. Phase 2 with
-    --student-init scratch starts from a fresh encoder. A stop signal during the set-up (a
-    teacher's load, a dictionary learned: minutes) exits at once."""
+    """The phase `step` belongs to, ready: its entry's parts (heads, a teacher...), the trainee
+    whose forward is its loss with the entry's settings bound, wrapped and compiled as asked, and
+    an optimizer (the checkpoint's when resuming inside the phase)."""
     args = run.args
     objective, start, end = phase_of(step, args)
     entry = OBJECTIVES[objective]
@@ -448,8 +440,8 @@ def replays_graphs(run: Run) -> bool:
 
 
 def train_batch(run: Run, step: int, micro: int) -> dict:
-    """Micro-batch `micro` of `step`, and dropout reseeded for it: both functions of (seed, step,
-    its index in the global batch), so a resumed run draws what an uninterrupted one would."""
+    """Micro-batch `micro` of `step`, dropout reseeded: functions of (seed, step, index), so a
+    resumed run draws what an uninterrupted one would."""
     args = run.args
     k = run.rank * args.grad_accum + micro  # this micro-batch's index in the global batch
     torch.manual_seed(seed_of(args.seed, step, k))  # dropout
@@ -464,9 +456,8 @@ def train_batch(run: Run, step: int, micro: int) -> dict:
 
 
 def load_corpus(args, ddp: bool, rank: int, device, folder: RunFolder, ckpt: dict | None):
-    """(meta, train, val, tokenizer) of the corpus --data names, prepared on first use (rank 0
-    prepares it, the others wait); a resumed run's must be the one it trained on. A run that
-    wants a GPU says so first."""
+    """(meta, train, val, tokenizer) of --data, prepared on first use by rank 0; a resumed run's
+    must be the one it trained on."""
     if rank == 0:
         if note := wants_a_gpu(args, device):  # before minutes of preparation
             print(note)
@@ -489,8 +480,7 @@ def load_corpus(args, ddp: bool, rank: int, device, folder: RunFolder, ckpt: dic
 
 
 def build_encoder(args, vocab_size, ckpt):
-    """(the encoder, the step it is at): fresh from --seed, the checkpoint's, or --init-from's
-    weights with the --reset parts re-initialised; --freeze applied."""
+    """(encoder, step): fresh from --seed, the checkpoint's, or --init-from's; --freeze applied."""
     config = model_config(args, vocab_size)
     torch.manual_seed(args.seed)
     encoder = Encoder(config)
@@ -515,9 +505,8 @@ DATA_KEYS = ("name", "folder", "vocab_size", "train_tokens", "unigram_entropy") 
 
 
 def checkpoint_state(run: Run, phase: Phase, step: int, words: int | None = None) -> dict:
-    """Everything a resumed run needs to go on bit for bit (references to the live tensors);
-    with `words` (--save-words), the model alone at the first step past that many training
-    words (words_mark; words_seen, as always, what the run had read by then)."""
+    """What a resumed run needs to go on bit for bit (the live tensors); with `words`
+    (--save-words), the model alone."""
     state = {
         "model": run.encoder.state_dict(), "objective": phase.objective,
         "predicts_before": phase.entry.predicts_before, "decoder": phase.entry.decoder,
@@ -616,8 +605,7 @@ def checked_settings(args, defaults: dict) -> dict:
 
 
 def describe(run: Run, p1: int, note: Callable | None = None) -> str:
-    """Two lines on what is about to train (after p1 steps of MLM), on what and where; the
-    objective's own `note` (a function of the flags) last."""
+    """Two lines on what trains (after p1 steps of MLM), on what and where; then `note`'s."""
     args, cfg, meta = run.args, run.encoder.config, run.meta
     phases = f"mlm for {p1} steps, then " if p1 else ""
     epochs = args.max_steps * run.global_batch / run.train.n
@@ -639,8 +627,7 @@ def describe(run: Run, p1: int, note: Callable | None = None) -> str:
 
 @torch.no_grad()
 def validate(run: Run, phase: Phase, step: int) -> dict:
-    """The objective's own loss and stats on the first --eval-batches validation batches, logged
-    and said: the same masked batches every time, so stats compare across steps and runs."""
+    """The objective's loss and stats on the same --eval-batches masked batches every time."""
     args, val, trainee = run.args, run.val, phase.trainee
     trainee.eval()
     sums = {}
@@ -660,8 +647,7 @@ def validate(run: Run, phase: Phase, step: int) -> dict:
 
 
 def summary(run: Run, step: int, steps_now: int, seconds: float) -> str:
-    """The lines a finished run ends with: what it trained (over all its sittings, and in this
-    one), its first and last validation figures of the objective it ended with (log.jsonl), the
+    """A finished run's last lines: what it trained, its first and last validation, the
     checkpoint, and the commands that evaluate and export it."""
     if run.rank != 0:  # only rank 0 says it (Run.say), and only it reads the log
         return ""
@@ -685,8 +671,7 @@ def summary(run: Run, step: int, steps_now: int, seconds: float) -> str:
 
 
 def log_line(record: dict, stats: dict, max_steps: int, eta: float | None) -> str:
-    """A training log record as one line: the loss, the objective's stats (but accuracy), the
-    learning rate, the throughput and the time left (? while no step is timed yet)."""
+    """A log record as one line: the loss, the stats but accuracy, lr, throughput, time left."""
     terms = "".join(f" | {k} {record[k]:.4f}" for k in stats if k != "acc")
     return (f"step {record['step']}/{max_steps} | loss {record['loss']:.4f}{terms} | "
             f"lr {record['lr']:.1e} | {record['tok_per_s'] / 1e3:.1f}k tok/s | "
@@ -765,14 +750,13 @@ def main(argv=None):
     phase = start_phase(run, step)
     run.say(describe(run, phase1_steps(args), OBJECTIVES[args.objective].note))
     word_saves = word_marks(run) if args.save_words else {}  # {step: (name, words)}
-    guard = SafetyNet(folder, device, ddp, args.spike, args.log_every, ckpt and step)
+    guard = SafetyNet(folder, device, ddp, args.spike, ckpt and step)
     sums, since_log = {}, 0  # each stat summed over the steps since the last log line
     t_log, t0, step0 = time.time(), time.time(), step
     progress = StepProgress(step, args.max_steps, shown=rank == 0, cpu=device.type == "cpu")
     while step < args.max_steps:
         if step == phase.end:  # phase 2 begins; phase1.pt was written as phase 1 ended
             phase = start_phase(run, step)
-            guard.new_phase()
             t_log = time.time()  # its set-up (teacher, dictionary) is not a step's
         lr = set_schedule(phase.optimizer, step, args, phase.start, phase.end)
         step_loss = 0.0
@@ -802,12 +786,11 @@ def main(argv=None):
         progress.update()
 
         stop = guard.stopping and step < args.max_steps  # a stop signal: save this step, exit
-        is_save = (step % args.save_every == 0 or step in (phase.end, args.stop_at) or stop
-                   or guard.deferred and step % args.log_every == 0)  # a held-back save, again
+        is_save = step % args.save_every == 0 or step in (phase.end, args.stop_at) or stop
         is_log = step % args.log_every == 0 or step == phase.end or is_save  # saves are checked
         is_eval = step % args.eval_every == 0 or step == phase.end
         if is_log or is_eval or step in word_saves:  # the only places the loop waits for the device
-            guard.check_finite(step)  # (so the queued step is not timed as the pause that follows)
+            guard.check(step, phase.start, args.lr, judge=is_log)  # a NaN, a divergence: stop
         if is_log:  # means over the steps since the last log line, across all processes
             names = list(sums)
             means = torch.stack([sums[k] for k in names]) / since_log
@@ -819,8 +802,6 @@ def main(argv=None):
                       "tok_per_s": since_log * run.global_batch * args.seq_len / seconds,
                       "peak_mem_gb": peak_memory_gb(device)}
             folder.log(record)
-            if guard.judge(step, args.lr):  # a good state, kept to go back to
-                guard.keep(checkpoint_state(run, phase, step), step)
             run.say(log_line(record, stats, args.max_steps, progress.eta(step)))
             if said := progress.starved(record["tok_per_s"], folder.path):  # on a CPU only
                 run.say(said)
@@ -832,7 +813,7 @@ def main(argv=None):
             save(run, phase, step, "phase1.pt")
             if ddp:
                 dist.barrier()  # every process loads it as the teacher next
-        if is_save:  # held back while the run is suspect, unless it must be saved now
+        if is_save:  # not while the run is suspect, unless it must be saved now
             guard.save(checkpoint_state(run, phase, step), step,
                        must=step in (phase.end, args.stop_at) or stop)
         if step in word_saves:

@@ -78,8 +78,7 @@ def prepared_root() -> Path:
 
 
 def resolve(data: str) -> tuple[Path, Path]:
-    """--data NAME or PATH -> (raw folder, prepared_root()/NAME). Neither needs to exist: the
-    prepared folders are NAME-KEY beside the latter, KEY a hash of what they were made from."""
+    """--data NAME or PATH -> (raw folder, prepared_root()/NAME); neither needs to exist."""
     path = Path(data).expanduser()
     if path.is_dir() or os.sep in data:  # an explicit folder of text files
         return path.resolve(), prepared_root() / path.resolve().name
@@ -192,10 +191,8 @@ def tokenizer_settings(vocab_size: int, word_level: bool = False) -> dict:
 
 
 def word_level(raw: Path) -> dict | None:
-    """The raw folder's request for a word-level vocabulary, tokenizer.json:
-    {"model_type": "word"}, and optionally "separate_sentences": true ([SEP] after every line in
-    the token stream, so that a segment packing several sentences keeps their boundaries, as
-    synth.py asks for its independent sentences); None without the file."""
+    """The raw folder's tokenizer.json, a word-level vocabulary's request ({"model_type":
+    "word"}, optionally "separate_sentences": [SEP] after each line, synth.py's); or None."""
     f = raw / "tokenizer.json"
     if not f.is_file():
         return None
@@ -269,8 +266,7 @@ def prepared_copies(out: Path) -> list[Path]:
 
 def located(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
             say=lambda *a: None) -> Path | None:
-    """Where `data` is, before anything is made: a prepared folder to use as it is, or None when
-    its raw text is there to prepare; one line if neither is (what `--check` asks, too)."""
+    """A prepared folder of `data` to use as is, None when its raw text is there; else one line."""
     if (Path(data) / "meta.json").is_file() and (Path(data) / "train.bin").is_file():
         return Path(data)  # already a prepared folder: use it as it is
     raw, base = resolve(data)
@@ -295,10 +291,8 @@ def located(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
 
 def prepare(data: str, vocab_size: int = VOCAB_SIZE, force: bool = False,
             quiet: bool = False) -> Path:
-    """The prepared folder of `data` (a NAME under NANOMLM_RAW or a PATH), made if need be, and
-    its path. It is named NAME-KEY, KEY a hash of the raw files' contents and the tokenizer
-    settings: two corpora of one name, or one corpus under two settings, never share a folder,
-    and a folder never changes once made (make builds it under a temporary name, then renames)."""
+    """The prepared folder NAME-KEY of `data`, made if need be; KEY hashes the raw files and the
+    tokenizer settings, so a folder is never shared, nor changed once made."""
     say = (lambda *a: None) if quiet else functools.partial(print, flush=True)
     found = located(data, vocab_size, force, say)
     if found is not None:
@@ -449,8 +443,7 @@ class Segments:
         return self._starts
 
     def count_words(self, tokenizer: bytes) -> "Segments":
-        """Words as BabyLM counts them (whitespace-separated), each in the segment of its first
-        piece, marked '▁' by sentencepiece. word_cum (n_tokens + 1,): such pieces before each."""
+        """BabyLM's words (each where its first, '▁' piece is); word_cum (n_tokens + 1,)."""
         sp = spm.SentencePieceProcessor(model_proto=tokenizer)
         starts = np.array([sp.id_to_piece(i).startswith("▁") for i in range(len(sp))])
         self.word_cum = np.concatenate([[0], np.cumsum(starts[self.tokens], dtype=np.int64)])
@@ -466,8 +459,7 @@ class Segments:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def to(self, device):
-        """Keep the whole stream on `device` (a GPU: 2 bytes a token, 20 MB for 10M words), so
-        that batches are gathered there and only their start offsets cross the bus."""
+        """The stream on a GPU (20 MB for 10M words): only a batch's offsets cross the bus."""
         if device.type == "cuda":
             self.on_device = torch.from_numpy(self.tokens.astype(np.int32)).to(device)
         return self

@@ -222,10 +222,8 @@ def folder_to_write(path, error, flag: str = "--out") -> Path:
 
 
 def hold_lock(path, what: str, advice: str):
-    """Take the lock file `path` (flock) for as long as the returned file stays open (the
-    caller keeps it): a second process is refused in one line, "`what` is in use by HOLDER;
-    `advice`". The kernel drops the lock of a process that dies however it dies, so a stale
-    lock file is simply taken over."""
+    """Hold the lock file `path` (flock) while the returned file stays open; a second process is
+    refused in one line. The kernel drops a dead process' lock: a stale file is taken over."""
     path = Path(path)
     with one_line_os_errors(path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -249,10 +247,8 @@ def hold_lock(path, what: str, advice: str):
 
 @contextlib.contextmanager
 def atomic_write(path, need: int | None = None):
-    """`with atomic_write(path) as tmp:` the block writes tmp, a temp file of this process beside
-    `path`, which then replaces `path` in one rename: a kill at any moment leaves the old file or
-    the new one, never a torn one. A failure removes tmp; an OS error is one line
-    (`one_line_os_errors`, with `need` bytes)."""
+    """`with atomic_write(path) as tmp:` write tmp, then one rename replaces `path`: a kill leaves
+    the old file or the new one, never a torn one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -264,9 +260,8 @@ def atomic_write(path, need: int | None = None):
 
 
 def save_checkpoint(state: dict, path) -> None:
-    """`state` as torch.save writes it, stored beside the sha256 of those bytes, fsynced to a temp
-    file and renamed (`atomic_write`). The zip file torch.save writes carries CRCs, but torch.load
-    never checks them: bytes flipped inside a tensor would load as silently wrong weights."""
+    """torch.save's bytes of `state` beside their sha256, written atomically: torch.load never
+    checks its zip's CRCs, so flipped bytes would load as silently wrong weights."""
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getbuffer()
@@ -327,8 +322,7 @@ def add_device_flag(add, what: str = "where to compute") -> None:
 
 
 def pick_device(name: str = "auto", index: int | None = None) -> torch.device:
-    """--device auto|cpu|cuda -> a device; auto is CUDA when a GPU is visible. `index`: the GPU of
-    one DDP process."""
+    """--device auto|cpu|cuda -> a device (auto: CUDA if visible); `index`: a DDP process' GPU."""
     if name == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is visible")
     if name == "cpu" or not torch.cuda.is_available():
@@ -337,8 +331,7 @@ def pick_device(name: str = "auto", index: int | None = None) -> torch.device:
 
 
 def use_bf16(device: torch.device, bf16: bool | None = None) -> bool:
-    """Whether to autocast to bfloat16: `bf16` if given, else on with CUDA and off on the CPU
-    (where only some CPUs gain from it: see train.py --bf16)."""
+    """Whether to autocast to bfloat16: `bf16` if given, else on with CUDA only."""
     return device.type == "cuda" if bf16 is None else bf16
 
 
@@ -348,15 +341,12 @@ def use_compile(device: torch.device, compile: bool | None = None) -> bool:
 
 
 def autocast(device: torch.device, bf16: bool | None = None):
-    """bfloat16 autocast of the forward pass as use_bf16 decides (a disabled one otherwise);
-    weights, optimizer and losses stay float32."""
+    """bf16 autocast of the forward as use_bf16 decides; weights and optimizer stay float32."""
     return torch.autocast(device.type, torch.bfloat16, enabled=use_bf16(device, bf16))
 
 
 def use_tf32(device: torch.device) -> None:
-    """On a GPU, float32 matrix products (what runs outside bf16 autocast: mlsm's FISTA coder,
-    float32 losses) on the tensor cores as TF32, for this process: train.py's setting, which
-    bench.py shares where it times what train.py runs."""
+    """On a GPU, float32 matmuls (outside autocast: mlsm's coder, the losses) as TF32."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
@@ -390,9 +380,8 @@ def exit_now(signum, frame):
 
 @contextlib.contextmanager
 def exit_on_stop_signals(said: str):
-    """Within the block, a stop signal exits at once with "SIGNAL: stopped `said`": for a long
-    set-up between steps (a teacher's load, a dictionary learned), where the loop's handler
-    would wait minutes for a step to finish. The handlers before it are back afterwards."""
+    """In the block a stop signal exits at once, "SIGNAL: stopped `said`": for a long set-up (a
+    teacher's load, a dictionary learned) where the loop's handler would wait minutes."""
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def handler(signum, frame):
@@ -405,42 +394,37 @@ def exit_on_stop_signals(said: str):
             signal.signal(sig, h)
 
 
-def catch_stop_signals(then) -> dict:
-    """Ctrl-C (SIGINT) and SIGTERM, the signal a cluster preempts a job with (SIGKILL follows
-    after a grace period), set got["signal"] and call `then()`: the loop finishes the step it is
-    in, saves it and exits with the command that resumes it. A second signal exits at once."""
-    got = {}
-
-    def handler(signum, frame):
-        if got:
-            exit_now(signum, frame)
-        got["signal"] = signum
-        then()
-        name = signal.Signals(signum).name  # said at once: a slow step may take minutes
-        print(f"{name}: finishing the step in progress, then saving it (a second {name} stops "
-              f"at once)", file=sys.stderr, flush=True)
-    on_stop_signals(handler)
-    return got
+def finishing_the_step(signum, frame, got: dict) -> None:
+    """A stop signal to a loop that finishes its step, saves it and exits: noted in got["signal"]
+    and said at once (a slow step may take minutes); a second signal exits at once."""
+    if got:
+        exit_now(signum, frame)
+    got["signal"] = signum
+    name = signal.Signals(signum).name
+    print(f"{name}: finishing the step in progress, then saving it (a second {name} stops "
+          f"at once)", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
 def stop_after_the_step():
-    """catch_stop_signals for a loop that reads the returned `got` after each step (meta.py's):
-    a signal lets the step end, a second exits at once; the handlers before it back afterwards."""
+    """For a loop that reads the returned `got` after each step (meta.py's): a signal lets the
+    step end (finishing_the_step); the handlers before it are back afterwards."""
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    got = {}
+    on_stop_signals(lambda signum, frame: finishing_the_step(signum, frame, got))
     try:
-        yield catch_stop_signals(lambda: None)
+        yield got
     finally:
         for sig, h in before.items():
             signal.signal(sig, h)
 
 
 # ---------------------------------------------------------------------------------------------
-# The training loop's guard: a NaN/inf loss or gradient, a run diverging, and the save that
-# waits while the run is suspect, beside the stop signals that finish the step and save it.
-# train.py's loop hands one SafetyNet every step's loss and gradient norm (kept on the device)
-# and asks it at its log and save steps, the only places it reads from the device. A run it
-# stops leaves the last good state it kept (docs/robustness.md).
+# The training loop's guard: a NaN/inf loss or gradient, a run diverging, the save of a suspect
+# state refused, and the stop signals that finish the step and save it. train.py's loop hands one
+# SafetyNet every step's loss and gradient norm (kept on the device) and asks it at its log,
+# validation and save steps, the only places it reads from the device. A run it stops leaves its
+# last good checkpoint (docs/robustness.md).
 
 # The divergence rule (docs/robustness.md). The loss and gradient norm are judged as averages over
 # about WINDOW steps (exponential, so at any --log-every alike), from WINDOW steps into a phase.
@@ -450,9 +434,6 @@ BEST = 200            # steps: the loss's slow average, whose lowest value the l
 FIRST = 10            # steps: ... counted from here (a run bad from the start is caught)
 MARGIN = 1.0          # nats: the least rise of the smoothed loss above that best that counts
 NOISE = 8.0           # ... or this many times the smoothed loss's own noise, when larger
-SNAPSHOT_EVERY = 100  # steps: how often a state is kept in memory, to go back to
-CONFIRM = 4 * WINDOW  # steps: a kept state counts as good once the run is judged well this long
-#                       after it (the smoothing lags: a state just after a jump is judged well)
 
 
 def judged(trace: list[float], spike: float, norm_ref: float | None = None) -> tuple[str, float]:
@@ -483,50 +464,70 @@ def judged(trace: list[float], spike: float, norm_ref: float | None = None) -> t
 
 
 class SafetyNet:
-    """The loop's guard, read at the loop's sync points only (its log, validation and save
-    steps): the loop appends each step's (loss, gradient norm), left on the device, to `recent`,
-    and reads the plain attributes `stopping` and `deferred`; nothing of it runs inside a step.
-    At a sync point `check_finite` reads the steps since the last one, stops a run that went
-    non-finite and brings the smoothed loss and gradient norm up to date (judged); at a log step
-    `judge` stops one that diverges (judged: suspect, and still so WINDOW // 2 steps later) and
-    says when a good state is due to be kept in memory (`keep`, every SNAPSHOT_EVERY steps while
-    the run is judged well; it counts once the run is still judged well CONFIRM steps later, and
-    is built only then: the loop's log steps stay cheap); `save` writes the
-    checkpoint, or holds back that of a suspect state (`deferred`: saved at a later log step,
-    once the run is judged well again). A run stopped for a NaN or a divergence writes the last
-    good state kept as its checkpoint when it is newer than the last one saved. `stopping`: a
-    stop signal has arrived (under DDP: any process's, agreed at a sync point, so that all stop
-    at the same step). `last_saved`: the step of the last good checkpoint, which every message
-    that stops the run names."""
+    """The loop's guard, asked at its sync points only (nothing of it runs inside a step): the
+    loop appends each step's (loss, gradient norm), left on the device, to `recent`, and `check`
+    reads them. `save` writes ckpt.pt unless the run is suspect, so the last checkpoint is the
+    last good state, which every message that stops the run names (`last_saved`). `stopping`: a
+    stop signal arrived (under DDP any process's, agreed at a sync point: all stop at one step)."""
 
-    def __init__(self, folder, device, ddp: bool, spike: float, log_every: int,
-                 last_saved: int | None):
+    def __init__(self, folder, device, ddp: bool, spike: float, last_saved: int | None):
         self.folder, self.device, self.ddp, self.spike = folder, device, ddp, spike
-        self.log_every, self.last_saved = log_every, last_saved
-        self.got = catch_stop_signals(self.signalled)
-        self.stopping = False
+        self.last_saved, self.start, self.suspect_since = last_saved, None, None
+        self.stopping, self.got = False, {}
+        on_stop_signals(self.signalled)
         self.recent = []  # (loss, gradient norm) of each step since the last sync point, 0-dim
-        self.kept = self.pending = None  # (step, state): the last good state; one to confirm
-        self.deferred = False
         b, bs, bb = 1 - 1 / WINDOW, 1 - 1 / SLOW, 1 - 1 / BEST
         self.decay = torch.tensor([b, b, b, b, bs, bs, bb, bb], dtype=torch.double)
-        self.new_phase()
 
-    def signalled(self) -> None:
-        """A stop signal arrived (the handler's call): alone, this process stops after its step;
+    def signalled(self, signum, frame) -> None:
+        """SIGINT or SIGTERM (a cluster's preemption): alone, this process stops after its step;
         under DDP the processes agree on it at the next sync point."""
+        finishing_the_step(signum, frame, self.got)
         self.stopping = self.stopping or not self.ddp
 
-    def new_phase(self) -> None:
-        """Each phase is judged on its own: its smoothing and best loss start afresh."""
-        self.trace = torch.zeros(8, dtype=torch.double)  # judged()'s sums, on the host
-        self.best = math.inf    # the lowest BEST-step loss
-        self.recent, self.steps, self.suspect_since, self.norm_ref = [], 0, None, None
+    def check(self, step: int, start: int, lr: float, judge: bool) -> None:
+        """At a sync point of the phase begun at `start`: stop the run if a step since the last
+        went NaN/inf (on any process); at a log step (`judge`) stop a diverging one (judged:
+        suspect, and still so WINDOW // 2 steps later). Under DDP the processes agree on a stop
+        signal and judge the mean of their sums."""
+        if start != self.start:  # each phase is judged on its own: smoothing and best afresh
+            self.start, self.trace, self.best = start, torch.zeros(8, dtype=torch.double), math.inf
+            self.steps, self.suspect_since, self.norm_ref = 0, None, None
+        n, first_bad = len(self.recent), self.read_recent()
+        nonfinite = -1 if first_bad is None else step - n + 1 + first_bad
+        if self.ddp:
+            flags = torch.tensor([nonfinite, len(self.got)], device=self.device)
+            dist.all_reduce(flags, dist.ReduceOp.MAX)
+            nonfinite, signals = flags.tolist()
+            self.stopping = self.stopping or signals > 0
+        if nonfinite >= 0:
+            self.folder.log({"step": nonfinite, "error": "non-finite loss or gradient"})
+            raise SystemExit(f"error: the loss or gradient became NaN/inf at step {nonfinite}; "
+                             f"stopped, {self.last_good()} with a lower --lr or --clip: python "
+                             f"train.py --out-dir {self.folder.path} --resume --lr LOWER")
+        if not judge or self.steps < WINDOW:  # (the averages fill over the window first)
+            return
+        trace = [*self.trace.tolist(), self.best]
+        if self.ddp:
+            trace = torch.tensor(trace, dtype=torch.float64, device=self.device)
+            dist.all_reduce(trace)
+            trace = (trace / dist.get_world_size()).tolist()
+        spike, loss = judged(trace, self.spike, self.norm_ref)
+        if not spike:
+            self.suspect_since, self.norm_ref = None, trace[5] / trace[4]
+            return
+        self.suspect_since = step if self.suspect_since is None else self.suspect_since
+        if step - self.suspect_since >= WINDOW // 2:
+            self.folder.log({"step": step, "error": "diverging: " + spike})
+            raise SystemExit(
+                f"error: the run is diverging at step {step}: {spike}; stopped, "
+                f"{self.last_good()} with a lower --lr (this run: {lr:g}): python train.py "
+                f"--out-dir {self.folder.path} --resume --lr {lr / 2:g}; or --resume --spike 0 "
+                f"to train on as it was.")
 
     def read_recent(self) -> int | None:
-        """Fold the steps in `recent` into the smoothed sums, in their order (a step whose loss or
-        gradient is not finite is left out of them); -> the index of the first such step, or
-        None. One copy from the device for all of them."""
+        """Fold `recent` into the smoothed sums in one copy from the device, non-finite steps left
+        out; -> the index of the first such step, or None."""
         if not self.recent:
             return None
         losses, norms = (torch.stack([pair[i] for pair in self.recent]).double() for i in (0, 1))
@@ -543,86 +544,17 @@ class SafetyNet:
         return None if finite.all() else int((~finite).nonzero()[0])
 
     def last_good(self) -> str:
-        """Where the last good checkpoint is, in words; the last good state kept in memory is
-        written there first when it is newer."""
-        if self.kept is not None and (self.last_saved is None or self.kept[0] > self.last_saved):
-            self.folder.save(self.kept[1])
-            self.last_saved = self.kept[0]
-        if self.last_saved is None:
-            return "no checkpoint had been saved yet"
+        """Where the last good checkpoint is and how --resume goes on, in words."""
+        if self.last_saved is None:  # resumed_args begins such a run again
+            return ("no checkpoint had been saved yet. Begin it again (with no checkpoint, "
+                    "--resume starts from step 0)")
         return (f"the last good checkpoint (step {self.last_saved}) is kept at "
-                f"{self.folder.path / 'ckpt.pt'}")
-
-    def go_on(self) -> str:
-        """How the command that --resume's the run goes on, said after last_good(): from the
-        checkpoint, or with none from step 0 (resumed_args begins such a run again)."""
-        return ("Go on from there" if self.last_saved is not None else
-                "Begin it again (with no checkpoint, --resume starts from step 0)")
-
-    def check_finite(self, step: int) -> None:
-        """At a sync point, `step` the last step taken: read the steps since the last one; stop
-        the run if one of them went NaN/inf (on any process). Under DDP, also agree on a stop
-        signal (one all-reduce for both)."""
-        n, first_bad = len(self.recent), self.read_recent()
-        nonfinite = -1 if first_bad is None else step - n + 1 + first_bad
-        if self.ddp:
-            flags = torch.tensor([nonfinite, len(self.got)], device=self.device)
-            dist.all_reduce(flags, dist.ReduceOp.MAX)
-            nonfinite, signals = flags.tolist()
-            self.stopping = self.stopping or signals > 0
-        if nonfinite >= 0:
-            self.folder.log({"step": nonfinite, "error": "non-finite loss or gradient"})
-            raise SystemExit(f"error: the loss or gradient became NaN/inf at step {nonfinite}; "
-                             f"stopped, {self.last_good()}. {self.go_on()} with a lower --lr "
-                             f"or --clip: python train.py --out-dir {self.folder.path} --resume "
-                             f"--lr LOWER")
-
-    def judge(self, step: int, lr: float) -> bool:
-        """At a log step: stop a diverging run (suspect here, and still WINDOW // 2 steps
-        later); note whether it is suspect. Returns whether the state now is good and due to be
-        kept (keep), so that the loop builds it only then. Under DDP the processes judge the
-        same numbers (their sums' mean)."""
-        if self.steps < WINDOW:  # the averages have not filled yet
-            return False
-        trace = [*self.trace.tolist(), self.best]
-        if self.ddp:
-            trace = torch.tensor(trace, dtype=torch.float64, device=self.device)
-            dist.all_reduce(trace)
-            trace = (trace / dist.get_world_size()).tolist()
-        spike, loss = judged(trace, self.spike, self.norm_ref)
-        if not spike:
-            self.suspect_since, self.norm_ref = None, trace[5] / trace[4]
-            if self.pending is not None and step - self.pending[0] >= CONFIRM:
-                self.kept, self.pending = self.pending, None
-            last = max(x[0] for x in (self.kept, self.pending, (-SNAPSHOT_EVERY, None)) if x)
-            return self.pending is None and step - last >= SNAPSHOT_EVERY and self.folder.master
-        self.pending = None  # taken while the run was going bad, maybe
-        self.suspect_since = step if self.suspect_since is None else self.suspect_since
-        if step - self.suspect_since >= WINDOW // 2:
-            self.folder.log({"step": step, "error": "diverging: " + spike})
-            raise SystemExit(
-                f"error: the run is diverging at step {step}: {spike}; stopped, "
-                f"{self.last_good()}. {self.go_on()} with a lower --lr (this run: {lr:g}): "
-                f"python train.py --out-dir {self.folder.path} --resume --lr {lr / 2:g}; or "
-                f"--resume --spike 0 to train on as it was.")
-        return False
-
-    def keep(self, state: dict, step: int) -> None:
-        """A state judged good (references to the live tensors: the checkpoint's), to go back to
-        once CONFIRM steps later the run is still judged well: every tensor copied off the
-        device."""
-        copy = lambda x: (x.detach().to("cpu", copy=True) if torch.is_tensor(x) else
-                          {k: copy(v) for k, v in x.items()} if isinstance(x, dict) else
-                          [copy(v) for v in x] if isinstance(x, list) else x)
-        self.pending = (step, copy(state))
+                f"{self.folder.path / 'ckpt.pt'}. Go on from there")
 
     def save(self, state: dict, step: int, must: bool) -> None:
-        """The checkpoint `state` of `step`, written as ckpt.pt (by the master process) unless
-        the run is suspect: then it waits (`deferred`: the loop asks again at its next log
-        steps) until the run is judged well again, or it `must` be saved now (a phase's end,
-        --stop-at, a stop signal)."""
-        self.deferred = self.suspect_since is not None and not must
-        if not self.deferred:
+        """The checkpoint `state` of `step` as ckpt.pt (by the master process), unless the run is
+        suspect and it need not be saved now (`must`: a phase's end, --stop-at, a signal)."""
+        if self.suspect_since is None or must:
             self.folder.save(state)
             self.last_saved = step
 
@@ -632,9 +564,10 @@ class SafetyNet:
         if self.ddp:
             dist.barrier()  # the others wait for rank 0's save: torchrun ends them all next
         if rank == 0:
-            where = self.last_good()
-            verb = "Continue" if self.last_saved is not None else "Begin it again"
-            print(f"{name}: stopped after step {step}; {where}. {verb} with: python train.py "
+            where = (f"the last good checkpoint (step {self.last_saved}) is kept at "
+                     f"{self.folder.path / 'ckpt.pt'}. Continue" if self.last_saved is not None
+                     else "no checkpoint had been saved yet. Begin it again")
+            print(f"{name}: stopped after step {step}; {where} with: python train.py "
                   f"--out-dir {out_dir} --resume", file=sys.stderr)
         raise SystemExit(128 + self.got["signal"])  # the shell's code for a signalled process
 
@@ -668,8 +601,7 @@ class _Lines:
 
 
 def bar(iterable=None, **kw) -> tqdm:
-    """A tqdm bar in a terminal. With none (tqdm alone would fall silent), a line with the count,
-    rate and ETA every QUIET_SECONDS once it has run that long. disable=True silences it."""
+    """A tqdm bar in a terminal; without one, a line every QUIET_SECONDS (tqdm would be silent)."""
     if kw.get("disable") is True or sys.stderr.isatty():
         return tqdm(iterable, **{"dynamic_ncols": True, **kw})
     return tqdm(iterable, **{**kw, "disable": False, "file": _Lines(sys.stderr), "ascii": True,
@@ -693,9 +625,8 @@ class StepProgress:
         self.cpu, self.fastest, self.starving = cpu, 0.0, False
 
     def restart(self, step: int) -> None:
-        """At the end of a phase's first step in this sitting (`step`: the steps done then),
-        before the bar counts it (counted first, a bar without a terminal would print its line
-        with that step's rate: "1/7246 [00:54<110:16:28, 54.79s/step]")."""
+        """At the end of a phase's first step here, before the bar counts it (else its line reads
+        that step's compile: "1/7246 [00:54<110:16:28, 54.79s/step]")."""
         self.timed_from, self.t = step, time.time()
         self.fastest = 0.0  # a new phase's steps have their own cost
         self.bar.unpause()  # the bar's elapsed time, rate and ETA leave that step out too
@@ -722,8 +653,8 @@ class StepProgress:
 
 
 def starved_cpu(rate: float, fastest: float, load: float, cores: int, threads: int) -> str | None:
-    """Why a CPU run is starved, or None: a 1-minute load (its own threads in it) a thread or
-    more above the cores, or steps at under half the fastest rate they had in this phase."""
+    """Why a CPU run is starved, or None: a load a thread above the cores, or under half the
+    phase's fastest rate."""
     why = []
     if load >= cores + 1:
         why.append(f"load {load:.1f} on {cores} cores, this run's {threads} thread(s) in it")
@@ -741,8 +672,7 @@ def size_text(n: float) -> str:
 
 
 def duration(seconds: float) -> str:
-    """45s, 2m30s, 12m, 3h05m: an ETA or an elapsed time in a log line; to the second below ten
-    minutes, so that lines half a minute apart never read the same."""
+    """45s, 2m30s, 12m, 3h05m: to the second below ten minutes (lines 30 s apart differ)."""
     if seconds < 90:
         return f"{seconds:.0f}s"
     if seconds < 10 * 60:
@@ -753,8 +683,7 @@ def duration(seconds: float) -> str:
 
 
 def line_buffered() -> None:
-    """Print's lines reach stdout at once even when it is a file (a batch job's log), not in
-    blocks of 8 kB; a stream that cannot be reconfigured (a notebook's) is left as it is."""
+    """Print's lines reach stdout at once, a batch job's log file too (not in 8 kB blocks)."""
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)
 
@@ -781,10 +710,8 @@ def heartbeat(what: str, every: float = QUIET_SECONDS):
 
 
 def repo_sources() -> list[str]:
-    """The repository's source files this process has imported (the tests' aside), as repository
-    paths: what decides a run's results, so each run copies them into its code/ and hashes them
-    into its checkpoints. Derived, not listed: a module a stage comes to import is never left
-    out (tests/test_train.py holds it to a static reading of train.py's imports)."""
+    """The repository's source files this process imported (tests aside), what decides a run's
+    results: copied into its code/, hashed into its checkpoints."""
     loaded = {Path(m.__file__).resolve() for m in list(sys.modules.values())
               if getattr(m, "__file__", None) and Path(m.__file__).is_absolute()}
     return sorted(f for f in repository_files(loaded)
@@ -797,10 +724,8 @@ def is_repository_file(path) -> bool:
 
 
 def repository_files(paths) -> list[str]:
-    """Those of `paths` that are the repository's own files, as repository paths: under its
-    root, not an installed package (below a site-packages or dist-packages folder: the README's
-    .venv/ holds torch and numpy there, as any virtual environment does), and in a git checkout
-    files git tracks or would (untracked, not ignored). One call for them all."""
+    """Those of `paths` that are the repository's own (under its root, not in a site-packages, and
+    in a git checkout tracked or not ignored), as repository paths."""
     known, out = git_files(), []
     for path in paths:
         path = Path(path).resolve()
@@ -844,9 +769,7 @@ class RunFolder:
         self._log = self._lock = None
 
     def lock(self) -> None:
-        """Hold the folder's `lock` file (flock) until this process exits: a second process on
-        the same folder is refused, naming the holder. The kernel drops the lock of a process
-        that dies however it dies, so a stale lock file is simply taken over."""
+        """Hold the folder's `lock` (hold_lock) until this process exits; clear dead saves."""
         if not self.master or self._lock is not None:
             return
         f = hold_lock(self.path / "lock", self.path, "wait for it to end or choose another "
@@ -857,9 +780,8 @@ class RunFolder:
         self._lock = f  # kept open: closing the file would release the lock
 
     def check_new(self, marker: str | None = None, others: bool = False) -> None:
-        """A new run never writes over an old one: refuse a path that is a file, a folder that
-        holds a run (`marker`, the file --resume goes on from, or args.json, which a run writes
-        first), and one that holds anything else (but a run's lock) unless `others` (--force)."""
+        """Refuse a file, a folder holding a run (`marker` or args.json), or other files unless
+        `others` (--force): a new run never writes over an old one."""
         p = self.path
         if p.exists() and not p.is_dir():
             raise SystemExit(f"error: --out-dir {p} is a file, not a folder")
@@ -873,8 +795,7 @@ class RunFolder:
                              f"write beside them")
 
     def start(self, code, keep_log: bool = False, **files) -> None:
-        """Create the folder; write each of `files` ({name: dict}) as NAME.json and a copy of each
-        `code` file (repository paths) into code/; start an empty log unless keep_log."""
+        """Write `files` ({name: dict}) as NAME.json, the `code` files into code/; a new log."""
         if not self.master:
             return
         with one_line_os_errors(self.path / "code"):
@@ -894,8 +815,7 @@ class RunFolder:
                 (self.path / f"{name}.json").write_text(json.dumps(content, indent=1))
 
     def records(self) -> list[dict]:
-        """The records of log.jsonl (none if there is no log), a line torn by a kill or a full
-        disk left out, and counted in self.skipped (what a reader says it left out)."""
+        """log.jsonl's records; torn lines (a kill, a full disk) left out, counted in skipped."""
         records, self.skipped = [], 0
         for line in self.log_path.read_text().splitlines() if self.log_path.exists() else []:
             try:

@@ -360,13 +360,12 @@ def judged_at(records, log_every: int, folder) -> None:
     would ask it: raises SystemExit where that run would have been stopped. The training is the
     same at any --log-every (batches, masks and dropout are functions of seed and step)."""
     folder.mkdir(parents=True, exist_ok=True)  # where a stopped run logs why
-    guard = SafetyNet(RunFolder(folder), torch.device("cpu"), False, 10.0, log_every, None)
+    guard = SafetyNet(RunFolder(folder), torch.device("cpu"), False, 10.0, None)
     try:
         for r in records:
             guard.recent.append((torch.tensor(r["loss"]), torch.tensor(r["grad_norm"])))
             if r["step"] % log_every == 0 or r is records[-1]:
-                guard.check_finite(r["step"])
-                guard.judge(r["step"], r["lr"])
+                guard.check(r["step"], 0, r["lr"], judge=True)
     finally:
         guard.release()
 
@@ -408,18 +407,18 @@ def test_the_replayed_guard_stops_what_the_loop_stops(tmp_path):
         judged_at(healthy, every, tmp_path / f"healthy{every}")  # the healthy part goes on
 
 
-def test_a_run_stopped_for_diverging_resumes_from_the_good_state_it_kept(prepared, tmp_path):
+def test_a_run_stopped_for_diverging_resumes_from_its_last_good_checkpoint(prepared, tmp_path):
     """LAMB at --lr 0.5 with a 500-step warm-up: healthy while the rate is low, diverging as it
-    grows (past step 100). No checkpoint is due (--save-every 1000): the guard writes the state
-    it kept in memory and judged good since, names its step and the command to go on at half
-    the rate, and that command resumes from it and trains on."""
+    grows (past step 100). Saved every 25 steps but not once suspect, it names its last
+    checkpoint, from before, and the command to go on at half the rate; that command resumes
+    from it and trains on."""
     out = tmp_path / "run"
     r = run_train(*TINY, "--data", prepared, "--lr", 0.5, "--warmup", 500, "--max-steps", 600,
-                  "--save-every", 1000, "--out-dir", out)
+                  "--save-every", 25, "--out-dir", out)
     assert r.returncode == 1 and "the run is diverging at step" in r.stderr, r.stderr
     stop = int(re.search(r"at step (\d+)", r.stderr).group(1))
     kept = int(re.search(r"the last good checkpoint \(step (\d+)\) is kept", r.stderr).group(1))
-    assert load_state(out / "ckpt.pt")["step"] == kept < stop
+    assert load_state(out / "ckpt.pt")["step"] == kept < stop and kept % 25 == 0
     cure = re.search(r"python train.py (--out-dir \S+ --resume --lr \S+);", r.stderr).group(1)
     assert cure.endswith("--lr 0.25")
     r = run_train(*cure.split(), "--spike", 0, "--stop-at", kept + 20)

@@ -629,17 +629,17 @@ def test_a_step_runs_code_from_six_files(prepared, tmp_path, objective):
 
 def feed(guard, losses, norms, log_every):
     """The loop's calls to a SafetyNet for per-step losses and norms: each step's appended to
-    `recent`, read and judged at log steps, a good state kept when judge says so; -> the step it
+    `recent`, read and judged at log steps, a checkpoint offered every 100 steps; -> the step it
     stopped at, or None."""
     for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
         guard.recent.append((torch.tensor(loss), torch.tensor(norm)))
         if step % log_every == 0:
             try:
-                guard.check_finite(step)
-                if guard.judge(step, 0.01):
-                    guard.keep({"step": step, "weights": torch.full((2,), float(step))}, step)
+                guard.check(step, 0, 0.01, judge=True)
             except SystemExit:
                 return step
+            if step % 100 == 0:
+                guard.save({"step": step, "weights": torch.full((2,), float(step))}, step, False)
     return None
 
 
@@ -650,8 +650,8 @@ def test_the_guard_judges_a_smoothed_loss_at_any_log_interval(tmp_path, log_ever
     earlier rule, one noisy log line against a noisy best, stopped some of them); a
     loss that jumps by 3 nats at step 1,000 and stays, or a gradient norm 30x at step 1,000, is
     stopped within 4 WINDOW + 2 log_every steps (the smoothing's lag, then a suspect judgment
-    and the next); the stopped run writes the good state it kept last as its checkpoint and
-    names it."""
+    and the next); the checkpoints offered once the run is suspect are not written, so its last
+    is from before the jump."""
     rng = np.random.default_rng(0)
     steps = np.arange(3000)
     healthy = lambda: 6 + 2 * np.exp(-steps / 300) + rng.normal(0, 1.5, 3000)
@@ -660,7 +660,7 @@ def test_the_guard_judges_a_smoothed_loss_at_any_log_interval(tmp_path, log_ever
     for seed in range(5):
         folder = RunFolder(tmp_path / f"s{seed}")
         folder.path.mkdir()
-        guard = plumbing.SafetyNet(folder, torch.device("cpu"), False, 10.0, log_every, None)
+        guard = plumbing.SafetyNet(folder, torch.device("cpu"), False, 10.0, None)
         assert feed(guard, healthy(), norms(), log_every) is None
         guard.release()
     for what in ("loss", "norm"):
@@ -671,7 +671,7 @@ def test_the_guard_judges_a_smoothed_loss_at_any_log_interval(tmp_path, log_ever
             losses[1000:] += 3.0
         else:
             grads[1000:] *= 30.0
-        guard = plumbing.SafetyNet(folder, torch.device("cpu"), False, 10.0, log_every, None)
+        guard = plumbing.SafetyNet(folder, torch.device("cpu"), False, 10.0, None)
         stopped = feed(guard, losses, grads, log_every)
         guard.release()
         assert stopped is not None and 1000 < stopped <= 1000 + bound, (what, stopped)
