@@ -495,11 +495,13 @@ class SafetyNet:
             self.steps, self.suspect_since, self.norm_ref = 0, None, None
         n, first_bad = len(self.recent), self.read_recent()
         nonfinite = -1 if first_bad is None else step - n + 1 + first_bad
-        if self.ddp:
-            flags = torch.tensor([nonfinite, len(self.got)], device=self.device)
+        if self.ddp:  # a signal to any process stops them all, named by its number
+            flags = torch.tensor([nonfinite, self.got.get("signal", 0)], device=self.device)
             dist.all_reduce(flags, dist.ReduceOp.MAX)
-            nonfinite, signals = flags.tolist()
-            self.stopping = self.stopping or signals > 0
+            nonfinite, signum = flags.tolist()
+            if signum:
+                self.stopping = True
+                self.got.setdefault("signal", signum)
         if nonfinite >= 0:
             self.folder.log({"step": nonfinite, "error": "non-finite loss or gradient"})
             raise SystemExit(f"error: the loss or gradient became NaN/inf at step {nonfinite}; "

@@ -643,6 +643,27 @@ def feed(guard, losses, norms, log_every):
     return None
 
 
+def test_under_ddp_a_signal_to_one_process_stops_every_process(tmp_path, monkeypatch):
+    """A process that was not signalled learns of another's SIGTERM at a sync point (the flags'
+    all-reduce, faked here as the other process' contribution) and stops after the same step,
+    exiting as signalled (128 + 15), not on a KeyError before its barrier."""
+    others = lambda flags, op=None: flags.copy_(torch.maximum(flags, torch.tensor([-1, 15])))
+    monkeypatch.setattr(plumbing.dist, "all_reduce", others)
+    monkeypatch.setattr(plumbing.dist, "barrier", lambda: None)
+    folder = RunFolder(tmp_path / "run")
+    folder.path.mkdir()
+    guard = plumbing.SafetyNet(folder, torch.device("cpu"), True, 10.0, None)
+    try:
+        guard.recent.append((torch.tensor(5.0), torch.tensor(1.0)))
+        guard.check(1, 0, 0.01, judge=False)
+        assert guard.stopping
+        with pytest.raises(SystemExit) as stopped:
+            guard.stop(1, 1, folder.path)
+        assert stopped.value.code == 128 + 15
+    finally:
+        guard.release()
+
+
 @pytest.mark.parametrize("log_every", [1, 50])
 def test_the_guard_judges_a_smoothed_loss_at_any_log_interval(tmp_path, log_every):
     """Synthetic runs (CPU tensors), judged every step or every 50: a healthy loss falling from
