@@ -103,7 +103,7 @@ add("--grad-accum", type=at_least(int, 1), default=1,
 add("--clip", type=at_least(float, 0), default=2.0,
     help="gradient-norm clipping, 0 = off")
 add("--spike", type=at_least(float, 0), default=10.0, help="stop a diverging "
-    "run at its last good state (docs/robustness.md); 0 = off")
+    "run, its last good checkpoint kept (docs/robustness.md); 0 = off")
 add("--seed", type=at_least(int, 0), default=0,
     help="seed for init, data order, masks and dropout")
 add("--out-dir", default=None, metavar="DIR",

@@ -3,9 +3,9 @@ in one line and ranges as types), files written safely (atomic replacement, chec
 checksum verified when read, an OS error as one line naming the file, a lock that keeps a second
 process out), the device (--device, bf16 autocast, torch.compile, TF32, deterministic kernels,
 peak memory), the stop signals (exit at once, or finish the step and save it), the training
-loop's guard (a NaN/inf or a diverging run stopped at its last good state), progress (a tqdm bar
-in a terminal, a line every QUIET_SECONDS without one; durations in words; heartbeats) and the
-run folder:
+loop's guard (a NaN/inf or a diverging run stopped, its last good checkpoint kept), progress (a
+tqdm bar in a terminal, a line every QUIET_SECONDS without one; durations in words; heartbeats)
+and the run folder:
 
     runs/NAME/  args.json config.json data.json  the settings, the model, the corpus' meta.json
                 log.jsonl    every logged figure, one JSON record a line
@@ -466,8 +466,8 @@ def judged(trace: list[float], spike: float, norm_ref: float | None = None) -> t
 class SafetyNet:
     """The loop's guard, asked at its sync points only (nothing of it runs inside a step): the
     loop appends each step's (loss, gradient norm), left on the device, to `recent`, and `check`
-    reads them. `save` writes ckpt.pt unless the run is suspect, so the last checkpoint is the
-    last good state, which every message that stops the run names (`last_saved`). `stopping`: a
+    reads them. `save` writes ckpt.pt unless the run is suspect (or it must be written), so the
+    last checkpoint is the last good one, which a message that stops the run names. `stopping`: a
     stop signal arrived (under DDP any process's, agreed at a sync point: all stop at one step)."""
 
     def __init__(self, folder, device, ddp: bool, spike: float, last_saved: int | None):
