@@ -790,7 +790,7 @@ def main(argv=None):
         is_log = step % args.log_every == 0 or step == phase.end or is_save  # saves are checked
         is_eval = step % args.eval_every == 0 or step == phase.end
         if is_log or is_eval or step in word_saves:  # the only places the loop waits for the device
-            guard.check(step, phase.start, args.lr, judge=is_log)  # a NaN, a divergence: stop
+            guard.check(step, phase.start)  # a NaN stops; the queued step is timed as a step
         if is_log:  # means over the steps since the last log line, across all processes
             names = list(sums)
             means = torch.stack([sums[k] for k in names]) / since_log
@@ -802,6 +802,7 @@ def main(argv=None):
                       "tok_per_s": since_log * run.global_batch * args.seq_len / seconds,
                       "peak_mem_gb": peak_memory_gb(device)}
             folder.log(record)
+            guard.judge(step, args.lr)  # a diverging run stops here, its last line logged
             run.say(log_line(record, stats, args.max_steps, progress.eta(step)))
             if said := progress.starved(record["tok_per_s"], folder.path):  # on a CPU only
                 run.say(said)

@@ -465,10 +465,11 @@ def judged(trace: list[float], spike: float, norm_ref: float | None = None) -> t
 
 class SafetyNet:
     """The loop's guard, asked at its sync points only (nothing of it runs inside a step): the
-    loop appends each step's (loss, gradient norm), left on the device, to `recent`, and `check`
-    reads them. `save` writes ckpt.pt unless the run is suspect (or it must be written), so the
-    last checkpoint is the last good one, which a message that stops the run names. `stopping`: a
-    stop signal arrived (under DDP any process's, agreed at a sync point: all stop at one step)."""
+    loop appends each step's (loss, gradient norm), left on the device, to `recent`; `check`
+    reads them at every sync point, `judge` weighs them at a log step. `save` writes ckpt.pt
+    unless the run is suspect (or it must be written), so the last checkpoint is the last good
+    one, which a message that stops the run names. `stopping`: a stop signal arrived (under DDP
+    any process's, agreed at a sync point: all stop at one step)."""
 
     def __init__(self, folder, device, ddp: bool, spike: float, last_saved: int | None):
         self.folder, self.device, self.ddp, self.spike = folder, device, ddp, spike
@@ -485,11 +486,9 @@ class SafetyNet:
         finishing_the_step(signum, frame, self.got)
         self.stopping = self.stopping or not self.ddp
 
-    def check(self, step: int, start: int, lr: float, judge: bool) -> None:
-        """At a sync point of the phase begun at `start`: stop the run if a step since the last
-        went NaN/inf (on any process); at a log step (`judge`) stop a diverging one (judged:
-        suspect, and still so WINDOW // 2 steps later). Under DDP the processes agree on a stop
-        signal and judge the mean of their sums."""
+    def check(self, step: int, start: int) -> None:
+        """At a sync point of the phase begun at `start`: fold in the steps since the last; stop
+        on a NaN/inf (any process's; under DDP a stop signal is agreed in the same all-reduce)."""
         if start != self.start:  # each phase is judged on its own: smoothing and best afresh
             self.start, self.trace, self.best = start, torch.zeros(8, dtype=torch.double), math.inf
             self.steps, self.suspect_since, self.norm_ref = 0, None, None
@@ -507,10 +506,13 @@ class SafetyNet:
             raise SystemExit(f"error: the loss or gradient became NaN/inf at step {nonfinite}; "
                              f"stopped, {self.last_good()} with a lower --lr or --clip: python "
                              f"train.py --out-dir {self.folder.path} --resume --lr LOWER")
-        if not judge or self.steps < WINDOW:  # (the averages fill over the window first)
+
+    def judge(self, step: int, lr: float) -> None:
+        """At a log step, after check: stop a diverging run (suspect, still so WINDOW // 2 on)."""
+        if self.steps < WINDOW:  # the averages fill over the window first
             return
         trace = [*self.trace.tolist(), self.best]
-        if self.ddp:
+        if self.ddp:  # the processes judge the mean of their sums
             trace = torch.tensor(trace, dtype=torch.float64, device=self.device)
             dist.all_reduce(trace)
             trace = (trace / dist.get_world_size()).tolist()
@@ -545,13 +547,13 @@ class SafetyNet:
                 self.best = min(self.best, float(self.trace[7] / self.trace[6]))
         return None if finite.all() else int((~finite).nonzero()[0])
 
-    def last_good(self) -> str:
-        """Where the last good checkpoint is and how --resume goes on, in words."""
-        if self.last_saved is None:  # resumed_args begins such a run again
-            return ("no checkpoint had been saved yet. Begin it again (with no checkpoint, "
-                    "--resume starts from step 0)")
+    def last_good(self, go_on: str = "Go on from there", again: str = "Begin it again (with no "
+                  "checkpoint, --resume starts from step 0)") -> str:
+        """Where the last good checkpoint is; how --resume goes on (`go_on`) or begins again."""
+        if self.last_saved is None:
+            return f"no checkpoint had been saved yet. {again}"
         return (f"the last good checkpoint (step {self.last_saved}) is kept at "
-                f"{self.folder.path / 'ckpt.pt'}. Go on from there")
+                f"{self.folder.path / 'ckpt.pt'}. {go_on}")
 
     def save(self, state: dict, step: int, must: bool) -> None:
         """The checkpoint `state` of `step` as ckpt.pt (by the master process), unless the run is
@@ -566,9 +568,7 @@ class SafetyNet:
         if self.ddp:
             dist.barrier()  # the others wait for rank 0's save: torchrun ends them all next
         if rank == 0:
-            where = (f"the last good checkpoint (step {self.last_saved}) is kept at "
-                     f"{self.folder.path / 'ckpt.pt'}. Continue" if self.last_saved is not None
-                     else "no checkpoint had been saved yet. Begin it again")
+            where = self.last_good("Continue", "Begin it again")
             print(f"{name}: stopped after step {step}; {where} with: python train.py "
                   f"--out-dir {out_dir} --resume", file=sys.stderr)
         raise SystemExit(128 + self.got["signal"])  # the shell's code for a signalled process

@@ -365,7 +365,8 @@ def judged_at(records, log_every: int, folder) -> None:
         for r in records:
             guard.recent.append((torch.tensor(r["loss"]), torch.tensor(r["grad_norm"])))
             if r["step"] % log_every == 0 or r is records[-1]:
-                guard.check(r["step"], 0, r["lr"], judge=True)
+                guard.check(r["step"], 0)
+                guard.judge(r["step"], r["lr"])
     finally:
         guard.release()
 

@@ -635,7 +635,8 @@ def feed(guard, losses, norms, log_every):
         guard.recent.append((torch.tensor(loss), torch.tensor(norm)))
         if step % log_every == 0:
             try:
-                guard.check(step, 0, 0.01, judge=True)
+                guard.check(step, 0)
+                guard.judge(step, 0.01)
             except SystemExit:
                 return step
             if step % 100 == 0:
@@ -655,7 +656,7 @@ def test_under_ddp_a_signal_to_one_process_stops_every_process(tmp_path, monkeyp
     guard = plumbing.SafetyNet(folder, torch.device("cpu"), True, 10.0, None)
     try:
         guard.recent.append((torch.tensor(5.0), torch.tensor(1.0)))
-        guard.check(1, 0, 0.01, judge=False)
+        guard.check(1, 0)
         assert guard.stopping
         with pytest.raises(SystemExit) as stopped:
             guard.stop(1, 1, folder.path)
